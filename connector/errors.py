@@ -1,0 +1,37 @@
+"""The typed errors every module raises: one hierarchy, rooted at ConnectorError.
+
+Messages say what was wrong, the value seen, and what to do about it. A request-level error
+fails that one request; the engine keeps serving.
+"""
+
+
+class ConnectorError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class InvalidTransferParams(ConnectorError, ValueError):
+    """A request's kv_transfer_params are malformed; the message names the bad key."""
+
+
+class InvalidNotification(ConnectorError, ValueError):
+    """A NIXL notification's bytes are not a well-formed free notification."""
+
+
+class UnsupportedConfiguration(ConnectorError):
+    """A configuration (ours, the engine's, or a pairing of two engines) we cannot serve."""
+
+
+class TransferPlanError(ConnectorError):
+    """Block ids, token counts or layouts that cannot be turned into a correct transfer plan."""
+
+
+class HandshakeError(ConnectorError):
+    """The side-channel handshake with a remote engine failed (timeout, garbage, mismatch)."""
+
+
+class TransferFailed(ConnectorError):
+    """A NIXL transfer or notification failed (peer gone, bad descriptor, backend error)."""
+
+
+class ProtocolError(ConnectorError, ValueError):
+    """Bytes on the side channel that do not decode to a message we understand."""

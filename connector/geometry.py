@@ -1,0 +1,180 @@
+"""Derive one TP rank's byte geometry (RankLayout) from the model-wide KVCacheSpec."""
+
+from __future__ import annotations
+
+from connector.errors import UnsupportedConfiguration
+from connector.layout import (
+    GroupGeometry,
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+    PlaneGeometry,
+    RankLayout,
+)
+
+
+def heads_per_rank(model_heads: int, tp_size: int) -> int:
+    """Heads one rank holds: an even shard, or one replicated head when TP exceeds the heads."""
+    if model_heads % tp_size == 0:
+        return model_heads // tp_size
+    if tp_size % model_heads == 0:
+        return 1
+    raise UnsupportedConfiguration(
+        f"{model_heads} KV heads cannot be split over tensor-parallel size {tp_size}: "
+        "one must divide the other; choose a TP size that divides the head count or a multiple of it"
+    )
+
+
+def _layer_heads(layer: LayerSpec, kind: GroupKind, tp_size: int) -> tuple[int, bool]:
+    if kind is GroupKind.MLA:
+        return layer.num_kv_heads, True
+    return heads_per_rank(layer.num_kv_heads, tp_size), False
+
+
+def _validate_group(group: GroupSpec, index: int) -> None:
+    if group.block_size <= 0 or group.kernel_block_size <= 0 or group.num_blocks <= 0:
+        raise UnsupportedConfiguration(
+            f"cache group {index}: block_size={group.block_size}, "
+            f"kernel_block_size={group.kernel_block_size} and num_blocks={group.num_blocks} "
+            "must all be positive"
+        )
+    if group.block_size % group.kernel_block_size != 0:
+        raise UnsupportedConfiguration(
+            f"cache group {index}: kernel block size {group.kernel_block_size} does not divide "
+            f"the logical block size {group.block_size}; use a block size that is a multiple "
+            f"of {group.kernel_block_size}"
+        )
+    if group.kind is GroupKind.SSM and group.kernel_block_size != group.block_size:
+        raise UnsupportedConfiguration(
+            f"cache group {index} holds SSM state, which is never split into kernel blocks: "
+            f"kernel_block_size ({group.kernel_block_size}) must equal block_size ({group.block_size})"
+        )
+    if group.kind is GroupKind.SLIDING_WINDOW and (group.window is None or group.window <= 0):
+        raise UnsupportedConfiguration(
+            f"cache group {index} is sliding-window but its window is {group.window!r}; "
+            "give the window size in tokens"
+        )
+
+
+def _plane_bytes_per_kernel_block(group: GroupSpec, layer: LayerSpec, tp_size: int) -> int:
+    num_heads, _ = _layer_heads(layer, group.kind, tp_size)
+    slots = 1 if group.kind is GroupKind.SSM else group.kernel_block_size
+    return slots * num_heads * layer.head_dim * layer.dtype_bytes
+
+
+def _strides(
+    group: GroupSpec, num_heads: int, head_bytes: int, memory_layout: MemoryLayout
+) -> tuple[int, int]:
+    """(token_stride_bytes, head_stride_bytes) inside one kernel block of one plane."""
+    if group.kind is GroupKind.SSM:
+        return 0, head_bytes
+    if memory_layout is MemoryLayout.HND:
+        return head_bytes, group.kernel_block_size * head_bytes
+    return num_heads * head_bytes, head_bytes
+
+
+def _per_layer_group(
+    group: GroupSpec, tp_size: int, memory_layout: MemoryLayout, first_region: int
+) -> tuple[list[PlaneGeometry], list[int]]:
+    """One region per layer, shaped (planes, kernel blocks, ...)."""
+    planes: list[PlaneGeometry] = []
+    regions: list[int] = []
+    num_kernel_blocks = group.num_blocks * group.ratio
+    for layer_index, layer in enumerate(group.layers):
+        num_heads, replicated = _layer_heads(layer, group.kind, tp_size)
+        head_bytes = layer.head_dim * layer.dtype_bytes
+        block_bytes = _plane_bytes_per_kernel_block(group, layer, tp_size)
+        token_stride, head_stride = _strides(group, num_heads, head_bytes, memory_layout)
+        region = first_region + len(regions)
+        for plane in range(layer.num_planes):
+            planes.append(
+                PlaneGeometry(
+                    layer=layer_index,
+                    plane=plane,
+                    region=region,
+                    offset_bytes=plane * num_kernel_blocks * block_bytes,
+                    kernel_block_stride_bytes=block_bytes,
+                    token_stride_bytes=token_stride,
+                    head_stride_bytes=head_stride,
+                    head_bytes=head_bytes,
+                    num_heads=num_heads,
+                    model_heads=layer.num_kv_heads,
+                    replicated=replicated,
+                )
+            )
+        regions.append(layer.num_planes * num_kernel_blocks * block_bytes)
+    return planes, regions
+
+
+def _block_outermost_group(
+    group: GroupSpec, tp_size: int, first_region: int
+) -> tuple[list[PlaneGeometry], list[int]]:
+    """One region per group, shaped (kernel blocks, layers, planes, tokens, heads, head_dim)."""
+    sizes = [
+        (layer, _plane_bytes_per_kernel_block(group, layer, tp_size)) for layer in group.layers
+    ]
+    stride = sum(layer.num_planes * block_bytes for layer, block_bytes in sizes)
+    planes: list[PlaneGeometry] = []
+    offset = 0
+    for layer_index, (layer, block_bytes) in enumerate(sizes):
+        num_heads, replicated = _layer_heads(layer, group.kind, tp_size)
+        head_bytes = layer.head_dim * layer.dtype_bytes
+        token_stride, head_stride = _strides(group, num_heads, head_bytes, MemoryLayout.NHD)
+        for plane in range(layer.num_planes):
+            planes.append(
+                PlaneGeometry(
+                    layer=layer_index,
+                    plane=plane,
+                    region=first_region,
+                    offset_bytes=offset,
+                    kernel_block_stride_bytes=stride,
+                    token_stride_bytes=token_stride,
+                    head_stride_bytes=head_stride,
+                    head_bytes=head_bytes,
+                    num_heads=num_heads,
+                    model_heads=layer.num_kv_heads,
+                    replicated=replicated,
+                )
+            )
+            offset += block_bytes
+    return planes, [stride * group.num_blocks * group.ratio]
+
+
+def build_rank_layout(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> RankLayout:
+    """The geometry of rank ``tp_rank`` of ``tp_size``; raises UnsupportedConfiguration."""
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise UnsupportedConfiguration(
+            f"tp_rank={tp_rank} is not a rank of tp_size={tp_size}; ranks are 0..tp_size-1"
+        )
+    if not spec.groups:
+        raise UnsupportedConfiguration("the KV cache spec has no cache groups; describe at least one")
+    groups: list[GroupGeometry] = []
+    region_bytes: list[int] = []
+    for index, group in enumerate(spec.groups):
+        _validate_group(group, index)
+        if spec.memory_layout is MemoryLayout.BLOCK_OUTERMOST:
+            planes, regions = _block_outermost_group(group, tp_size, len(region_bytes))
+        else:
+            planes, regions = _per_layer_group(
+                group, tp_size, spec.memory_layout, len(region_bytes)
+            )
+        region_bytes.extend(regions)
+        groups.append(
+            GroupGeometry(
+                kind=group.kind,
+                block_size=group.block_size,
+                kernel_block_size=group.kernel_block_size,
+                num_blocks=group.num_blocks,
+                window=group.window,
+                planes=tuple(planes),
+            )
+        )
+    return RankLayout(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        memory_layout=spec.memory_layout,
+        groups=tuple(groups),
+        region_bytes=tuple(region_bytes),
+    )

@@ -1,0 +1,125 @@
+"""The KV cache layout description: cache groups, their layers, and each rank's byte geometry.
+
+Two levels:
+- ``KVCacheSpec`` is model-wide and says what is cached: groups (full attention, sliding
+  window, MLA, SSM state), their logical and kernel block sizes, pool size and member layers.
+- ``RankLayout`` is one TP rank's geometry and says where every byte lives: for each layer's
+  plane (K, V, MLA latent or SSM state) its region, offset and strides per kernel block. It is
+  what a rank sends its peers in the handshake, and all the planner needs to address memory.
+
+Byte address of (kernel block k, token slot t, head h) in a plane:
+
+    region base + offset_bytes + k * kernel_block_stride_bytes
+                + t * token_stride_bytes + h * head_stride_bytes
+
+followed by ``head_bytes`` contiguous bytes. NHD (token-major) has token_stride_bytes ==
+num_heads * head_bytes; HND (head-major) has head_stride_bytes == kernel_block_size * head_bytes.
+A block-outermost region puts all layers of one kernel block together, so
+kernel_block_stride_bytes spans every layer.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class GroupKind(enum.Enum):
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+    MLA = "mla"
+    SSM = "ssm"
+
+
+class MemoryLayout(enum.Enum):
+    NHD = "nhd"  # per layer: (planes, kernel blocks, tokens, heads, head_dim)
+    HND = "hnd"  # per layer: (planes, kernel blocks, heads, tokens, head_dim)
+    BLOCK_OUTERMOST = "block_outermost"  # per group: (kernel blocks, layers, planes, tokens, heads, head_dim)
+
+
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One layer's cache shape, model-wide (before TP sharding).
+
+    Attention: two planes (K, V), ``num_kv_heads`` heads of ``head_dim`` elements per token.
+    MLA: one plane, one replicated "head" holding the latent of ``head_dim`` elements.
+    SSM: one plane holding a request's recurrent state: ``num_kv_heads`` state heads of
+    ``head_dim`` elements, one state per block (there is no token axis).
+    """
+
+    name: str
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    num_planes: int = 2
+
+
+class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One KV cache group: layers that share block ids and a block size."""
+
+    kind: GroupKind
+    block_size: int  # logical block: tokens per engine allocation unit
+    kernel_block_size: int  # tokens per attention-kernel block; divides block_size
+    num_blocks: int  # logical blocks in the pool, from the engine's configuration
+    layers: tuple[LayerSpec, ...]
+    window: int | None = None  # SLIDING_WINDOW only: a position attends to the last `window` tokens
+
+    @property
+    def ratio(self) -> int:
+        """Kernel blocks per logical block."""
+        return self.block_size // self.kernel_block_size
+
+
+class KVCacheSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What an engine caches, model-wide. Both sides of a transfer must agree on the model part."""
+
+    model: str
+    dtype: str  # the model's dtype name, e.g. "bfloat16"
+    cache_dtype: str  # the KV cache's dtype name
+    groups: tuple[GroupSpec, ...]
+    memory_layout: MemoryLayout = MemoryLayout.NHD
+
+
+class PlaneGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one plane (K, V, latent or state) of one layer lives in one rank's memory."""
+
+    layer: int  # index of the layer within its group
+    plane: int  # 0 = K (or latent, or state), 1 = V
+    region: int  # index into RankLayout.region_bytes
+    offset_bytes: int  # start of kernel block 0 within the region
+    kernel_block_stride_bytes: int
+    token_stride_bytes: int
+    head_stride_bytes: int
+    head_bytes: int  # contiguous bytes of one head of one token
+    num_heads: int  # heads this rank holds
+    model_heads: int  # heads of this layer across all ranks (before sharding)
+    replicated: bool  # every rank holds the whole plane (MLA latent)
+
+
+class GroupGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One cache group as laid out on one rank."""
+
+    kind: GroupKind
+    block_size: int
+    kernel_block_size: int
+    num_blocks: int
+    window: int | None
+    planes: tuple[PlaneGeometry, ...]  # layer-major: (layer 0, K), (layer 0, V), (layer 1, K), ...
+
+    @property
+    def ratio(self) -> int:
+        return self.block_size // self.kernel_block_size
+
+    @property
+    def num_kernel_blocks(self) -> int:
+        return self.num_blocks * self.ratio
+
+
+class RankLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One TP rank's KV cache geometry: everything a peer needs to address its bytes."""
+
+    tp_rank: int
+    tp_size: int
+    memory_layout: MemoryLayout
+    groups: tuple[GroupGeometry, ...]
+    region_bytes: tuple[int, ...]  # size of each registered region, in bytes

@@ -1,0 +1,70 @@
+"""What the scheduler side tells the worker ranks each step, and what the ranks report back.
+
+The scheduler builds one ConnectorMetadata per engine step and hands the same value to every
+worker rank; each rank returns a WorkerReport from get_finished(). Both are plain msgspec
+Structs so an engine may ship them between processes as bytes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
+
+
+class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a request's prompt KV lives: the prefill engine and its blocks."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    request_id: str  # the prefill side's request id: free notifications are keyed by it
+    block_ids: BlockIds  # prefill's logical blocks covering tokens [0, num_tokens), per group
+
+
+class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode: read tokens [num_cached_tokens, num_tokens) of a request from its prefill engine.
+
+    ``local_block_ids`` are decode's logical blocks for the uncached suffix, per group: the
+    blocks covering tokens [num_cached_tokens, num_tokens) (an SSM group: its one state block,
+    or none on a full hit). ``num_cached_tokens`` is decode's local prefix-cache hit.
+    """
+
+    request_id: str
+    local_block_ids: BlockIds
+    num_tokens: int
+    num_cached_tokens: int
+    remote: RemoteSource
+
+
+class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode: the request will not read (aborted); tell its prefill engine to free the blocks."""
+
+    request_id: str
+    remote: RemoteSource
+
+
+class ConnectorMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine step's instructions for every worker rank."""
+
+    loads: tuple[LoadSpec, ...] = ()
+    releases: tuple[ReleaseSpec, ...] = ()
+    # Prefill: request ids whose blocks are now held under a lease; ranks expect free
+    # notifications for them.
+    sends: tuple[str, ...] = ()
+    # Prefill: request ids the scheduler has stopped waiting for (lease expired, released over
+    # the side channel); ranks drop their notification counts for them.
+    forgotten: tuple[str, ...] = ()
+
+
+class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one worker rank finished since its last report."""
+
+    tp_rank: int
+    # Prefill: every expected free notification for these request ids reached this rank.
+    finished_sending: tuple[str, ...] = ()
+    # Decode: this rank holds the request's KV.
+    finished_recving: tuple[str, ...] = ()
+    # Decode: this rank could not load the request; request id -> reason.
+    failed_recving: dict[str, str] = msgspec.field(default_factory=dict)

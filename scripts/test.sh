@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: set up .venv, lint, type-check, run every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export UCX_NET_DEVICES=lo
+.venv/bin/ruff check connector worker scheduler examples benchmarks tests
+.venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
+.venv/bin/mypy connector worker scheduler
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,71 @@
+"""The narrow NIXL interface the worker uses; real NIXL and FakeNixl both implement it.
+
+Descriptors are numpy int64 arrays of shape (N, 3): (address, length_bytes, device_id). On
+DRAM the device id is 0. Addresses are absolute (region base + offset).
+
+Threading: an agent is not thread-safe. Exactly one thread (the worker's transfer thread)
+calls its methods after construction.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Descriptors = npt.NDArray[np.int64]  # shape (N, 3): address, length_bytes, device_id
+
+
+class TransferState(enum.Enum):
+    IN_PROGRESS = "PROC"
+    DONE = "DONE"
+
+
+class NixlAgent(Protocol):
+    """One NIXL agent: registered memory, known remote agents, transfers and notifications.
+
+    Every method raises connector.errors.TransferFailed (or HandshakeError for metadata)
+    instead of the library's own exceptions.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def register_regions(self, regions: Sequence[tuple[int, int]]) -> Any:
+        """Register (address, length_bytes) DRAM ranges; returns a handle for deregister."""
+        ...
+
+    def deregister(self, registration: Any) -> None: ...
+
+    def get_agent_metadata(self) -> bytes: ...
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer's agent name. Raises HandshakeError."""
+        ...
+
+    def remove_remote_agent(self, agent_name: str) -> None: ...
+
+    def make_read(
+        self, remote_agent: str, local: Descriptors, remote: Descriptors, notif: bytes = b""
+    ) -> Any:
+        """Prepare a READ of remote[i] into local[i] for every i (lengths must match)."""
+        ...
+
+    def post(self, transfer: Any) -> TransferState: ...
+
+    def check(self, transfer: Any) -> TransferState:
+        """Poll a posted transfer; raises TransferFailed if it failed."""
+        ...
+
+    def release(self, transfer: Any) -> None: ...
+
+    def send_notif(self, remote_agent: str, message: bytes) -> None: ...
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sending agent name."""
+        ...
+
+    def close(self) -> None: ...
