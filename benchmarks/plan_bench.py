@@ -1,0 +1,112 @@
+"""Transfer planning cost: microseconds and descriptors per request, against one per (layer, block).
+
+Model: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks (K and V planes per layer).
+Run: ``.venv/bin/python -m benchmarks.plan_bench`` or ``python benchmarks/plan_bench.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from connector.geometry import build_rank_layout
+from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
+from worker.planner import TransferPlanner
+
+NUM_LAYERS = 32
+NUM_KV_HEADS = 8
+HEAD_DIM = 128
+DTYPE_BYTES = 2
+BLOCK_SIZE = 16
+POOL_BLOCKS = 8192
+REPEATS = 30
+
+
+def _spec(memory_layout: MemoryLayout, block_size: int = BLOCK_SIZE) -> KVCacheSpec:
+    layers = tuple(
+        LayerSpec(
+            name=f"layer{i}", num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=DTYPE_BYTES
+        )
+        for i in range(NUM_LAYERS)
+    )
+    group = GroupSpec(
+        kind=GroupKind.FULL,
+        block_size=block_size,
+        kernel_block_size=block_size,
+        num_blocks=POOL_BLOCKS * BLOCK_SIZE // block_size,
+        layers=layers,
+    )
+    return KVCacheSpec(
+        model="bench",
+        dtype="bfloat16",
+        cache_dtype="bfloat16",
+        groups=(group,),
+        memory_layout=memory_layout,
+    )
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    num_tokens: int
+    fragmented: bool
+    memory_layout: MemoryLayout = MemoryLayout.NHD
+    decode_tp: int = 1  # decode TP 2 from prefill TP 1 reads a head slice
+
+
+def _block_ids(num_blocks: int, fragmented: bool, seed: int) -> tuple[int, ...]:
+    if not fragmented:
+        return tuple(range(100, 100 + num_blocks))
+    return tuple(random.Random(seed).sample(range(POOL_BLOCKS), num_blocks))
+
+
+def _median_us(
+    planner: TransferPlanner, local: Sequence[int], remote: Sequence[int], num_tokens: int
+) -> float:
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        planner.plan((local,), (remote,), num_tokens=num_tokens, num_cached_tokens=0)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def run(case: Case) -> tuple[float, int, int]:
+    """(median plan time in µs, descriptors, descriptors of one per (layer plane, block))."""
+    spec = _spec(case.memory_layout)
+    planner = TransferPlanner(
+        build_rank_layout(spec, 0, case.decode_tp), build_rank_layout(spec, 0, 1)
+    )
+    num_blocks = -(-case.num_tokens // BLOCK_SIZE)
+    local = _block_ids(num_blocks, case.fragmented, seed=1)
+    remote = _block_ids(num_blocks, case.fragmented, seed=2)
+    plan = planner.plan((local,), (remote,), num_tokens=case.num_tokens, num_cached_tokens=0)
+    descriptors = sum(len(r.lengths) for r in plan.reads)
+    per_block = NUM_LAYERS * 2 * num_blocks
+    return _median_us(planner, local, remote, case.num_tokens), descriptors, per_block
+
+
+CASES = [
+    Case("2k contiguous", 2048, False),
+    Case("2k fragmented", 2048, True),
+    Case("32k contiguous", 32768, False),
+    Case("32k fragmented", 32768, True),
+    Case("32k contiguous, block-outermost", 32768, False, MemoryLayout.BLOCK_OUTERMOST),
+    Case("32k contiguous, HND decode TP2<-TP1", 32768, False, MemoryLayout.HND, decode_tp=2),
+]
+
+
+def main() -> None:
+    header = f"{'case':<38} {'plan µs':>9} {'descriptors':>12} {'per (layer,block)':>18}"
+    print(header)
+    print("-" * len(header))
+    for case in CASES:
+        micros, descriptors, per_block = run(case)
+        print(f"{case.name:<38} {micros:>9.0f} {descriptors:>12} {per_block:>18}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The connector's configuration: one frozen Struct, built from kv_connector_extra_config + env.
+
+Every key is type-checked when the engine starts; a bad key or value raises
+UnsupportedConfiguration with one line naming the key, the value seen and what is accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+from connector.errors import UnsupportedConfiguration
+
+ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+# The secret may come from the environment so it stays out of command lines and logged configs.
+ENV_SIDE_CHANNEL_SECRET = "NIXL_PD_SIDE_CHANNEL_SECRET"
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Connector settings. Build it with ``from_sources``; the constructor does not validate.
+
+    ``side_channel_port`` 0 asks the side channel for a free ephemeral port (tests, examples);
+    ``from_sources`` only accepts 1..65535 from the environment.
+    """
+
+    backends: tuple[str, ...] = ("UCX",)  # extra_config key "backends"
+    num_threads: int = 1  # "num_threads" (NIXL backend threads)
+    kv_lease_duration_s: float = 30.0  # "kv_lease_duration" (seconds)
+    enforce_handshake_compat: bool = True  # "enforce_handshake_compat"
+    side_channel_host: str = "127.0.0.1"  # env VLLM_NIXL_SIDE_CHANNEL_HOST
+    side_channel_port: int = 5600  # env VLLM_NIXL_SIDE_CHANNEL_PORT
+    handshake_timeout_s: float = 10.0  # "handshake_timeout"
+    handshake_retries: int = 3  # "handshake_retries"
+    heartbeat_interval_s: float = 5.0  # "heartbeat_interval"
+    side_channel_secret: str | None = None  # "side_channel_secret"
+    max_message_bytes: int = 16 * 2**20  # "max_message_bytes"
+
+    def __repr__(self) -> str:
+        """Every field, with the secret masked: configs get logged."""
+        shown = {
+            field: "<hidden>" if field == "side_channel_secret" and value is not None else value
+            for field, value in zip(
+                self.__struct_fields__, msgspec.structs.astuple(self), strict=True
+            )
+        }
+        return f"ConnectorConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+    @classmethod
+    def from_sources(
+        cls,
+        extra_config: Mapping[str, object] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ConnectorConfig:
+        """Validate ``extra_config`` (kv_connector_extra_config) and ``env`` (default os.environ).
+
+        Raises UnsupportedConfiguration naming the key, the value seen and the accepted values.
+        """
+        fields: dict[str, Any] = {}
+        for key, value in (extra_config or {}).items():
+            field_name, value_type, accepted = _extra_key_rule(key)
+            where = f"kv_connector_extra_config[{key!r}]"
+            shown = "<hidden>" if key == "side_channel_secret" and value is not None else None
+            fields[field_name] = _convert(where, value, value_type, accepted, shown=shown)
+        env_fields = _env_fields(os.environ if env is None else env)
+        if "side_channel_secret" in env_fields and "side_channel_secret" in fields:
+            raise UnsupportedConfiguration(
+                f"side_channel_secret is set both in kv_connector_extra_config and in env "
+                f"{ENV_SIDE_CHANNEL_SECRET}; set it in one place"
+            )
+        fields.update(env_fields)
+        config = cls(**fields)
+        _check_cross_field(config)
+        return config
+
+
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0)]
+
+# extra_config key -> (ConnectorConfig field, msgspec type, accepted values for the error message)
+_EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
+    "backends": (
+        "backends",
+        Annotated[
+            tuple[Annotated[str, msgspec.Meta(min_length=1)], ...], msgspec.Meta(min_length=1)
+        ],
+        'a non-empty list of NIXL backend names, e.g. ["UCX"]',
+    ),
+    "num_threads": (
+        "num_threads",
+        Annotated[int, msgspec.Meta(ge=1, le=1024)],
+        "an integer in 1..1024",
+    ),
+    "kv_lease_duration": ("kv_lease_duration_s", PositiveSeconds, "a number of seconds > 0"),
+    "enforce_handshake_compat": ("enforce_handshake_compat", bool, "true or false"),
+    "handshake_timeout": ("handshake_timeout_s", PositiveSeconds, "a number of seconds > 0"),
+    "handshake_retries": (
+        "handshake_retries",
+        Annotated[int, msgspec.Meta(ge=0, le=100)],
+        "an integer in 0..100",
+    ),
+    "heartbeat_interval": ("heartbeat_interval_s", PositiveSeconds, "a number of seconds > 0"),
+    "side_channel_secret": (
+        "side_channel_secret",
+        Annotated[str, msgspec.Meta(min_length=16)] | None,
+        "null or a string of at least 16 characters",
+    ),
+    "max_message_bytes": (
+        "max_message_bytes",
+        Annotated[int, msgspec.Meta(ge=2**16, le=2**31 - 1)],
+        f"an integer number of bytes in {2**16}..{2**31 - 1}",
+    ),
+}
+
+
+def _extra_key_rule(key: object) -> tuple[str, Any, str]:
+    rule = _EXTRA_KEYS.get(key) if isinstance(key, str) else None
+    if rule is not None:
+        return rule
+    close = difflib.get_close_matches(str(key), list(_EXTRA_KEYS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise UnsupportedConfiguration(
+        f"kv_connector_extra_config: unknown key {key!r}{hint}; "
+        f"accepted keys: {', '.join(sorted(_EXTRA_KEYS))}"
+    )
+
+
+def _convert(
+    where: str, value: object, value_type: Any, accepted: str, *, shown: str | None = None
+) -> Any:
+    seen = shown if shown is not None else _show(value)
+    try:
+        converted = msgspec.convert(value, value_type)
+    except msgspec.ValidationError as exc:
+        raise UnsupportedConfiguration(
+            f"{where}: value {seen} is not accepted ({exc}); expected {accepted}"
+        ) from None
+    if isinstance(converted, float) and not math.isfinite(converted):
+        raise UnsupportedConfiguration(f"{where}: value {seen} is not finite; expected {accepted}")
+    return converted
+
+
+def _env_fields(env: Mapping[str, str]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    host = env.get(ENV_SIDE_CHANNEL_HOST)
+    if host is not None:
+        if not host.strip() or host != host.strip():
+            raise UnsupportedConfiguration(
+                f"env {ENV_SIDE_CHANNEL_HOST}: value {host!r} is not accepted; "
+                "expected a host name or IP address without spaces, e.g. 127.0.0.1"
+            )
+        fields["side_channel_host"] = host
+    port = env.get(ENV_SIDE_CHANNEL_PORT)
+    if port is not None:
+        if not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+            raise UnsupportedConfiguration(
+                f"env {ENV_SIDE_CHANNEL_PORT}: value {port!r} is not accepted; "
+                "expected an integer TCP port in 1..65535"
+            )
+        fields["side_channel_port"] = int(port)
+    secret = env.get(ENV_SIDE_CHANNEL_SECRET)
+    if secret is not None:
+        where = f"env {ENV_SIDE_CHANNEL_SECRET}"
+        accepted = "a string of at least 16 characters"
+        fields["side_channel_secret"] = _convert(
+            where, secret, _EXTRA_KEYS["side_channel_secret"][1], accepted, shown="<hidden>"
+        )
+    return fields
+
+
+def _check_cross_field(config: ConnectorConfig) -> None:
+    if config.heartbeat_interval_s >= config.kv_lease_duration_s:
+        raise UnsupportedConfiguration(
+            f"kv_connector_extra_config['heartbeat_interval']: value {config.heartbeat_interval_s} "
+            f"is not shorter than kv_lease_duration ({config.kv_lease_duration_s}); leases would "
+            "expire between heartbeats: choose a heartbeat interval below the lease duration"
+        )
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,154 @@
+"""Blocking side-channel client calls: fetch a rank's handshake, send heartbeats and releases.
+
+Each call opens a fresh ZMQ REQ socket (linger 0, receive timeout, bounded reply size), sends
+one request and waits for one reply, then closes the socket. Every failure (timeout, refused
+authentication, error reply, garbage, zmq error) raises HandshakeError with the reason. Calls
+are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from connector.errors import HandshakeError, ProtocolError
+from connector.protocol import (
+    NONCE_BYTES,
+    Ack,
+    ErrorReply,
+    HandshakeReply,
+    HandshakeRequest,
+    Heartbeat,
+    Release,
+    Reply,
+    Request,
+    WorkerHandshake,
+    decode_reply,
+    encode_request,
+)
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
+
+
+def zmq_endpoint(host: str, port: int | str) -> str:
+    """``tcp://host:port`` (port may be "*": any free port), with IPv6 literals bracketed."""
+    if ":" in host and not host.startswith("["):
+        return f"tcp://[{host}]:{port}"
+    return f"tcp://{host}:{port}"
+
+
+def fetch_handshake(
+    host: str,
+    port: int,
+    tp_rank: int,
+    *,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> WorkerHandshake:
+    """The WorkerHandshake of ``tp_rank`` of the engine whose side channel is host:port."""
+    reply = _call(host, port, HandshakeRequest(tp_rank), secret, timeout_s, max_message_bytes)
+    if not isinstance(reply, HandshakeReply):
+        raise HandshakeError(
+            f"side channel {host}:{port} answered a handshake request with {type(reply).__name__}"
+        )
+    if reply.handshake.tp_rank != tp_rank:
+        raise HandshakeError(
+            f"side channel {host}:{port} answered a handshake for tp_rank {tp_rank} with "
+            f"rank {reply.handshake.tp_rank}'s handshake"
+        )
+    return reply.handshake
+
+
+def send_heartbeat(
+    host: str,
+    port: int,
+    remote_request_ids: Sequence[str],
+    *,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> int:
+    """Extend the leases of ``remote_request_ids``; returns how many the server still held."""
+    request = Heartbeat(tuple(remote_request_ids))
+    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes)
+
+
+def send_release(
+    host: str,
+    port: int,
+    remote_request_ids: Sequence[str],
+    *,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> int:
+    """Tell the server decode will never read ``remote_request_ids``; returns how many it held."""
+    request = Release(tuple(remote_request_ids))
+    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes)
+
+
+def _expect_ack(
+    host: str,
+    port: int,
+    request: Request,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int,
+) -> int:
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes)
+    if not isinstance(reply, Ack):
+        raise HandshakeError(
+            f"side channel {host}:{port} answered a {type(request).__name__} with "
+            f"{type(reply).__name__}"
+        )
+    return reply.num_known
+
+
+def _call(
+    host: str,
+    port: int,
+    request: Request,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int,
+) -> Reply:
+    nonce = os.urandom(NONCE_BYTES)
+    frame = encode_request(request, secret=secret, nonce=nonce, timestamp_s=time.time())
+    raw_reply = _exchange(host, port, frame, timeout_s, max_message_bytes)
+    try:
+        reply = decode_reply(raw_reply, secret=secret, request_nonce=nonce)
+    except ProtocolError as exc:
+        raise HandshakeError(f"side channel {host}:{port}: {exc}") from None
+    if isinstance(reply, ErrorReply):
+        raise HandshakeError(f"side channel {host}:{port} refused the request: {reply.reason}")
+    return reply
+
+
+def _exchange(
+    host: str, port: int, frame: bytes, timeout_s: float, max_message_bytes: int
+) -> bytes:
+    timeout_ms = max(1, int(timeout_s * 1000))
+    socket: zmq.Socket = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        socket.setsockopt(zmq.IPV6, 1)
+        socket.connect(zmq_endpoint(host, port))
+        socket.send(frame)
+        return socket.recv()
+    except zmq.Again:
+        raise HandshakeError(
+            f"side channel {host}:{port} did not answer within {timeout_s} s (is the remote "
+            "engine up, is host:port its VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, or was the reply "
+            f"larger than max_message_bytes={max_message_bytes}?)"
+        ) from None
+    except zmq.ZMQError as exc:
+        raise HandshakeError(f"side channel {host}:{port}: zmq error: {exc}") from None
+    finally:
+        socket.close(linger=0)

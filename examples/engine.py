@@ -1,0 +1,403 @@
+"""The example engine loop: schedule, call the connector in vLLM's order, run the model.
+
+One engine = one scheduler-side ``SchedulerConnector`` plus, per TP rank, its own KV buffers, a
+``WorkerConnector`` and a NIXL agent (all ranks live in this process). Each ``step()``:
+
+1. schedule waiting requests: local prefix-cache hit, then
+   ``get_num_new_matched_tokens``; allocate blocks (hits first); ``update_state_after_alloc``;
+2. ``build_connector_meta`` and every rank's ``start_load_kv``;
+3. run the model for running requests (one token each, or the whole uncomputed prompt);
+4. every rank's ``get_finished`` -> ``update_connector_output`` -> ``take_finished``: loaded
+   requests start running, failed loads fail their request, sent requests free their blocks;
+5. finished requests go through ``request_finished`` (which may keep their blocks alive).
+
+Without a connector the engine is a plain single engine (the reference run).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from connector.errors import ConnectorError, UnsupportedConfiguration
+from connector.layout import MemoryLayout
+from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, build_spec
+from examples.metering import MeteredAgent, TransferStats
+from examples.model import ModelKind, TinyModel
+
+AgentFactory = Callable[[str], Any]  # agent name -> NixlAgent
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine's shape. ``role``: "prefill", "decode" or "local" (no connector)."""
+
+    engine_id: str
+    role: str = "local"
+    model: str = "dense"
+    tp_size: int = 1
+    block_size: int = 16
+    kernel_block_size: int | None = None  # None: same as block_size
+    num_blocks: int = 256  # logical blocks per cache group, block 0 is the null block
+    layout: str = "nhd"
+    seed: int = 0
+
+
+class EngineRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request as the router sends it. A decode request's last prompt token is the first
+    output token prefill produced; the KV of every token before it arrives from prefill."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class RequestOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    token_ids: list[int]
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_digest: str | None = None  # hash of the prompt KV when the first token was produced
+    num_cached_tokens: int = 0  # local prefix-cache hit
+    num_external_tokens: int = 0  # tokens whose KV arrived from a remote engine
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+
+
+@dataclass
+class _Request:
+    spec: EngineRequest
+    info: Any  # scheduler.requests.RequestInfo
+    token_ids: list[int]
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_external_tokens: int = 0
+    output: list[int] = field(default_factory=list)
+    kv_digest: str | None = None
+    known_to_connector: bool = False  # get_num_new_matched_tokens accepted it
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Prompt tokens whose KV exists when the first token is produced (or arrives)."""
+        return int(self.info.num_prompt_tokens)
+
+
+def parse_engine_config(config: EngineConfig) -> tuple[ModelKind, MemoryLayout]:
+    """The model kind and memory layout named in ``config``; UnsupportedConfiguration if unknown."""
+    try:
+        kind = ModelKind(config.model)
+    except ValueError:
+        raise UnsupportedConfiguration(
+            f"unknown model {config.model!r}; choose one of {[k.value for k in ModelKind]}"
+        ) from None
+    if config.layout not in ("nhd", "hnd"):
+        raise UnsupportedConfiguration(f"unknown layout {config.layout!r}; choose nhd or hnd")
+    return kind, MemoryLayout(config.layout)
+
+
+class Engine:
+    """A paged-KV engine over TinyModel with an optional P/D connector (see module docstring)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        connector_config: Any = None,
+        agent_factory: AgentFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kind, memory_layout = parse_engine_config(config)
+        self.model = TinyModel(self.kind, config.seed)
+        self.model.check_tp(config.tp_size)
+        self.spec = build_spec(
+            self.kind,
+            block_size=config.block_size,
+            kernel_block_size=config.kernel_block_size or config.block_size,
+            num_blocks=config.num_blocks,
+            memory_layout=memory_layout,
+        )
+        self.ranks = [
+            RankBuffers(self.spec, rank, config.tp_size) for rank in range(config.tp_size)
+        ]
+        self.blocks = BlockManager(self.spec)
+        self.waiting: list[_Request] = []
+        self.loading: dict[str, _Request] = {}
+        self.running: list[_Request] = []
+        self.held: dict[str, _Request] = {}  # finished, blocks kept alive for remote readers
+        self.stats = TransferStats(clock)
+        self.scheduler: Any = None
+        self.workers: list[Any] = []
+        self.agents: list[MeteredAgent] = []
+        if config.role != "local":
+            self._start_connector(connector_config, agent_factory, clock)
+
+    def _start_connector(
+        self, connector_config: Any, agent_factory: AgentFactory | None, clock: Callable[[], float]
+    ) -> None:
+        from scheduler.connector import SchedulerConnector
+        from scheduler.requests import Role
+        from worker.connector import WorkerConnector
+
+        roles = {"prefill": Role.PRODUCER, "decode": Role.CONSUMER, "both": Role.BOTH}
+        if self.config.role not in roles or agent_factory is None:
+            raise UnsupportedConfiguration(
+                f"engine role {self.config.role!r} needs a connector: use prefill, decode or both"
+            )
+        suffix = uuid.uuid4().hex[:8]  # fresh agent names per start (NIXL pitfall)
+        for rank, buffers in enumerate(self.ranks):
+            agent = MeteredAgent(
+                agent_factory(f"{self.config.engine_id}-r{rank}-{suffix}"), self.stats
+            )
+            self.agents.append(agent)
+            worker = WorkerConnector(
+                connector_config,
+                engine_id=self.config.engine_id,
+                tp_rank=rank,
+                tp_size=self.config.tp_size,
+                spec=self.spec,
+                agent=agent,
+                clock=clock,
+            )
+            worker.register_kv_caches(buffers.region_addresses)
+            self.workers.append(worker)
+        self.scheduler = SchedulerConnector(
+            connector_config,
+            engine_id=self.config.engine_id,
+            role=roles[self.config.role],
+            spec=self.spec,
+            tp_size=self.config.tp_size,
+            clock=clock,
+        )
+        self.scheduler.start_side_channel([w.get_handshake_metadata() for w in self.workers])
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> RequestOutput | None:
+        """Queue ``request``; returns an error output at once if it can never run."""
+        from scheduler.requests import RequestInfo
+
+        num_tokens = len(request.prompt_token_ids)
+        error = _check_request(request, num_tokens)
+        if error is not None:
+            return RequestOutput(request.request_id, [], error=error)
+        params = request.kv_transfer_params
+        remote_prefill = bool(params and params.get("do_remote_prefill"))
+        # A decode request carries prefill's first output token last: its KV is not remote.
+        num_kv_tokens = num_tokens - 1 if remote_prefill else num_tokens
+        info = RequestInfo(request.request_id, num_kv_tokens, params)
+        self.waiting.append(_Request(request, info, list(request.prompt_token_ids)))
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.loading or self.running or self.held)
+
+    @property
+    def num_leaked_blocks(self) -> int:
+        """Blocks still referenced (neither free nor merely evictable in the prefix cache)."""
+        return self.blocks.num_used_blocks
+
+    # ---- one engine step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._schedule()
+        if self.scheduler is not None:
+            metadata = self.scheduler.build_connector_meta()
+            self.stats.note_loads(metadata)
+            for worker in self.workers:
+                worker.start_load_kv(metadata)
+        outputs += self._run_model()
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output([w.get_finished() for w in self.workers])
+            outputs += self._apply_finished(self.scheduler.take_finished())
+        return outputs
+
+    def _schedule(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        still_waiting: list[_Request] = []
+        for request in self.waiting:
+            try:
+                if not self._schedule_one(request):
+                    still_waiting.append(request)
+            except ConnectorError as exc:
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+        self.waiting = still_waiting
+        return outputs
+
+    def _schedule_one(self, request: _Request) -> bool:
+        """Allocate and start ``request``; False if the pools are too full (retry next step)."""
+        if not self.blocks.can_allocate(len(request.token_ids) + 1):
+            return False
+        num_cached = self.blocks.find_prefix_hit(request.token_ids, len(request.token_ids) - 1)
+        num_external, load_async = 0, False
+        if self.scheduler is not None:
+            num_external, load_async = self.scheduler.get_num_new_matched_tokens(
+                request.info, num_cached
+            )
+            request.known_to_connector = True
+        request.num_cached_tokens = num_cached
+        request.num_external_tokens = num_external
+        # Like vLLM: an async load allocates only the tokens that arrive; more blocks later.
+        num_tokens = num_cached + num_external if load_async else len(request.token_ids)
+        block_ids = self.blocks.allocate(
+            request.request_id,
+            request.token_ids,
+            num_cached,
+            num_tokens,
+            remote_tokens=num_external,
+        )
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(request.info, block_ids, num_external)
+        request.num_computed_tokens = num_cached
+        if load_async:
+            request.status = Status.WAITING_FOR_REMOTE_KVS
+            self.loading[request.request_id] = request
+        else:
+            request.num_computed_tokens = num_cached + num_external
+            self._start_running(request)
+        return True
+
+    def _start_running(self, request: _Request) -> None:
+        request.status = Status.RUNNING
+        if request.num_computed_tokens >= request.num_kv_tokens and request.kv_digest is None:
+            request.kv_digest = self._cache_view(request).digest(request.num_kv_tokens)
+        self.running.append(request)
+
+    def _cache_view(self, request: _Request) -> PagedRequestCache:
+        return PagedRequestCache(
+            self.spec, self.kind, self.ranks, self.blocks.tables[request.request_id]
+        )
+
+    def _run_model(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request in list(self.running):
+            self._compute(request)
+            if len(request.output) >= request.spec.max_tokens:
+                self.running.remove(request)
+                outputs.append(self._finish(request))
+        return outputs
+
+    def _compute(self, request: _Request) -> None:
+        """Feed every not-yet-computed token; the last one yields the next output token."""
+        self.blocks.grow(request.request_id, len(request.token_ids))
+        cache = self._cache_view(request)
+        next_token = -1
+        for position in range(request.num_computed_tokens, len(request.token_ids)):
+            next_token = self.model.step(request.token_ids[position], position, cache)
+            if position + 1 == request.num_kv_tokens:
+                request.kv_digest = cache.digest(request.num_kv_tokens)
+        request.num_computed_tokens = len(request.token_ids)
+        self.blocks.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+        request.output.append(next_token)
+        request.token_ids.append(next_token)
+
+    def _finish(self, request: _Request) -> RequestOutput:
+        params = None
+        delay_free = False
+        if self.scheduler is not None:
+            block_ids = self.blocks.block_ids(request.request_id)
+            delay_free, params = self.scheduler.request_finished(request.info, block_ids)
+        if delay_free:
+            self.held[request.request_id] = request
+        else:
+            self.blocks.free(request.request_id)
+        return self._output(request, params=params)
+
+    def _fail(self, request: _Request, reason: str) -> RequestOutput:
+        """End ``request`` with an error; its blocks are freed unless the connector holds them."""
+        delay_free = False
+        if request.known_to_connector and self.scheduler is not None:
+            request.info.aborted = True
+            block_ids = self._held_block_ids(request)
+            delay_free, _ = self.scheduler.request_finished(request.info, block_ids)
+        if delay_free:
+            self.held[request.request_id] = request
+        elif request.request_id in self.blocks.tables:
+            self.blocks.free(request.request_id)
+        return self._output(request, error=reason)
+
+    def _held_block_ids(self, request: _Request) -> tuple[tuple[int, ...], ...]:
+        if request.request_id in self.blocks.tables:
+            return self.blocks.block_ids(request.request_id)
+        return tuple(() for _ in self.spec.groups)
+
+    def _output(
+        self, request: _Request, *, params: dict[str, Any] | None = None, error: str | None = None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request.request_id,
+            list(request.output),
+            error=error,
+            kv_transfer_params=params,
+            kv_digest=request.kv_digest,
+            num_cached_tokens=request.num_cached_tokens,
+            num_external_tokens=request.num_external_tokens,
+        )
+
+    def _apply_finished(self, finished: Any) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request_id in finished.finished_recving:
+            request = self.loading.pop(request_id, None)
+            if request is not None:
+                request.num_computed_tokens = (
+                    request.num_cached_tokens + request.num_external_tokens
+                )
+                self.blocks.cache_blocks(request_id, request.token_ids, request.num_computed_tokens)
+                self._start_running(request)
+        for request_id, reason in finished.failed_recving.items():
+            request = self.loading.pop(request_id, None)
+            if request is not None:
+                outputs.append(self._fail(request, f"KV load failed: {reason}"))
+        for request_id in finished.finished_sending:
+            if self.held.pop(request_id, None) is not None:
+                self.blocks.free(request_id)
+        return outputs
+
+    def shutdown(self) -> None:
+        """Stop the connector (side channel, agents); idempotent."""
+        workers, self.workers = self.workers, []
+        for worker in workers:
+            worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+            self.scheduler = None
+        agents, self.agents = self.agents, []
+        for agent in agents:
+            agent.close()
+
+
+def _check_request(request: EngineRequest, num_tokens: int) -> str | None:
+    if num_tokens == 0:
+        return "the prompt is empty; send at least one token"
+    if request.max_tokens < 1:
+        return f"max_tokens must be >= 1, got {request.max_tokens}"
+    return None
+
+
+def run_until_done(
+    engines: Sequence[Engine], *, timeout_s: float, clock: Callable[[], float] = time.monotonic
+) -> list[RequestOutput]:
+    """Step every engine until none has work; raises TimeoutError after ``timeout_s``."""
+    deadline = clock() + timeout_s
+    outputs: list[RequestOutput] = []
+    while any(engine.has_work() for engine in engines):
+        if clock() > deadline:
+            raise TimeoutError(f"engines still busy after {timeout_s} s")
+        for engine in engines:
+            outputs += engine.step()
+    return outputs

@@ -1,0 +1,416 @@
+"""The example engine's paged KV cache: block pools, block tables, prefix caching and rank buffers.
+
+Bookkeeping is in logical blocks (the engine's allocation unit, one pool per cache group, block
+0 of every pool is the null block used as a placeholder). Memory is in kernel blocks, laid out
+per rank exactly as ``connector.geometry.build_rank_layout`` describes, so the bytes the
+connector's peers address are the bytes this cache reads and writes. A token at position p of
+a group with block size B and kernel block size K lives in
+
+    kernel block = block_table[p // B] * (B // K) + (p % B) // K,   slot = p % K
+
+(seed 003: the block table is expanded to kernel blocks, never assumed equal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from connector.errors import UnsupportedConfiguration
+from connector.geometry import build_rank_layout
+from connector.layout import (
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+    PlaneGeometry,
+    RankLayout,
+)
+from connector.metadata import BlockIds
+from examples.model import CACHE_DTYPE_BYTES, ModelKind, layer_plans
+
+NULL_BLOCK = 0
+Array = npt.NDArray[np.float64]
+
+
+def build_spec(
+    kind: ModelKind,
+    *,
+    block_size: int,
+    kernel_block_size: int,
+    num_blocks: int,
+    memory_layout: MemoryLayout,
+) -> KVCacheSpec:
+    """The KVCacheSpec of ``kind``: one group per layer kind, in order of first appearance.
+
+    Every group shares the engine's logical block size; SSM groups are never split into kernel
+    blocks. ``num_blocks`` is the pool size of each group, from configuration (seed 004: never
+    read back from a tensor shape, since groups have different page sizes).
+    """
+    kinds: list[GroupKind] = []
+    for plan in layer_plans(kind):
+        if plan.kind not in kinds:
+            kinds.append(plan.kind)
+    groups = []
+    for group_kind in kinds:
+        plans = [p for p in layer_plans(kind) if p.kind is group_kind]
+        layers = tuple(
+            LayerSpec(
+                f"{group_kind.value}.{i}",
+                p.num_kv_heads,
+                p.head_dim,
+                CACHE_DTYPE_BYTES,
+                p.num_planes,
+            )
+            for i, p in enumerate(plans)
+        )
+        kernel = block_size if group_kind is GroupKind.SSM else kernel_block_size
+        groups.append(
+            GroupSpec(group_kind, block_size, kernel, num_blocks, layers, plans[0].window)
+        )
+    return KVCacheSpec(f"tiny-{kind.value}", "float64", "float32", tuple(groups), memory_layout)
+
+
+def layer_locations(kind: ModelKind) -> list[tuple[int, int]]:
+    """(group index, layer index within the group) of every model layer."""
+    order: list[GroupKind] = []
+    counts: dict[GroupKind, int] = {}
+    locations = []
+    for plan in layer_plans(kind):
+        if plan.kind not in order:
+            order.append(plan.kind)
+        locations.append((order.index(plan.kind), counts.get(plan.kind, 0)))
+        counts[plan.kind] = counts.get(plan.kind, 0) + 1
+    return locations
+
+
+def _plane_view(
+    region: npt.NDArray[np.uint8],
+    plane: PlaneGeometry,
+    kind: GroupKind,
+    num_kernel_blocks: int,
+    kernel_block_size: int,
+) -> npt.NDArray[np.float32]:
+    """A float32 view of one plane: (kernel blocks, [slots,] heads, head_dim), by the geometry."""
+    base = region.view(np.float32)[plane.offset_bytes // CACHE_DTYPE_BYTES :]
+    head_dim = plane.head_bytes // CACHE_DTYPE_BYTES
+    if kind is GroupKind.SSM:
+        shape: tuple[int, ...] = (num_kernel_blocks, plane.num_heads, head_dim)
+        strides: tuple[int, ...] = (
+            plane.kernel_block_stride_bytes,
+            plane.head_stride_bytes,
+            CACHE_DTYPE_BYTES,
+        )
+    else:
+        shape = (num_kernel_blocks, kernel_block_size, plane.num_heads, head_dim)
+        strides = (
+            plane.kernel_block_stride_bytes,
+            plane.token_stride_bytes,
+            plane.head_stride_bytes,
+            CACHE_DTYPE_BYTES,
+        )
+    return np.lib.stride_tricks.as_strided(base, shape, strides, writeable=True)
+
+
+class RankBuffers:
+    """One TP rank's registered KV memory: one numpy buffer per region of its RankLayout."""
+
+    def __init__(self, spec: KVCacheSpec, tp_rank: int, tp_size: int) -> None:
+        self.layout: RankLayout = build_rank_layout(spec, tp_rank, tp_size)
+        self.regions = [
+            np.zeros(num_bytes, dtype=np.uint8) for num_bytes in self.layout.region_bytes
+        ]
+        # views[group][layer in group][plane]
+        self.views: list[list[list[npt.NDArray[np.float32]]]] = []
+        for group in self.layout.groups:
+            layers: list[list[npt.NDArray[np.float32]]] = []
+            for plane in group.planes:
+                if plane.plane == 0:
+                    layers.append([])
+                layers[plane.layer].append(
+                    _plane_view(
+                        self.regions[plane.region],
+                        plane,
+                        group.kind,
+                        group.num_kernel_blocks,
+                        group.kernel_block_size,
+                    )
+                )
+            self.views.append(layers)
+
+    @property
+    def region_addresses(self) -> list[int]:
+        return [int(region.ctypes.data) for region in self.regions]
+
+    def heads(self, group: int, layer: int) -> range:
+        """Model-wide head indices this rank holds (all of them when replicated)."""
+        plane = self.layout.groups[group].planes[layer * len(self.views[group][layer])]
+        if plane.replicated:
+            return range(plane.num_heads)
+        rank = self.layout.tp_rank
+        if plane.model_heads >= self.layout.tp_size:
+            return range(rank * plane.num_heads, (rank + 1) * plane.num_heads)
+        first = rank // (self.layout.tp_size // plane.model_heads)
+        return range(first, first + 1)
+
+
+@dataclass
+class BlockPool:
+    """One cache group's logical blocks: ref counts, an LRU free queue and the prefix-cache map."""
+
+    num_blocks: int
+    ref_counts: list[int] = field(default_factory=list)
+    free: OrderedDict[int, None] = field(default_factory=OrderedDict)  # evictable, LRU first
+    by_hash: dict[bytes, int] = field(default_factory=dict)
+    hash_of: dict[int, bytes] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ref_counts = [0] * self.num_blocks
+        self.free = OrderedDict((block, None) for block in range(1, self.num_blocks))
+
+    def allocate(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old_hash = self.hash_of.pop(block, None)
+        if old_hash is not None:
+            del self.by_hash[old_hash]
+        self.ref_counts[block] = 1
+        return block
+
+    def touch(self, block: int) -> None:
+        self.free.pop(block, None)
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        if block == NULL_BLOCK:
+            return
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        if block != NULL_BLOCK and block_hash not in self.by_hash and block not in self.hash_of:
+            self.by_hash[block_hash] = block
+            self.hash_of[block] = block_hash
+
+    @property
+    def num_used(self) -> int:
+        """Blocks some request still holds (not free and not merely evictable)."""
+        return self.num_blocks - 1 - len(self.free)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of every full block of ``token_ids``: block j covers [j*B, (j+1)*B)."""
+    hashes: list[bytes] = []
+    previous = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        data = np.asarray(token_ids[start : start + block_size], dtype=np.int64).tobytes()
+        previous = hashlib.blake2b(previous + data, digest_size=16).digest()
+        hashes.append(previous)
+    return hashes
+
+
+class BlockManager:
+    """Block tables per request and group, with hash-based prefix caching across requests."""
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.block_size = spec.groups[0].block_size
+        if any(group.block_size != self.block_size for group in spec.groups):
+            raise UnsupportedConfiguration("the example engine needs one block size for all groups")
+        self.kinds = [group.kind for group in spec.groups]
+        self.pools = [BlockPool(group.num_blocks) for group in spec.groups]
+        self.tables: dict[str, list[list[int]]] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix_hit(self, token_ids: Sequence[int], max_hit_tokens: int) -> int:
+        """Cached tokens (a whole number of blocks, at most ``max_hit_tokens``) for this prompt.
+
+        Attention groups need every block of the prefix cached; an SSM group needs only the
+        state at the hit boundary (block k-1), since earlier states are never read.
+        """
+        hashes = block_hashes(token_ids, self.block_size)[: max_hit_tokens // self.block_size]
+        num_blocks = 0
+        for block_hash in hashes:
+            if not all(
+                block_hash in pool.by_hash
+                for pool, kind in zip(self.pools, self.kinds, strict=True)
+                if kind is not GroupKind.SSM
+            ):
+                break
+            num_blocks += 1
+        for k in range(num_blocks, 0, -1):
+            if all(
+                hashes[k - 1] in pool.by_hash
+                for pool, kind in zip(self.pools, self.kinds, strict=True)
+                if kind is GroupKind.SSM
+            ):
+                return k * self.block_size
+        return 0
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return all(len(pool.free) >= self.blocks_for(num_tokens) for pool in self.pools)
+
+    def allocate(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_hit_tokens: int,
+        num_tokens: int,
+        *,
+        remote_tokens: int = 0,
+    ) -> BlockIds:
+        """Create the request's block tables for ``num_tokens`` tokens: hits first, then fresh.
+
+        SSM groups get the null block as placeholder for hit blocks before the last one and,
+        when ``remote_tokens`` will be loaded, for every loaded block except the one holding
+        the state after the load.
+        """
+        num_hit_blocks = num_hit_tokens // self.block_size
+        hashes = block_hashes(token_ids, self.block_size)[:num_hit_blocks]
+        last_loaded = self.blocks_for(num_hit_tokens + remote_tokens) - 1
+        tables: list[list[int]] = []
+        for pool, kind in zip(self.pools, self.kinds, strict=True):
+            table: list[int] = []
+            for j, block_hash in enumerate(hashes):
+                if kind is GroupKind.SSM and j < num_hit_blocks - 1:
+                    table.append(NULL_BLOCK)
+                    continue
+                block = pool.by_hash[block_hash]
+                pool.touch(block)
+                table.append(block)
+            for j in range(num_hit_blocks, self.blocks_for(num_tokens)):
+                placeholder = kind is GroupKind.SSM and remote_tokens > 0 and j < last_loaded
+                table.append(NULL_BLOCK if placeholder else pool.allocate())
+            tables.append(table)
+        self.tables[request_id] = tables
+        return self.block_ids(request_id)
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        """Make room for ``num_tokens`` tokens in every group."""
+        for pool, table in zip(self.pools, self.tables[request_id], strict=True):
+            while len(table) < self.blocks_for(num_tokens):
+                table.append(pool.allocate())
+
+    def block_ids(self, request_id: str) -> BlockIds:
+        return tuple(tuple(table) for table in self.tables[request_id])
+
+    def cache_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_valid_tokens: int
+    ) -> None:
+        """Offer the request's full, valid blocks to the prefix cache (null blocks are skipped)."""
+        hashes = block_hashes(token_ids[:num_valid_tokens], self.block_size)
+        for pool, table in zip(self.pools, self.tables[request_id], strict=True):
+            for block, block_hash in zip(table, hashes, strict=False):
+                pool.cache(block, block_hash)
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references, tail first (tail blocks are evicted first)."""
+        for pool, table in zip(self.pools, self.tables.pop(request_id), strict=True):
+            for block in reversed(table):
+                pool.release(block)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(pool.num_used for pool in self.pools)
+
+
+class PagedRequestCache:
+    """One request's RequestCache over every rank's buffers (implements examples.model.RequestCache)."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        kind: ModelKind,
+        ranks: Sequence[RankBuffers],
+        table: Sequence[Sequence[int]],
+    ) -> None:
+        self.spec = spec
+        self.ranks = ranks
+        self.table = [np.asarray(group_table, dtype=np.int64) for group_table in table]
+        self.locations = layer_locations(kind)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.ranks)
+
+    def rank_heads(self, layer: int, tp_rank: int) -> range:
+        group, index = self.locations[layer]
+        return self.ranks[tp_rank].heads(group, index)
+
+    def _slots(
+        self, group: int, positions: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], ...]:
+        spec = self.spec.groups[group]
+        logical = self.table[group][positions // spec.block_size]
+        kernel = logical * spec.ratio + (positions % spec.block_size) // spec.kernel_block_size
+        return kernel, positions % spec.kernel_block_size
+
+    def write(self, layer: int, position: int, planes: tuple[Array, ...]) -> None:
+        group, index = self.locations[layer]
+        kernel, slot = self._slots(group, np.array([position]))
+        for rank in self.ranks:
+            heads = rank.heads(group, index)
+            for view, values in zip(rank.views[group][index], planes, strict=True):
+                view[kernel[0], slot[0]] = values[heads.start : heads.stop]
+
+    def read(self, layer: int, start: int, end: int, tp_rank: int) -> tuple[Array, ...]:
+        group, index = self.locations[layer]
+        kernel, slot = self._slots(group, np.arange(start, end))
+        views = self.ranks[tp_rank].views[group][index]
+        return tuple(view[kernel, slot].astype(np.float64) for view in views)
+
+    def _state_block(self, group: int, num_tokens: int) -> int:
+        return int(self.table[group][(num_tokens - 1) // self.spec.groups[group].block_size])
+
+    def read_state(self, layer: int, num_tokens: int) -> Array:
+        group, index = self.locations[layer]
+        if num_tokens == 0:
+            heads = self.spec.groups[group].layers[index]
+            return np.zeros((heads.num_kv_heads, heads.head_dim))
+        block = self._state_block(group, num_tokens)
+        parts = [rank.views[group][index][0][block] for rank in self.ranks]
+        return np.concatenate(parts).astype(np.float64)
+
+    def write_state(self, layer: int, position: int, state: Array) -> None:
+        group, index = self.locations[layer]
+        block = self._state_block(group, position + 1)
+        for rank in self.ranks:
+            heads = rank.heads(group, index)
+            rank.views[group][index][0][block] = state[heads.start : heads.stop]
+
+    def digest(self, num_tokens: int) -> str:
+        """A hash of the KV a decode step at position ``num_tokens`` reads, model-wide.
+
+        Attention: tokens [0, num_tokens) (sliding window: the last window-1 tokens); SSM: the
+        state after ``num_tokens`` tokens. Rank slices are joined by head; replicated planes
+        must agree on every rank, or the digest says so.
+        """
+        digest = hashlib.sha256()
+        for group, group_spec in enumerate(self.spec.groups):
+            start = 0
+            if group_spec.window is not None:
+                start = max(0, num_tokens + 1 - group_spec.window)
+            for index in range(len(group_spec.layers)):
+                for plane in range(group_spec.layers[index].num_planes):
+                    digest.update(self._plane_bytes(group, index, plane, start, num_tokens))
+        return digest.hexdigest()
+
+    def _plane_bytes(self, group: int, index: int, plane: int, start: int, end: int) -> bytes:
+        if self.spec.groups[group].kind is GroupKind.SSM:
+            block = self._state_block(group, end)
+            parts = [rank.views[group][index][plane][block] for rank in self.ranks]
+            return np.concatenate(parts).tobytes()
+        kernel, slot = self._slots(group, np.arange(start, end))
+        parts = [rank.views[group][index][plane][kernel, slot] for rank in self.ranks]
+        if self.ranks[0].heads(group, index) == self.ranks[-1].heads(group, index):
+            if any(not np.array_equal(part, parts[0]) for part in parts):
+                return b"replicas-differ"
+            return parts[0].tobytes()
+        return np.concatenate(parts, axis=1).tobytes()

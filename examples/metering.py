@@ -1,0 +1,126 @@
+"""Measure what the connector's NIXL agent does: bytes read, transfer time and handshake time.
+
+``MeteredAgent`` wraps any NixlAgent and records into a ``TransferStats`` shared by an engine's
+ranks. The connector never sees the difference: every call is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from connector.metadata import ConnectorMetadata
+from worker.nixl_api import Descriptors, NixlAgent, TransferState
+
+
+class StatsSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    bytes_transferred: int
+    num_reads: int
+    num_descriptors: int
+    transfer_busy_s: float  # union of [post, done] intervals over every READ
+    handshake_ms: float | None  # first load of a new remote engine -> its first READ prepared
+
+
+class TransferStats:
+    """Counters for one engine, shared by its ranks' MeteredAgents (engine thread only)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.bytes_transferred = 0
+        self.num_reads = 0
+        self.num_descriptors = 0
+        self.intervals: list[tuple[float, float]] = []
+        self.first_load_s: float | None = None
+        self.first_read_s: float | None = None
+
+    def note_loads(self, metadata: ConnectorMetadata) -> None:
+        if metadata.loads and self.first_load_s is None:
+            self.first_load_s = self.clock()
+
+    def snapshot(self) -> StatsSnapshot:
+        handshake_ms = None
+        if self.first_load_s is not None and self.first_read_s is not None:
+            handshake_ms = (self.first_read_s - self.first_load_s) * 1e3
+        return StatsSnapshot(
+            self.bytes_transferred,
+            self.num_reads,
+            self.num_descriptors,
+            _union_s(self.intervals),
+            handshake_ms,
+        )
+
+
+def _union_s(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals, in seconds."""
+    total_s, covered_until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > covered_until:
+            total_s += end - max(start, covered_until)
+            covered_until = end
+    return total_s
+
+
+class MeteredAgent:
+    """A NixlAgent that records READ sizes and timings into ``stats``; otherwise pass-through."""
+
+    def __init__(self, agent: NixlAgent, stats: TransferStats) -> None:
+        self.inner = agent
+        self._stats = stats
+        self._posted_s: dict[int, float] = {}  # id(transfer) -> post time, until DONE
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def register_regions(self, regions: Sequence[tuple[int, int]]) -> Any:
+        return self.inner.register_regions(regions)
+
+    def deregister(self, registration: Any) -> None:
+        self.inner.deregister(registration)
+
+    def get_agent_metadata(self) -> bytes:
+        return self.inner.get_agent_metadata()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        return self.inner.add_remote_agent(metadata)
+
+    def remove_remote_agent(self, agent_name: str) -> None:
+        self.inner.remove_remote_agent(agent_name)
+
+    def make_read(
+        self, remote_agent: str, local: Descriptors, remote: Descriptors, notif: bytes = b""
+    ) -> Any:
+        transfer = self.inner.make_read(remote_agent, local, remote, notif)
+        if self._stats.first_read_s is None:
+            self._stats.first_read_s = self._stats.clock()
+        self._stats.num_reads += 1
+        self._stats.num_descriptors += int(local.shape[0])
+        self._stats.bytes_transferred += int(local[:, 1].sum()) if local.shape[0] else 0
+        return transfer
+
+    def post(self, transfer: Any) -> TransferState:
+        self._posted_s[id(transfer)] = self._stats.clock()
+        return self._done_if(transfer, self.inner.post(transfer))
+
+    def check(self, transfer: Any) -> TransferState:
+        return self._done_if(transfer, self.inner.check(transfer))
+
+    def _done_if(self, transfer: Any, state: TransferState) -> TransferState:
+        if state is TransferState.DONE and id(transfer) in self._posted_s:
+            self._stats.intervals.append((self._posted_s.pop(id(transfer)), self._stats.clock()))
+        return state
+
+    def release(self, transfer: Any) -> None:
+        self._posted_s.pop(id(transfer), None)
+        self.inner.release(transfer)
+
+    def send_notif(self, remote_agent: str, message: bytes) -> None:
+        self.inner.send_notif(remote_agent, message)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return self.inner.get_new_notifs()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,247 @@
+"""The scheduler-side connector an engine calls: one request's transfer from params to finish.
+
+It validates kv_transfer_params, then hands prefill requests to Producer (leases, ``sends``)
+and decode requests to Consumer (loads, releases, heartbeats), builds each step's metadata and
+collects the ranks' reports. Requests are plain RequestInfo records, not engine objects.
+Every method runs on the engine thread; the side-channel thread touches only the lease table.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from connector.config import ConnectorConfig
+from connector.errors import InvalidTransferParams, UnsupportedConfiguration
+from connector.layout import KVCacheSpec
+from connector.metadata import BlockIds, ConnectorMetadata, WorkerReport
+from connector.params import KVTransferParams, parse_kv_transfer_params, validate_block_groups
+from connector.protocol import WorkerHandshake
+from scheduler.consumer import Consumer
+from scheduler.heartbeats import HeartbeatSender
+from scheduler.leases import LeaseTable
+from scheduler.producer import Producer
+from scheduler.requests import FinishedRequests, RequestInfo, Role
+from scheduler.side_channel import SideChannelServer
+
+__all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]
+
+logger = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+
+class SchedulerConnector:
+    """``clock`` (seconds, monotonic) drives leases and heartbeats; it must be callable from
+    any thread. ``heartbeat_sender`` replaces the default network sender (tests)."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        role: Role,
+        spec: KVCacheSpec,
+        tp_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        heartbeat_sender: HeartbeatSender | None = None,
+    ) -> None:
+        if not engine_id or tp_size < 1:
+            raise UnsupportedConfiguration(
+                f"engine_id={engine_id!r}, tp_size={tp_size}: need a non-empty engine id and "
+                "a tensor-parallel size >= 1"
+            )
+        self._config = config
+        self._engine_id = engine_id
+        self._role = role
+        self._spec = spec
+        self._tp_size = tp_size
+        self._clock = clock
+        self._leases = LeaseTable(config.kv_lease_duration_s)
+        self._side_channel: SideChannelServer | None = None
+        self._heartbeats = heartbeat_sender or HeartbeatSender(
+            secret=config.side_channel_secret, timeout_s=config.handshake_timeout_s
+        )
+        self._producer = (
+            Producer(
+                engine_id=engine_id,
+                tp_size=tp_size,
+                leases=self._leases,
+                clock=clock,
+                address=self._side_channel_address,
+            )
+            if role.produces
+            else None
+        )
+        self._consumer = (
+            Consumer(
+                groups=spec.groups,
+                tp_size=tp_size,
+                heartbeats=self._heartbeats,
+                heartbeat_interval_s=config.heartbeat_interval_s,
+                clock=clock,
+            )
+            if role.consumes
+            else None
+        )
+
+    @property
+    def side_channel_port(self) -> int:
+        """The bound side-channel port once started (the configured one before)."""
+        return self._side_channel_address()[1]
+
+    def start_side_channel(self, handshakes: Sequence[WorkerHandshake]) -> None:
+        """Serve every rank's handshake; raises UnsupportedConfiguration if they do not fit."""
+        if self._side_channel is not None:
+            raise UnsupportedConfiguration(
+                f"the side channel already serves on port {self._side_channel.port}; "
+                "call start_side_channel once per engine"
+            )
+        by_rank = self._check_handshakes(handshakes)
+        if self._config.side_channel_host in _WILDCARD_HOSTS:
+            logger.warning(
+                "side channel host %r binds every interface but is also the address decode "
+                "engines are told to call; set VLLM_NIXL_SIDE_CHANNEL_HOST to this machine's "
+                "reachable address",
+                self._config.side_channel_host,
+            )
+        server = SideChannelServer(
+            self._config.side_channel_host,
+            self._config.side_channel_port,
+            by_rank,
+            on_heartbeat=lambda ids: self._leases.extend(ids, self._clock()),
+            on_release=self._leases.release,
+            secret=self._config.side_channel_secret,
+            max_message_bytes=self._config.max_message_bytes,
+        )
+        server.start()
+        self._side_channel = server
+
+    def get_num_new_matched_tokens(
+        self, request: RequestInfo, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(tokens that will arrive asynchronously, whether a load is pending).
+
+        Raises InvalidTransferParams for malformed params (the engine fails that request);
+        no state is kept for it then.
+        """
+        params = self._parse(request)
+        if params is None:
+            return 0, False
+        if params.do_remote_prefill:
+            if self._consumer is None:
+                raise InvalidTransferParams(
+                    "kv_transfer_params: do_remote_prefill sent to a producer-only (prefill) "
+                    "engine; send it to a decode engine"
+                )
+            validate_block_groups(params, len(self._spec.groups))
+            return self._consumer.get_num_new_matched_tokens(
+                request.request_id,
+                params.remote_source(),
+                request.num_prompt_tokens,
+                num_computed_tokens,
+            )
+        if params.do_remote_decode and self._producer is None:
+            raise InvalidTransferParams(
+                "kv_transfer_params: do_remote_decode sent to a consumer-only (decode) engine; "
+                "send it to a prefill engine"
+            )
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: RequestInfo, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        if self._consumer is not None:
+            self._consumer.update_state_after_alloc(
+                request.request_id, block_ids, num_external_tokens
+            )
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        sends, forgotten = self._producer.take_step() if self._producer else ((), ())
+        loads, releases = self._consumer.take_step() if self._consumer else ((), ())
+        return ConnectorMetadata(loads=loads, releases=releases, sends=sends, forgotten=forgotten)
+
+    def request_finished(
+        self, request: RequestInfo, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks?, kv_transfer_params to return to the client)."""
+        if self._consumer is not None:
+            delay, _ = self._consumer.request_finished(request.request_id)
+            if delay:
+                return True, None
+        if self._producer is None or request.aborted:
+            return False, None
+        try:
+            params = self._parse(request)
+        except InvalidTransferParams as exc:
+            logger.warning("request %s finished with invalid params: %s", request.request_id, exc)
+            return False, None
+        if params is None or not params.do_remote_decode:
+            return False, None
+        return self._producer.request_finished(request.request_id, block_ids)
+
+    def update_connector_output(self, reports: Sequence[WorkerReport]) -> None:
+        valid = [report for report in reports if self._is_valid_report(report)]
+        if self._producer is not None:
+            self._producer.on_reports(valid)
+        if self._consumer is not None:
+            self._consumer.on_reports(valid)
+
+    def take_finished(self) -> FinishedRequests:
+        finished_sending = self._producer.take_finished() if self._producer else ()
+        finished_recving, failed_recving = (
+            self._consumer.take_finished() if self._consumer else ((), {})
+        )
+        return FinishedRequests(finished_sending, finished_recving, failed_recving)
+
+    def shutdown(self) -> None:
+        if self._side_channel is not None:
+            self._side_channel.stop()
+            self._side_channel = None
+        self._heartbeats.stop()
+
+    def _parse(self, request: RequestInfo) -> KVTransferParams | None:
+        params = parse_kv_transfer_params(request.kv_transfer_params)
+        if params is not None and params.ignored_keys:
+            logger.debug(
+                "request %s: ignoring unknown kv_transfer_params keys %s",
+                request.request_id,
+                ", ".join(params.ignored_keys),
+            )
+        return params
+
+    def _side_channel_address(self) -> tuple[str, int]:
+        if self._side_channel is not None:
+            return self._side_channel.host, self._side_channel.port
+        return self._config.side_channel_host, self._config.side_channel_port
+
+    def _is_valid_report(self, report: WorkerReport) -> bool:
+        if 0 <= report.tp_rank < self._tp_size:
+            return True
+        logger.error(
+            "ignoring a worker report from tp_rank %d: this engine has tp_size %d",
+            report.tp_rank,
+            self._tp_size,
+        )
+        return False
+
+    def _check_handshakes(
+        self, handshakes: Sequence[WorkerHandshake]
+    ) -> dict[int, WorkerHandshake]:
+        by_rank = {handshake.tp_rank: handshake for handshake in handshakes}
+        ranks = sorted(by_rank)
+        if ranks != list(range(self._tp_size)) or len(handshakes) != self._tp_size:
+            raise UnsupportedConfiguration(
+                f"start_side_channel needs one handshake per rank 0..{self._tp_size - 1}, got "
+                f"ranks {[handshake.tp_rank for handshake in handshakes]}"
+            )
+        for handshake in handshakes:
+            if handshake.engine_id != self._engine_id or handshake.tp_size != self._tp_size:
+                raise UnsupportedConfiguration(
+                    f"rank {handshake.tp_rank}'s handshake says engine {handshake.engine_id!r} "
+                    f"tp_size {handshake.tp_size}; this engine is {self._engine_id!r} tp_size "
+                    f"{self._tp_size}: give every rank the same engine id and TP size"
+                )
+        return by_rank

@@ -1,0 +1,206 @@
+"""Decode-side request state: which prompts to load from which prefill engine, and their outcome.
+
+A load goes: get_num_new_matched_tokens (tracked) -> update_state_after_alloc (decode's blocks
+known) -> build_connector_meta (LoadSpec emitted to every rank) -> every rank reports ->
+reported once, in finished_recving or failed_recving. An abort before the LoadSpec went out
+turns into a ReleaseSpec so the prefill engine frees its blocks at once. Requests with nothing
+to load (a full local prefix hit) only get a ReleaseSpec and are never reported: the engine is
+not waiting for them. Only the engine thread calls this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+from connector.errors import TransferPlanError
+from connector.layout import GroupSpec
+from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from scheduler.heartbeats import HeartbeatSender
+from scheduler.suffix import uncached_suffix_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Load:
+    """One tracked decode load. Deleting it from Consumer._loads is its cleanup."""
+
+    source: RemoteSource
+    num_tokens: int
+    num_cached_tokens: int
+    block_ids: BlockIds | None = None  # decode's blocks, once allocated
+    emitted: bool = False  # a LoadSpec or ReleaseSpec went to the ranks
+    engine_finished: bool = False  # request_finished came first; forget it once reported
+    ranks_done: set[int] = dataclasses.field(default_factory=set)
+    failures: dict[int, str] = dataclasses.field(default_factory=dict)  # tp_rank -> reason
+
+
+class Consumer:
+    def __init__(
+        self,
+        *,
+        groups: tuple[GroupSpec, ...],
+        tp_size: int,
+        heartbeats: HeartbeatSender,
+        heartbeat_interval_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self._groups = groups
+        self._tp_size = tp_size
+        self._heartbeats = heartbeats
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._clock = clock
+        self._next_heartbeat_s = clock() + heartbeat_interval_s
+        self._loads: dict[str, _Load] = {}  # the engine waits for these
+        self._releasing: dict[str, set[int]] = {}  # release-only: request id -> ranks reported
+        self._done: set[str] = set()  # reported; forgotten at request_finished
+        self._pending_releases: list[ReleaseSpec] = []
+        self._finished: list[str] = []
+        self._failed: dict[str, str] = {}
+
+    def get_num_new_matched_tokens(
+        self, request_id: str, source: RemoteSource, num_tokens: int, num_cached_tokens: int
+    ) -> tuple[int, bool]:
+        if request_id in self._done or request_id in self._releasing:
+            return 0, False
+        load = self._loads.get(request_id)
+        if load is not None and load.block_ids is not None:
+            return 0, False  # allocated already: the load is under way
+        # New, or scheduled again before allocation (the local prefix hit may have changed).
+        num_new_tokens = num_tokens - num_cached_tokens
+        if num_new_tokens <= 0:
+            self._loads.pop(request_id, None)
+            self._release_only(request_id, source)
+            return 0, False
+        self._loads[request_id] = _Load(source, num_tokens, num_cached_tokens)
+        return num_new_tokens, True
+
+    def update_state_after_alloc(
+        self, request_id: str, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        load = self._loads.get(request_id)
+        if load is None or load.block_ids is not None:
+            return
+        if num_external_tokens == 0:
+            # The engine chose not to load after all; prefill may free its blocks.
+            del self._loads[request_id]
+            self._release_only(request_id, load.source)
+            return
+        load.block_ids = tuple(tuple(group) for group in block_ids)
+
+    def take_step(self) -> tuple[tuple[LoadSpec, ...], tuple[ReleaseSpec, ...]]:
+        """The loads and releases for the next metadata; also sends heartbeats when due."""
+        loads = [spec for request_id in list(self._loads) if (spec := self._emit(request_id))]
+        releases, self._pending_releases = tuple(self._pending_releases), []
+        self._send_heartbeats_if_due()
+        return tuple(loads), releases
+
+    def request_finished(self, request_id: str) -> tuple[bool, None]:
+        """(True, None) while ranks may still touch the request's blocks, else (False, None)."""
+        self._done.discard(request_id)
+        load = self._loads.get(request_id)
+        if load is None:
+            return False, None
+        if load.block_ids is None:  # no blocks yet: nothing of ours to hold
+            del self._loads[request_id]
+            self._release_only(request_id, load.source)
+            return False, None
+        if not load.emitted:
+            logger.info("request %s aborted before its load started; releasing prefill", request_id)
+            load.emitted = True
+            self._pending_releases.append(ReleaseSpec(request_id, load.source))
+        load.engine_finished = True
+        return True, None
+
+    def on_reports(self, reports: Iterable[WorkerReport]) -> None:
+        for report in reports:
+            for request_id in report.finished_recving:
+                self._record(request_id, report.tp_rank, None)
+            for request_id, reason in report.failed_recving.items():
+                self._record(request_id, report.tp_rank, reason)
+
+    def take_finished(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        finished, self._finished = tuple(self._finished), []
+        failed, self._failed = self._failed, {}
+        return finished, failed
+
+    def _emit(self, request_id: str) -> LoadSpec | None:
+        load = self._loads[request_id]
+        if load.emitted or load.block_ids is None:
+            return None
+        try:
+            local_block_ids = uncached_suffix_blocks(
+                load.block_ids,
+                self._groups,
+                num_cached_tokens=load.num_cached_tokens,
+                num_tokens=load.num_tokens,
+            )
+        except TransferPlanError as exc:
+            self._fail_now(request_id, f"cannot plan the load: {exc}")
+            return None
+        load.emitted = True
+        return LoadSpec(
+            request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, load.source
+        )
+
+    def _record(self, request_id: str, tp_rank: int, reason: str | None) -> None:
+        ranks = self._releasing.get(request_id)
+        if ranks is not None:
+            ranks.add(tp_rank)
+            if len(ranks) == self._tp_size:
+                del self._releasing[request_id]
+            return
+        load = self._loads.get(request_id)
+        if load is None or not load.emitted:
+            return  # not ours, already reported, or a report before any instruction
+        load.ranks_done.add(tp_rank)
+        if reason is not None:
+            load.failures.setdefault(tp_rank, reason)
+        if len(load.ranks_done) == self._tp_size:
+            del self._loads[request_id]
+            if not load.engine_finished:
+                self._done.add(request_id)  # until request_finished: gnnmt says (0, False)
+            if load.failures:
+                self._failed[request_id] = _failure_reason(load.failures)
+            else:
+                self._finished.append(request_id)
+
+    def _release_only(self, request_id: str, source: RemoteSource) -> None:
+        self._releasing[request_id] = set()
+        self._pending_releases.append(ReleaseSpec(request_id, source))
+
+    def _fail_now(self, request_id: str, reason: str) -> None:
+        load = self._loads.pop(request_id)
+        logger.warning("request %s failed: %s", request_id, reason)
+        self._release_only(request_id, load.source)
+        self._done.add(request_id)
+        self._failed[request_id] = reason
+
+    def _send_heartbeats_if_due(self) -> None:
+        now = self._clock()
+        if now < self._next_heartbeat_s:
+            return
+        self._next_heartbeat_s = now + self._heartbeat_interval_s
+        by_peer: dict[tuple[str, int], list[str]] = {}
+        for load in self._loads.values():
+            by_peer.setdefault((load.source.host, load.source.port), []).append(
+                load.source.request_id
+            )
+        for (host, port), remote_request_ids in sorted(by_peer.items()):
+            self._heartbeats.submit(host, port, remote_request_ids)
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests this class holds any state for (0 once every request finished and reported)."""
+        return len(self._loads) + len(self._releasing) + len(self._done)
+
+
+def _failure_reason(failures: dict[int, str]) -> str:
+    """One reason for the request: the ranks' shared reason, or the lowest failing rank's."""
+    reasons = set(failures.values())
+    if len(reasons) == 1:
+        return reasons.pop()
+    rank = min(failures)
+    return f"tp_rank {rank}: {failures[rank]} ({len(failures) - 1} other rank(s) failed too)"

@@ -1,0 +1,50 @@
+"""The plain-data records the engine and the scheduler-side connector exchange."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class Role(enum.Enum):
+    PRODUCER = "producer"  # prefill: keeps finished requests' KV for decode engines to read
+    CONSUMER = "consumer"  # decode: loads prompt KV from prefill engines
+    BOTH = "both"
+
+    @property
+    def produces(self) -> bool:
+        return self is not Role.CONSUMER
+
+    @property
+    def consumes(self) -> bool:
+        return self is not Role.PRODUCER
+
+
+class RequestInfo(msgspec.Struct):
+    """What the connector needs to know about one engine request (not the engine's object).
+
+    ``aborted`` matters to ``request_finished`` only: True when the engine stopped the
+    request before its prompt's KV was complete (client abort, error). Prefill then does not
+    offer the KV to a decode engine; decode treats it like any finish.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    aborted: bool = False
+
+
+class FinishedRequests(msgspec.Struct):
+    """Requests whose transfer ended since the last ``take_finished()``; each appears once.
+
+    finished_sending: prefill requests whose blocks the engine may free now.
+    finished_recving: decode requests whose prompt KV arrived; decoding may start.
+    failed_recving: decode requests whose load failed: request id -> reason. Their blocks may
+    be freed (no READ is in flight); the engine fails or recomputes them.
+    """
+
+    finished_sending: tuple[str, ...] = ()
+    finished_recving: tuple[str, ...] = ()
+    failed_recving: dict[str, str] = msgspec.field(default_factory=dict)

@@ -1,0 +1,131 @@
+"""Shared builders for the scheduler-connector tests: specs, clock, requests and reports."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from connector.config import ConnectorConfig
+from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec
+from connector.metadata import LoadSpec, RemoteSource, WorkerReport
+from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
+from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
+from scheduler.heartbeats import HeartbeatSender
+from tests.test_protocol import make_handshake
+
+LEASE_S = 30.0
+HEARTBEAT_S = 5.0
+CONFIG = ConnectorConfig(
+    side_channel_host="127.0.0.1",
+    side_channel_port=5600,
+    kv_lease_duration_s=LEASE_S,
+    heartbeat_interval_s=HEARTBEAT_S,
+    handshake_timeout_s=2.0,
+)
+LAYER = LayerSpec("layer0", num_kv_heads=4, head_dim=8, dtype_bytes=2)
+FULL_16 = GroupSpec(
+    GroupKind.FULL, block_size=16, kernel_block_size=16, num_blocks=64, layers=(LAYER,)
+)
+SSM_64 = GroupSpec(
+    GroupKind.SSM, block_size=64, kernel_block_size=64, num_blocks=8, layers=(LAYER,)
+)
+DENSE = KVCacheSpec("tiny", "bfloat16", "bfloat16", (FULL_16,))
+HYBRID = KVCacheSpec("tiny", "bfloat16", "bfloat16", (FULL_16, SSM_64))
+NO_FINISHED = FinishedRequests()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+class RecordingHeartbeats(HeartbeatSender):
+    """Records submitted heartbeats synchronously instead of sending them."""
+
+    def __init__(self) -> None:
+        super().__init__(secret=None, timeout_s=1.0)
+        self.sent: list[tuple[str, int, tuple[str, ...]]] = []
+
+    def submit(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
+        self.sent.append((host, port, tuple(remote_request_ids)))
+        return True
+
+
+def make_decode(
+    clock: FakeClock, heartbeats: HeartbeatSender, spec: KVCacheSpec = DENSE, tp_size: int = 2
+) -> SchedulerConnector:
+    return SchedulerConnector(
+        CONFIG,
+        engine_id="decode-0",
+        role=Role.CONSUMER,
+        spec=spec,
+        tp_size=tp_size,
+        clock=clock,
+        heartbeat_sender=heartbeats,
+    )
+
+
+def prefill_request(request_id: str = "p1", **extra: Any) -> RequestInfo:
+    return RequestInfo(request_id, 40, {"do_remote_decode": True, **extra})
+
+
+REMOTE_PARAMS: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0",
+    "remote_request_id": "p1",
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 2,
+}
+REMOTE = RemoteSource("prefill-0", "127.0.0.1", 5600, 2, "p1", ((1, 2, 3),))
+
+
+def decode_request(
+    request_id: str = "d1", num_prompt_tokens: int = 40, **changes: Any
+) -> RequestInfo:
+    return RequestInfo(request_id, num_prompt_tokens, {**REMOTE_PARAMS, **changes})
+
+
+def report(tp_rank: int, **fields: Any) -> WorkerReport:
+    return WorkerReport(tp_rank=tp_rank, **fields)
+
+
+def all_ranks(tp_size: int = 2, **fields: Any) -> list[WorkerReport]:
+    return [report(rank, **fields) for rank in range(tp_size)]
+
+
+def handshakes(engine_id: str = "prefill-0", tp_size: int = 2) -> list[WorkerHandshake]:
+    return [
+        WorkerHandshake(
+            PROTOCOL_VERSION,
+            engine_id,
+            rank,
+            tp_size,
+            f"a{rank}",
+            b"",
+            (),
+            make_handshake(rank).layout,
+            "f",
+            {},
+        )
+        for rank in range(tp_size)
+    ]
+
+
+def start_load(
+    decode: SchedulerConnector, request: RequestInfo | None = None, *, num_cached: int = 16
+) -> LoadSpec:
+    """gnnmt -> alloc -> metadata: the request's LoadSpec (blocks 10.. cover its tokens)."""
+    request = request or decode_request()
+    assert decode.get_num_new_matched_tokens(request, num_cached) == (40 - num_cached, True)
+    decode.update_state_after_alloc(request, ((10, 11, 12),), 40 - num_cached)
+    meta = decode.build_connector_meta()
+    assert len(meta.loads) == 1 and meta.releases == ()
+    return meta.loads[0]

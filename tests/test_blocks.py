@@ -1,0 +1,178 @@
+"""Block-id helpers (stable contract) and the kernel block size choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.errors import TransferPlanError, UnsupportedConfiguration
+from connector.kernel_blocks import MultipleOf, choose_kernel_block_size
+from worker.blocks import apply_prefix_caching, logical_to_kernel_block_ids
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "ratio", "ssm_groups", "expected"),
+    [
+        # seed 000, case 1: FA + SWA groups, both expanded with ratio 2.
+        (([0, 1, 2], [3, 4]), 2, (), [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]),
+        (([5], []), 3, (), [[15, 16, 17], []]),
+        (([7, 2], [9]), 1, (), [[7, 2], [9]]),
+        # SSM state blocks are never split.
+        (([0, 1], [10, 11]), 4, (1,), [[0, 1, 2, 3, 4, 5, 6, 7], [10, 11]]),
+    ],
+    ids=["seed000-fa-swa-ratio-2", "empty-group", "ratio-1-identity", "ssm-passes-through"],
+)
+def test_logical_to_kernel_block_ids(block_ids, ratio, ssm_groups, expected):
+    assert logical_to_kernel_block_ids(block_ids, ratio, ssm_groups) == expected
+
+
+def test_seed000_remote_ratio_261_with_ssm_group_passing_through():
+    # Seed 000, case 2: Nemotron-like hybrid, 261 kernel blocks per logical FA block. vLLM's
+    # expected [0, 1, 261, 262, 522, 523] took only its local ratio (2) kernel blocks per
+    # logical block; the contract expands every kernel block of the logical block.
+    fa, ssm = logical_to_kernel_block_ids(([0, 1, 2], [10, 11]), 261, ssm_groups=(1,))
+    assert ssm == [10, 11]
+    assert fa == list(range(3 * 261))
+    assert [fa[0], fa[1], fa[261], fa[262], fa[522], fa[523]] == [0, 1, 261, 262, 522, 523]
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "ratio", "ssm_groups", "message"),
+    [
+        (([0],), 0, (), "kernel blocks per logical block must be >= 1, got 0"),
+        (([0, -3],), 2, (), "group 0: block id -3 is negative"),
+        (([0],), 2, (4,), "SSM group index 4 is not one of 1 groups"),
+    ],
+    ids=["zero-ratio", "negative-id", "ssm-group-out-of-range"],
+)
+def test_logical_to_kernel_block_ids_rejects(block_ids, ratio, ssm_groups, message):
+    with pytest.raises(TransferPlanError, match=message):
+        logical_to_kernel_block_ids(block_ids, ratio, ssm_groups)
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "kwargs", "expected"),
+    [
+        # seed 001: SSM prefix trim only (3 placeholders + the real state).
+        ([list(range(10)), [42]], [list(range(10)), [40, 41, 42, 43]], {},
+         ([list(range(10)), [42]], [list(range(10)), [43]])),
+        # seed 001: FA partial prefix hit, homogeneous TP: 4 blocks cached locally.
+        ([list(range(6, 10)), [42]], [list(range(10)), [42]], {},
+         ([list(range(6, 10)), [42]], [list(range(6, 10)), [42]])),
+        # seed 001: both at once.
+        ([[6, 7, 8, 9], [99]], [list(range(10)), [10, 20, 99]], {},
+         ([[6, 7, 8, 9], [99]], [[6, 7, 8, 9], [99]])),
+        # The seed's open risk: an empty local group must read nothing (x[-0:] is the whole list).
+        ([[], []], [[1, 2, 3], [7, 8]], {}, ([[], []], [[], []])),
+        # Full hit on the FA group only; SSM still pairs its tail.
+        ([[], [5]], [[1, 2, 3], [7, 8]], {}, ([[], [5]], [[], [8]])),
+        # Several local SSM entries: the real state is the last on both sides.
+        ([[4], [3, 5]], [[1], [7, 8]], {}, ([[4], [5]], [[1], [8]])),
+    ],
+    ids=[
+        "seed001-ssm-trim-only",
+        "seed001-fa-prefix-hit-homo-tp",
+        "seed001-fa-hit-and-ssm-trim",
+        "empty-local-groups-read-nothing",
+        "full-hit-fa-ssm-tail",
+        "ssm-local-tail",
+    ],
+)  # fmt: skip
+def test_apply_prefix_caching_equal_ratios(local, remote, kwargs, expected):
+    assert (
+        apply_prefix_caching(
+            local, remote, ssm_groups=(1,), local_ratio=10, remote_ratio=10, **kwargs
+        )
+        == expected
+    )
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "local_ratio", "remote_ratio", "num_tokens", "expected"),
+    [
+        # Decode logical 32 (2 kernel blocks of 16), prefill logical 16. 70 tokens, decode has
+        # [0, 32) cached: decode kernel blocks cover kernel indices 2..5, prefill 0..4. vLLM
+        # paired decode block k with prefill block k + 1 here.
+        ([10, 11, 12, 13], [20, 21, 22, 23, 24], 2, 1, 70, ([10, 11, 12], [22, 23, 24])),
+        # Reader block smaller than writer block (vLLM supports only the reverse).
+        ([30, 31, 32], [40, 41, 42, 43, 44, 45], 1, 2, 70, ([30, 31, 32], [42, 43, 44])),
+        # No prefix hit: every kernel block holding a token is paired by position.
+        ([0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11], 2, 1, 70, ([0, 1, 2, 3, 4], [7, 8, 9, 10, 11])),
+        # Full hit: nothing to pair.
+        ([], [7, 8, 9, 10, 11], 2, 1, 70, ([], [])),
+    ],
+    ids=["decode-larger-partial-hit", "decode-smaller-partial-hit", "no-hit", "full-hit"],
+)
+def test_apply_prefix_caching_different_ratios_pairs_by_token(
+    local, remote, local_ratio, remote_ratio, num_tokens, expected
+):
+    got = apply_prefix_caching(
+        [local], [remote], local_ratio=local_ratio, remote_ratio=remote_ratio,
+        num_tokens=num_tokens, kernel_block_size=16,
+    )  # fmt: skip
+    assert got == ([expected[0]], [expected[1]])
+
+
+def test_apply_prefix_caching_different_ratios_without_token_count_is_unsupported():
+    with pytest.raises(
+        UnsupportedConfiguration, match="pairing them needs num_tokens and kernel_block_size"
+    ):
+        apply_prefix_caching([[1, 2]], [[1, 2, 3, 4]], local_ratio=2, remote_ratio=1)
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "kwargs", "message"),
+    [
+        ([[1, 2, 3]], [[1, 2]], {}, "decode wants 3 kernel blocks but prefill has only 2"),
+        ([[1], [2]], [[1]], {}, "decode has 2 cache groups but prefill sent 1"),
+        ([[1], [2]], [[1], []], {"ssm_groups": (1,)}, r"group 1 \(SSM\): decode expects a state block"),
+        ([[1, 2]], [[1, 2, 3]], {"local_ratio": 2, "num_tokens": 70, "kernel_block_size": 16},
+         "prefill 3 \\(expected 5\\)"),
+        ([[1, 2]], [[1]], {"local_ratio": 2, "num_tokens": 0, "kernel_block_size": 16}, "must all be positive"),
+    ],
+    ids=["local-longer-than-remote", "group-count-mismatch", "ssm-remote-empty",
+         "wrong-remote-count-for-tokens", "zero-tokens"],
+)  # fmt: skip
+def test_apply_prefix_caching_rejects_impossible_inputs(local, remote, kwargs, message):
+    with pytest.raises(TransferPlanError, match=message):
+        apply_prefix_caching(local, remote, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("logical", "backends", "expected"),
+    [
+        (16, [], 16),
+        (128, [[64, 128], [MultipleOf(16)]], 128),
+        # seed 003: FlashInfer-like 64 only, block size 128 -> two kernel blocks per block.
+        (128, [[64], [MultipleOf(16)]], 64),
+        (96, [[MultipleOf(16)], [MultipleOf(32)]], 96),
+        (48, [[MultipleOf(16)], [16, 32, 64]], 16),
+        (4176, [[MultipleOf(16)]], 4176),
+    ],
+    ids=[
+        "no-backends",
+        "all-support-logical",
+        "seed003-kernel-64",
+        "multiples",
+        "mixed",
+        "huge-logical",
+    ],
+)
+def test_choose_kernel_block_size(logical, backends, expected):
+    assert choose_kernel_block_size(logical, backends) == expected
+
+
+@pytest.mark.parametrize(
+    ("logical", "backends", "message"),
+    [
+        (24, [[MultipleOf(16)]],
+         r"logical block size 24 \(backend 0: \[multiples of 16\]\); set the block size \(--block-size\) to a multiple of 16"),
+        (64, [[128], [MultipleOf(32)]], r"divides the logical block size 64 .*to a multiple of 128"),
+        (64, [[16], [32]], "the backends share no kernel block size"),
+        (0, [[16]], "logical block size must be positive, got 0"),
+        (16, [[MultipleOf(0)]], "sizes must be positive"),
+    ],
+    ids=["too-small-logical", "kernel-larger-than-logical", "disjoint-backends", "zero-logical", "zero-multiple"],
+)  # fmt: skip
+def test_choose_kernel_block_size_rejects_with_fix(logical, backends, message):
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        choose_kernel_block_size(logical, backends)

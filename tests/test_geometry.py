@@ -1,0 +1,132 @@
+"""build_rank_layout: every plane's address formula against the tensor shape it describes."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from connector.errors import UnsupportedConfiguration
+from connector.geometry import build_rank_layout
+from connector.layout import (
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+    PlaneGeometry,
+)
+
+
+def _spec(
+    kind=GroupKind.FULL, memory_layout=MemoryLayout.NHD, heads=(4, 2), head_dim=3, planes=2, **group
+):
+    layers = tuple(
+        LayerSpec(name=f"l{i}", num_kv_heads=h, head_dim=head_dim, dtype_bytes=2, num_planes=planes)
+        for i, h in enumerate(heads)
+    )
+    fields = {"block_size": 8, "kernel_block_size": 4, "num_blocks": 3, "window": None} | group
+    return KVCacheSpec(
+        model="m", dtype="bf16", cache_dtype="bf16", memory_layout=memory_layout,
+        groups=(GroupSpec(kind=kind, layers=layers, **fields),),
+    )  # fmt: skip
+
+
+def _address(plane: PlaneGeometry, kernel_block: int, slot: int, head: int) -> int:
+    return (
+        plane.offset_bytes
+        + kernel_block * plane.kernel_block_stride_bytes
+        + slot * plane.token_stride_bytes
+        + head * plane.head_stride_bytes
+    )
+
+
+def _check_per_layer(layout, order: str, slots: int) -> None:
+    """Each layer is one region shaped (planes, kernel blocks, tokens, heads) or (.., heads, tokens)."""
+    group = layout.groups[0]
+    for plane in group.planes:
+        shape = {"nhd": (2, group.num_kernel_blocks, slots, plane.num_heads),
+                 "hnd": (2, group.num_kernel_blocks, plane.num_heads, slots)}[order]  # fmt: skip
+        assert layout.region_bytes[plane.region] == int(np.prod(shape)) * plane.head_bytes
+        for kb, t, h in itertools.product(
+            range(group.num_kernel_blocks), range(slots), range(plane.num_heads)
+        ):
+            index = (plane.plane, kb, t, h) if order == "nhd" else (plane.plane, kb, h, t)
+            assert (
+                _address(plane, kb, t, h)
+                == int(np.ravel_multi_index(index, shape)) * plane.head_bytes
+            )
+
+
+def test_nhd_per_layer_regions():
+    layout = build_rank_layout(_spec(), 0, 1)
+    assert len(layout.region_bytes) == 2
+    _check_per_layer(layout, "nhd", 4)
+
+
+def test_hnd_per_layer_regions():
+    layout = build_rank_layout(_spec(memory_layout=MemoryLayout.HND), 0, 1)
+    _check_per_layer(layout, "hnd", 4)
+
+
+def test_block_outermost_puts_all_layers_of_a_block_together():
+    layout = build_rank_layout(_spec(memory_layout=MemoryLayout.BLOCK_OUTERMOST), 0, 1)
+    group = layout.groups[0]
+    # Per kernel block: layer 0 (K, V) of 4 tokens x 4 heads, then layer 1 (K, V) of 4 x 2.
+    per_block_heads = [4, 4, 2, 2]
+    block_bytes = sum(h * 4 * 6 for h in per_block_heads)
+    assert layout.region_bytes == (block_bytes * group.num_kernel_blocks,)
+    starts = np.cumsum([0] + [h * 4 * 6 for h in per_block_heads])
+    for index, plane in enumerate(group.planes):
+        assert plane.kernel_block_stride_bytes == block_bytes
+        for kb, t, h in itertools.product(range(6), range(4), range(plane.num_heads)):
+            expected = kb * block_bytes + int(starts[index]) + (t * plane.num_heads + h) * 6
+            assert _address(plane, kb, t, h) == expected
+
+
+@pytest.mark.parametrize(
+    ("heads", "tp_size", "tp_rank", "expected_heads"),
+    [((4, 2), 2, 1, [2, 1]), ((4, 2), 4, 3, [1, 1]), ((8, 8), 8, 5, [1, 1])],
+    ids=["even-shard", "tp-over-heads-replicates", "one-head-each"],
+)
+def test_heads_per_rank(heads, tp_size, tp_rank, expected_heads):
+    layout = build_rank_layout(_spec(heads=heads), tp_rank, tp_size)
+    assert [p.num_heads for p in layout.groups[0].planes[::2]] == expected_heads
+    assert [p.model_heads for p in layout.groups[0].planes[::2]] == list(heads)
+
+
+def test_mla_latent_is_replicated_on_every_rank():
+    spec = _spec(kind=GroupKind.MLA, heads=(1,), head_dim=5, planes=1)
+    for rank in range(4):
+        (plane,) = build_rank_layout(spec, rank, 4).groups[0].planes
+        assert (plane.num_heads, plane.replicated, plane.head_bytes) == (1, True, 10)
+
+
+def test_ssm_state_has_no_token_axis():
+    spec = _spec(kind=GroupKind.SSM, heads=(4,), planes=1, block_size=8, kernel_block_size=8)
+    layout = build_rank_layout(spec, 1, 2)
+    (plane,) = layout.groups[0].planes
+    assert plane.token_stride_bytes == 0
+    assert plane.num_heads == 2
+    assert plane.kernel_block_stride_bytes == 2 * 6
+    assert layout.region_bytes == (3 * 2 * 6,)
+
+
+@pytest.mark.parametrize(
+    ("spec", "rank", "tp", "message"),
+    [
+        (_spec(), 2, 2, "tp_rank=2 is not a rank of tp_size=2"),
+        (_spec(kernel_block_size=3), 0, 1, "kernel block size 3 does not divide the logical block size 8"),
+        (_spec(kind=GroupKind.SSM, planes=1), 0, 1, r"kernel_block_size \(4\) must equal block_size \(8\)"),
+        (_spec(kind=GroupKind.SLIDING_WINDOW), 0, 1, "sliding-window but its window is None"),
+        (_spec(heads=(6, 2)), 0, 4, "6 KV heads cannot be split over tensor-parallel size 4"),
+        (_spec(num_blocks=0), 0, 1, "num_blocks=0 must all be positive"),
+        (KVCacheSpec(model="m", dtype="bf16", cache_dtype="bf16", groups=()), 0, 1, "has no cache groups"),
+    ],
+    ids=["rank-out-of-range", "kernel-not-dividing", "ssm-split", "swa-without-window",
+         "heads-not-divisible", "empty-pool", "no-groups"],
+)  # fmt: skip
+def test_build_rank_layout_rejects(spec, rank, tp, message):
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        build_rank_layout(spec, rank, tp)

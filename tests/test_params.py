@@ -1,0 +1,253 @@
+"""kv_transfer_params validation: every malformed dict fails with a message naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from connector.errors import InvalidTransferParams
+from connector.metadata import RemoteSource
+from connector.params import (
+    KVTransferParams,
+    params_for_decode,
+    parse_kv_transfer_params,
+    validate_block_groups,
+)
+
+PREFILL_DONE: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0",
+    "remote_request_id": "cmpl-1",
+    "remote_block_ids": [[1, 2, 3], [7]],
+    "remote_host": "10.0.0.5",
+    "remote_port": 5600,
+    "tp_size": 2,
+}
+
+
+def decode_params(**changes: Any) -> dict[str, Any]:
+    """PREFILL_DONE with keys changed; a value of ... deletes the key."""
+    params = dict(PREFILL_DONE)
+    for key, value in changes.items():
+        if value is ...:
+            del params[key]
+        else:
+            params[key] = value
+    return params
+
+
+MALFORMED: list[tuple[str, Any, str]] = [
+    ("params that are a list", [1, 2], "must be a JSON object"),
+    ("params that are a string", "do_remote_decode", "must be a JSON object"),
+    ("a key that is not a string", {1: True}, "key 1 is not a string"),
+    ("do_remote_decode as the string 'true'", {"do_remote_decode": "true"}, "'do_remote_decode'"),
+    ("do_remote_decode as the integer 1", {"do_remote_decode": 1}, "'do_remote_decode'"),
+    (
+        "do_remote_prefill as the integer 0",
+        decode_params(do_remote_prefill=0),
+        "'do_remote_prefill'",
+    ),
+    (
+        "both do_remote_decode and do_remote_prefill",
+        decode_params(do_remote_decode=True),
+        "both true",
+    ),
+    (
+        "prefill params without remote_engine_id",
+        decode_params(remote_engine_id=...),
+        "remote_engine_id",
+    ),
+    (
+        "prefill params without remote_request_id",
+        decode_params(remote_request_id=...),
+        "remote_request_id",
+    ),
+    (
+        "prefill params without remote_block_ids",
+        decode_params(remote_block_ids=...),
+        "remote_block_ids",
+    ),
+    ("prefill params without remote_host", decode_params(remote_host=...), "remote_host"),
+    ("prefill params without remote_port", decode_params(remote_port=...), "remote_port"),
+    ("prefill params without tp_size", decode_params(tp_size=...), "tp_size"),
+    (
+        "prefill params with a null remote_host",
+        decode_params(remote_host=None),
+        "remote_host missing",
+    ),
+    ("an empty remote_engine_id", decode_params(remote_engine_id=""), "'remote_engine_id'"),
+    ("a numeric remote_engine_id", decode_params(remote_engine_id=7), "'remote_engine_id'"),
+    ("an empty remote_request_id", decode_params(remote_request_id=""), "'remote_request_id'"),
+    ("a list as remote_request_id", decode_params(remote_request_id=["a"]), "'remote_request_id'"),
+    ("an empty remote_host", decode_params(remote_host=""), "'remote_host'"),
+    ("remote_port 0", decode_params(remote_port=0), "'remote_port'.*>= 1"),
+    ("remote_port 65536", decode_params(remote_port=65536), "'remote_port'.*<= 65535"),
+    ("a negative remote_port", decode_params(remote_port=-1), "'remote_port'"),
+    ("remote_port as a string", decode_params(remote_port="5600"), "'remote_port'.*got `str`"),
+    ("remote_port as a float", decode_params(remote_port=5600.0), "'remote_port'.*got `float`"),
+    ("remote_port as a bool", decode_params(remote_port=True), "'remote_port'.*got `bool`"),
+    ("tp_size 0", decode_params(tp_size=0), "'tp_size'.*>= 1"),
+    ("tp_size as a bool", decode_params(tp_size=True), "'tp_size'.*got `bool`"),
+    ("tp_size as a string", decode_params(tp_size="2"), "'tp_size'"),
+    ("remote_block_ids as a string", decode_params(remote_block_ids="1,2"), "'remote_block_ids'"),
+    (
+        "remote_block_ids as a dict",
+        decode_params(remote_block_ids={"0": [1]}),
+        "'remote_block_ids'",
+    ),
+    ("an empty remote_block_ids", decode_params(remote_block_ids=[]), "holds no cache group"),
+    (
+        "a negative block id",
+        decode_params(remote_block_ids=[[1, -2]]),
+        r"remote_block_ids\[0\]\[1\]",
+    ),
+    ("a bool block id", decode_params(remote_block_ids=[[1, True]]), "got `bool`"),
+    ("a float block id", decode_params(remote_block_ids=[[1.5]]), "got `float`"),
+    ("a string block id", decode_params(remote_block_ids=[["3"]]), "got `str`"),
+    ("a block id above 2**31-1", decode_params(remote_block_ids=[[2**31]]), "<= 2147483647"),
+    (
+        "a flat list mixing ids and lists",
+        decode_params(remote_block_ids=[1, [2]]),
+        "'remote_block_ids'",
+    ),
+    ("groups mixing lists and ids", decode_params(remote_block_ids=[[1], 2]), "'remote_block_ids'"),
+    ("a group of nested lists", decode_params(remote_block_ids=[[[1]]]), "'remote_block_ids'"),
+    ("a null group", decode_params(remote_block_ids=[None]), "'remote_block_ids'"),
+    (
+        "an overlong remote_request_id",
+        decode_params(remote_request_id="x" * 5000),
+        "'remote_request_id'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"), [case[1:] for case in MALFORMED], ids=[case[0] for case in MALFORMED]
+)
+def test_malformed_params_are_rejected_naming_the_key(raw: Any, message: str) -> None:
+    with pytest.raises(InvalidTransferParams, match=message):
+        parse_kv_transfer_params(raw)
+
+
+def test_invalid_transfer_params_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        parse_kv_transfer_params({"remote_port": "x"})
+
+
+def test_long_values_are_shortened_in_the_message() -> None:
+    with pytest.raises(InvalidTransferParams) as info:
+        parse_kv_transfer_params(decode_params(remote_block_ids="y" * 10_000))
+    assert len(str(info.value)) < 400
+
+
+VALID: list[tuple[str, Any, KVTransferParams | None]] = [
+    ("None means no transfer", None, None),
+    ("an empty dict means no transfer", {}, None),
+    ("do_remote_decode alone", {"do_remote_decode": True}, KVTransferParams(do_remote_decode=True)),
+    (
+        "the toy proxy's request to prefill, with null remote keys",
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        KVTransferParams(do_remote_decode=True),
+    ),
+    (
+        "prefill's reply, two groups",
+        PREFILL_DONE,
+        KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="prefill-0",
+            remote_request_id="cmpl-1",
+            remote_block_ids=((1, 2, 3), (7,)),
+            remote_host="10.0.0.5",
+            remote_port=5600,
+            tp_size=2,
+        ),
+    ),
+    (
+        "a flat block list means one group",
+        decode_params(remote_block_ids=[4, 5]),
+        KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="prefill-0",
+            remote_request_id="cmpl-1",
+            remote_block_ids=((4, 5),),
+            remote_host="10.0.0.5",
+            remote_port=5600,
+            tp_size=2,
+        ),
+    ),
+    (
+        "unknown router keys are tolerated and listed",
+        {"do_remote_decode": True, "x_router_hint": {"a": 1}, "priority": 3},
+        KVTransferParams(do_remote_decode=True, ignored_keys=("priority", "x_router_hint")),
+    ),
+    (
+        "both flags false",
+        {"do_remote_decode": False, "do_remote_prefill": False},
+        KVTransferParams(),
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "expected"), [c[1:] for c in VALID], ids=[c[0] for c in VALID])
+def test_valid_params_parse(raw: Any, expected: KVTransferParams | None) -> None:
+    assert parse_kv_transfer_params(raw) == expected
+
+
+def test_an_empty_group_is_allowed() -> None:
+    parsed = parse_kv_transfer_params(decode_params(remote_block_ids=[[1], []]))
+    assert parsed is not None and parsed.remote_block_ids == ((1,), ())
+
+
+def test_params_for_decode_round_trip_through_the_parser() -> None:
+    returned = params_for_decode(
+        engine_id="prefill-0",
+        request_id="cmpl-1",
+        block_ids=((1, 2, 3), (7,)),
+        host="10.0.0.5",
+        port=5600,
+        tp_size=2,
+    )
+    assert returned == PREFILL_DONE
+    parsed = parse_kv_transfer_params(returned)
+    assert parsed is not None
+    assert parsed.remote_source() == RemoteSource(
+        engine_id="prefill-0",
+        host="10.0.0.5",
+        port=5600,
+        tp_size=2,
+        request_id="cmpl-1",
+        block_ids=((1, 2, 3), (7,)),
+    )
+
+
+def test_remote_source_needs_do_remote_prefill() -> None:
+    with pytest.raises(InvalidTransferParams, match="do_remote_prefill is not set"):
+        KVTransferParams(do_remote_decode=True).remote_source()
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "num_groups", "message"),
+    [
+        ([[1], [2]], 2, None),
+        ([1, 2], 1, None),
+        ([[1], [2]], 1, "2 cache group.*this engine has 1"),
+        ([1, 2], 3, "1 cache group.*this engine has 3"),
+    ],
+    ids=["two groups for two", "flat list for one", "two groups for one", "one group for three"],
+)
+def test_validate_block_groups(block_ids: Any, num_groups: int, message: str | None) -> None:
+    params = parse_kv_transfer_params(decode_params(remote_block_ids=block_ids))
+    assert params is not None
+    if message is None:
+        validate_block_groups(params, num_groups)
+    else:
+        with pytest.raises(InvalidTransferParams, match=message):
+            validate_block_groups(params, num_groups)

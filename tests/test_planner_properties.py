@@ -1,0 +1,143 @@
+"""Property tests: random pairings of block sizes, kernel splits, layouts, TP and prefix hits.
+
+Each example builds both engines' specs, plans every decode rank, executes the plans with the
+byte-level oracle against every prefill rank and demands exact decode memory, fully merged
+descriptors and consistent notification counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
+from tests import oracle
+
+TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]  # (prefill, decode)
+KINDS = [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MLA, GroupKind.SSM]
+PLACEHOLDER = 0  # the null block: never a real block on either side
+
+
+@dataclass(frozen=True)
+class Side:
+    memory_layout: MemoryLayout
+    blocks: tuple[tuple[int, int], ...]  # per group: (block_size, kernel_block_size)
+
+
+@st.composite
+def _block_sizes(draw: st.DrawFn, kind: GroupKind) -> tuple[int, int]:
+    block = draw(st.sampled_from([2, 4, 6, 8, 16]))
+    if kind is GroupKind.SSM:
+        return block, block
+    kernel = draw(st.sampled_from([k for k in (1, 2, 3, 4, 8, 16) if block % k == 0]))
+    return block, kernel
+
+
+@st.composite
+def _layers(draw: st.DrawFn, kind: GroupKind) -> tuple[LayerSpec, ...]:
+    count = draw(st.integers(1, 2))
+    heads = (
+        [1] * count
+        if kind is GroupKind.MLA
+        else draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=count, max_size=count))
+    )
+    planes = 1 if kind in (GroupKind.MLA, GroupKind.SSM) else 2
+    return tuple(
+        LayerSpec(name=f"l{i}", num_kv_heads=h, head_dim=draw(st.integers(1, 3)), dtype_bytes=draw(st.sampled_from([1, 2])), num_planes=planes)
+        for i, h in enumerate(heads)
+    )  # fmt: skip
+
+
+def _ids(draw: st.DrawFn, count: int, pool: int) -> list[int]:
+    """``count`` distinct real block ids out of [1, pool): contiguous or shuffled."""
+    if draw(st.booleans()):
+        first = draw(st.integers(1, pool - count))
+        return list(range(first, first + count))
+    return draw(st.permutations(range(1, pool)))[:count]
+
+
+@dataclass(frozen=True)
+class Case:
+    prefill: KVCacheSpec
+    decode: KVCacheSpec
+    prefill_tp: int
+    decode_tp: int
+    request: oracle.Request
+
+
+def _spec(side: Side, kinds, layers, windows, pools) -> KVCacheSpec:
+    groups = tuple(
+        GroupSpec(kind=kind, block_size=block, kernel_block_size=kernel, num_blocks=pool, layers=layer, window=window)
+        for kind, (block, kernel), layer, window, pool in zip(kinds, side.blocks, layers, windows, pools, strict=True)
+    )  # fmt: skip
+    return KVCacheSpec(
+        model="m", dtype="bf16", cache_dtype="bf16", groups=groups, memory_layout=side.memory_layout
+    )
+
+
+def _group_ids(draw, kind, block_size, window, num_tokens, first_token, pool) -> list[int]:
+    """Block ids covering [first_token, num_tokens); SWA blocks before the window are placeholders."""
+    first_logical = first_token // block_size
+    count = math.ceil(num_tokens / block_size) - first_logical
+    if kind is GroupKind.SSM:
+        return (
+            []
+            if first_token >= num_tokens
+            else [PLACEHOLDER] * draw(st.integers(0, 2)) + _ids(draw, 1, pool)
+        )
+    ids = _ids(draw, count, pool)
+    if kind is GroupKind.SLIDING_WINDOW:
+        window_start = max(0, num_tokens - window)
+        ids = [
+            PLACEHOLDER if (first_logical + i + 1) * block_size <= window_start else b
+            for i, b in enumerate(ids)
+        ]
+    return ids
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    prefill_tp, decode_tp = draw(st.sampled_from(TP_PAIRS))
+    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=3))
+    layers = [draw(_layers(kind)) for kind in kinds]
+    windows = [draw(st.integers(1, 24)) if k is GroupKind.SLIDING_WINDOW else None for k in kinds]
+    prefill = Side(draw(st.sampled_from(MemoryLayout)), tuple(draw(_block_sizes(k)) for k in kinds))
+    decode = Side(draw(st.sampled_from(MemoryLayout)), tuple(draw(_block_sizes(k)) for k in kinds))
+    aligned = math.lcm(
+        *[b for (b, _), k in zip(decode.blocks, kinds, strict=True) if k is not GroupKind.SSM]
+        or [1]
+    )
+    hit = draw(st.sampled_from(["none", "partial", "full"]))
+    num_tokens = draw(st.integers(1, 40))
+    if hit == "full":
+        num_tokens = aligned * max(1, num_tokens // aligned)
+    cached = {
+        "none": 0,
+        "partial": aligned * draw(st.integers(0, num_tokens // aligned)),
+        "full": num_tokens,
+    }[hit]
+    pools = [
+        math.ceil(num_tokens / min(p[0], d[0])) + 4
+        for p, d in zip(prefill.blocks, decode.blocks, strict=True)
+    ]
+    local_ids = [
+        _group_ids(draw, k, d[0], w, num_tokens, cached, pool)
+        for k, d, w, pool in zip(kinds, decode.blocks, windows, pools, strict=True)
+    ]
+    remote_ids = [
+        _group_ids(draw, k, p[0], w, num_tokens, 0, pool)
+        for k, p, w, pool in zip(kinds, prefill.blocks, windows, pools, strict=True)
+    ]
+    request = oracle.Request(
+        num_tokens, cached, tuple(map(tuple, local_ids)), tuple(map(tuple, remote_ids))
+    )
+    return Case(_spec(prefill, kinds, layers, windows, pools), _spec(decode, kinds, layers, windows, pools), prefill_tp, decode_tp, request)  # fmt: skip
+
+
+@settings(max_examples=250)
+@given(cases())
+def test_plans_are_byte_exact_merged_and_notify_every_prefill_rank(case: Case) -> None:
+    oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)

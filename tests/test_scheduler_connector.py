@@ -1,0 +1,472 @@
+"""SchedulerConnector lifecycles with fabricated worker reports: prefill leases, decode loads."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from connector.config import ConnectorConfig
+from connector.errors import InvalidTransferParams, UnsupportedConfiguration
+from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec
+from connector.protocol import WorkerHandshake
+from connector.side_channel_client import send_heartbeat, send_release
+from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
+from tests.scheduler_helpers import (
+    CONFIG,
+    DENSE,
+    HYBRID,
+    LEASE_S,
+    NO_FINISHED,
+    REMOTE,
+    REMOTE_PARAMS,
+    FakeClock,
+    RecordingHeartbeats,
+    all_ranks,
+    decode_request,
+    handshakes,
+    make_decode,
+    prefill_request,
+    report,
+    start_load,
+)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def heartbeats() -> RecordingHeartbeats:
+    return RecordingHeartbeats()
+
+
+@pytest.fixture
+def prefill(clock: FakeClock) -> Iterator[SchedulerConnector]:
+    connector = SchedulerConnector(
+        CONFIG, engine_id="prefill-0", role=Role.PRODUCER, spec=DENSE, tp_size=2, clock=clock
+    )
+    yield connector
+    connector.shutdown()
+
+
+@pytest.fixture
+def decode(clock: FakeClock, heartbeats: RecordingHeartbeats) -> Iterator[SchedulerConnector]:
+    connector = make_decode(clock, heartbeats)
+    yield connector
+    connector.shutdown()
+
+
+@pytest.fixture
+def served_prefill(clock: FakeClock) -> Iterator[SchedulerConnector]:
+    config = ConnectorConfig(side_channel_port=0, kv_lease_duration_s=LEASE_S)
+    connector = SchedulerConnector(
+        config, engine_id="prefill-0", role=Role.PRODUCER, spec=DENSE, tp_size=2, clock=clock
+    )
+    connector.start_side_channel(handshakes())
+    yield connector
+    connector.shutdown()
+
+
+# ---------------------------------------------------------------- prefill (producer)
+
+
+def test_prefill_lifecycle_reports_finished_sending_once_all_ranks_freed(
+    prefill: SchedulerConnector,
+) -> None:
+    request = prefill_request()
+    assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
+    delay, params = prefill.request_finished(request, ((1, 2, 3),))
+    assert delay is True
+    assert params == {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_request_id": "p1",
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 2,
+    }
+    assert prefill.build_connector_meta() == ConnectorMetadata(sends=("p1",))
+    assert prefill.build_connector_meta() == ConnectorMetadata()
+    prefill.update_connector_output([report(0, finished_sending=("p1",)), report(1)])
+    assert prefill.take_finished() == NO_FINISHED
+    prefill.update_connector_output([report(1, finished_sending=("p1",))])
+    assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
+    prefill.update_connector_output(all_ranks(finished_sending=("p1",)))
+    assert prefill.take_finished() == NO_FINISHED
+
+
+def test_a_rank_reporting_twice_does_not_count_for_another(prefill: SchedulerConnector) -> None:
+    prefill.request_finished(prefill_request(), ((1,),))
+    prefill.update_connector_output([report(0, finished_sending=("p1",))] * 2)
+    assert prefill.take_finished() == NO_FINISHED
+
+
+def test_lease_expiry_frees_and_forgets_with_a_warning(
+    prefill: SchedulerConnector, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefill.request_finished(prefill_request(), ((1,),))
+    assert prefill.build_connector_meta().sends == ("p1",)
+    clock.advance(LEASE_S - 0.001)
+    assert prefill.build_connector_meta() == ConnectorMetadata()
+    clock.advance(0.001)
+    with caplog.at_level(logging.WARNING):
+        assert prefill.build_connector_meta() == ConnectorMetadata(forgotten=("p1",))
+    assert "lease of 30.0 s expired" in caplog.text
+    assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
+    prefill.update_connector_output(all_ranks(finished_sending=("p1",)))  # late readers
+    assert prefill.take_finished() == NO_FINISHED
+
+
+def test_expiry_before_the_sends_went_out_is_never_forgotten_to_the_ranks(
+    prefill: SchedulerConnector, clock: FakeClock
+) -> None:
+    prefill.request_finished(prefill_request(), ((1,),))
+    clock.advance(LEASE_S + 1)
+    assert prefill.build_connector_meta() == ConnectorMetadata()
+    assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
+
+
+def test_lease_expiry_is_also_checked_on_update_connector_output(
+    prefill: SchedulerConnector, clock: FakeClock
+) -> None:
+    prefill.request_finished(prefill_request(), ((1,),))
+    prefill.build_connector_meta()
+    clock.advance(LEASE_S)
+    prefill.update_connector_output([])
+    assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
+    assert prefill.build_connector_meta() == ConnectorMetadata(forgotten=("p1",))
+
+
+@pytest.mark.parametrize(
+    ("request_info", "expected"),
+    [
+        (RequestInfo("p1", 40, None), (False, None)),
+        (RequestInfo("p1", 40, {"do_remote_decode": False}), (False, None)),
+        (RequestInfo("p1", 40, {"do_remote_decode": True}, aborted=True), (False, None)),
+        (RequestInfo("p1", 40, {"do_remote_decode": "yes"}), (False, None)),
+    ],
+    ids=[
+        "no params",
+        "do_remote_decode false",
+        "aborted before the prompt was computed",
+        "malformed params",
+    ],
+)
+def test_prefill_requests_without_a_transfer_are_freed_at_once(
+    prefill: SchedulerConnector, request_info: RequestInfo, expected: tuple[bool, None]
+) -> None:
+    assert prefill.request_finished(request_info, ((1,),)) == expected
+    assert prefill.build_connector_meta() == ConnectorMetadata()
+
+
+def test_prefill_without_a_reachable_side_channel_does_not_lease(clock: FakeClock) -> None:
+    config = ConnectorConfig(side_channel_port=0)
+    connector = SchedulerConnector(
+        config, engine_id="p", role=Role.PRODUCER, spec=DENSE, tp_size=1, clock=clock
+    )
+    assert connector.request_finished(prefill_request(), ((1,),)) == (False, None)
+
+
+def test_params_carry_the_bound_side_channel_port(served_prefill: SchedulerConnector) -> None:
+    _, params = served_prefill.request_finished(prefill_request(), ((1,),))
+    assert params is not None and params["remote_port"] == served_prefill.side_channel_port != 0
+
+
+def test_the_side_channel_starts_once(served_prefill: SchedulerConnector) -> None:
+    with pytest.raises(UnsupportedConfiguration, match="already serves on port"):
+        served_prefill.start_side_channel(handshakes())
+
+
+def test_heartbeats_over_the_side_channel_extend_the_lease(
+    served_prefill: SchedulerConnector, clock: FakeClock
+) -> None:
+    port = served_prefill.side_channel_port
+    served_prefill.request_finished(prefill_request(), ((1,),))
+    served_prefill.build_connector_meta()
+    for _ in range(3):  # 3 x 20 s, each within the 30 s lease
+        clock.advance(20.0)
+        assert send_heartbeat("127.0.0.1", port, ["p1", "unknown"], secret=None, timeout_s=2.0) == 1
+        served_prefill.update_connector_output([])
+        assert served_prefill.take_finished() == NO_FINISHED
+    clock.advance(LEASE_S)
+    served_prefill.update_connector_output([])
+    assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
+
+
+def test_a_release_over_the_side_channel_frees_at_the_next_step(
+    served_prefill: SchedulerConnector,
+) -> None:
+    served_prefill.request_finished(prefill_request(), ((1,),))
+    served_prefill.build_connector_meta()
+    port = served_prefill.side_channel_port
+    assert send_release("127.0.0.1", port, ["p1"], secret=None, timeout_s=2.0) == 1
+    assert send_release("127.0.0.1", port, ["p1"], secret=None, timeout_s=2.0) == 0
+    assert served_prefill.build_connector_meta() == ConnectorMetadata(forgotten=("p1",))
+    assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (handshakes(tp_size=1), r"one handshake per rank 0..1, got ranks \[0\]"),
+        (handshakes() + handshakes()[:1], r"got ranks \[0, 1, 0\]"),
+        (handshakes(engine_id="other"), "says engine 'other'"),
+    ],
+    ids=["a missing rank", "a duplicate rank", "another engine's handshakes"],
+)
+def test_start_side_channel_checks_the_handshakes(
+    prefill: SchedulerConnector, given: list[WorkerHandshake], message: str
+) -> None:
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        prefill.start_side_channel(given)
+
+
+@pytest.mark.parametrize(
+    ("role", "params", "message"),
+    [
+        (Role.PRODUCER, REMOTE_PARAMS, "do_remote_prefill sent to a producer-only"),
+        (Role.CONSUMER, {"do_remote_decode": True}, "do_remote_decode sent to a consumer-only"),
+        (Role.BOTH, {"remote_port": 0}, "'remote_port'"),
+        (Role.BOTH, {**REMOTE_PARAMS, "remote_block_ids": [[1], [2]]}, "2 cache group.*has 1"),
+    ],
+    ids=[
+        "load asked of a prefill engine",
+        "lease asked of a decode engine",
+        "malformed params",
+        "wrong group count",
+    ],
+)
+def test_bad_params_raise_on_first_sight_and_keep_no_state(
+    clock: FakeClock,
+    heartbeats: RecordingHeartbeats,
+    role: Role,
+    params: dict[str, Any],
+    message: str,
+) -> None:
+    connector = SchedulerConnector(
+        CONFIG,
+        engine_id="e",
+        role=role,
+        spec=DENSE,
+        tp_size=1,
+        clock=clock,
+        heartbeat_sender=heartbeats,
+    )
+    request = RequestInfo("r1", 40, params)
+    with pytest.raises(InvalidTransferParams, match=message):
+        connector.get_num_new_matched_tokens(request, 0)
+    connector.update_state_after_alloc(request, ((1, 2, 3),), 40)
+    assert connector.build_connector_meta() == ConnectorMetadata()
+    assert connector.request_finished(request, ((1, 2, 3),)) == (False, None)
+    connector.update_connector_output(
+        [report(0, finished_recving=("r1",), finished_sending=("r1",))]
+    )
+    assert connector.take_finished() == NO_FINISHED
+
+
+def test_reports_from_ranks_outside_tp_size_are_ignored(
+    prefill: SchedulerConnector, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefill.request_finished(prefill_request(), ((1,),))
+    with caplog.at_level(logging.ERROR):
+        prefill.update_connector_output(
+            [report(0, finished_sending=("p1",)), report(7, finished_sending=("p1",))]
+        )
+    assert "tp_rank 7" in caplog.text
+    assert prefill.take_finished() == NO_FINISHED
+
+
+# ---------------------------------------------------------------- decode (consumer)
+
+
+def test_decode_lifecycle_loads_the_uncached_suffix_then_reports_once(
+    decode: SchedulerConnector,
+) -> None:
+    request = decode_request()
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)  # retried scheduling
+    decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
+    assert decode.get_num_new_matched_tokens(request, 16) == (0, False)
+    assert decode.build_connector_meta() == ConnectorMetadata(
+        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, remote=REMOTE),)
+    )
+    assert decode.build_connector_meta() == ConnectorMetadata()
+    decode.update_connector_output([report(0, finished_recving=("d1",)), report(1)])
+    assert decode.take_finished() == NO_FINISHED
+    decode.update_connector_output([report(1, finished_recving=("d1",))])
+    assert decode.take_finished() == FinishedRequests(finished_recving=("d1",))
+    decode.update_connector_output(all_ranks(finished_recving=("d1",)))
+    assert decode.take_finished() == NO_FINISHED
+    assert decode.get_num_new_matched_tokens(request, 40) == (0, False)
+    assert decode.request_finished(request, ((10, 11, 12),)) == (False, None)
+
+
+def test_one_failing_rank_fails_the_request_with_its_reason(decode: SchedulerConnector) -> None:
+    start_load(decode)
+    decode.update_connector_output(
+        [report(0, finished_recving=("d1",)), report(1, failed_recving={"d1": "peer gone"})]
+    )
+    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "peer gone"})
+    assert decode.get_num_new_matched_tokens(decode_request(), 16) == (0, False)
+
+
+def test_different_rank_failures_name_the_lowest_rank(decode: SchedulerConnector) -> None:
+    start_load(decode)
+    decode.update_connector_output(
+        [
+            report(0, failed_recving={"d1": "timeout"}),
+            report(1, failed_recving={"d1": "bad descriptor"}),
+        ]
+    )
+    assert decode.take_finished().failed_recving == {
+        "d1": "tp_rank 0: timeout (1 other rank(s) failed too)"
+    }
+
+
+def test_a_full_prefix_hit_only_releases_the_prefill_blocks(decode: SchedulerConnector) -> None:
+    request = decode_request()
+    assert decode.get_num_new_matched_tokens(request, 40) == (0, False)
+    assert decode.get_num_new_matched_tokens(request, 40) == (0, False)
+    decode.update_state_after_alloc(request, ((10, 11, 12),), 0)
+    assert decode.build_connector_meta() == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    assert decode.take_finished() == NO_FINISHED
+    assert decode.request_finished(request, ((10, 11, 12),)) == (False, None)
+
+
+def test_abort_before_allocation_releases_and_frees_at_once(decode: SchedulerConnector) -> None:
+    request = decode_request()
+    decode.get_num_new_matched_tokens(request, 16)
+    assert decode.request_finished(request, ((),)) == (False, None)
+    assert decode.build_connector_meta() == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    assert decode.take_finished() == NO_FINISHED
+
+
+def test_abort_after_allocation_holds_blocks_until_ranks_confirm(
+    decode: SchedulerConnector,
+) -> None:
+    request = decode_request()
+    decode.get_num_new_matched_tokens(request, 16)
+    decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
+    assert decode.request_finished(request, ((10, 11, 12),)) == (True, None)
+    assert decode.build_connector_meta() == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
+    decode.update_connector_output([report(0, failed_recving={"d1": "aborted"})])
+    assert decode.take_finished() == NO_FINISHED
+    decode.update_connector_output([report(1, failed_recving={"d1": "aborted"})])
+    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "aborted"})
+    assert decode.build_connector_meta() == ConnectorMetadata()
+
+
+def test_abort_while_loading_waits_for_the_load(decode: SchedulerConnector) -> None:
+    start_load(decode)
+    assert decode.request_finished(decode_request(), ((10, 11, 12),)) == (True, None)
+    assert decode.request_finished(decode_request(), ((10, 11, 12),)) == (True, None)
+    assert decode.build_connector_meta() == ConnectorMetadata()  # the READ is in flight
+    decode.update_connector_output(all_ranks(finished_recving=("d1",)))
+    assert decode.take_finished() == FinishedRequests(finished_recving=("d1",))
+
+
+def test_a_finish_after_the_load_frees_at_once(decode: SchedulerConnector) -> None:
+    start_load(decode)
+    decode.update_connector_output(all_ranks(finished_recving=("d1",)))
+    decode.take_finished()
+    assert decode.request_finished(decode_request(), ((10, 11, 12),)) == (False, None)
+    assert decode.build_connector_meta() == ConnectorMetadata()
+
+
+def test_too_few_blocks_fails_the_request_and_releases_prefill(decode: SchedulerConnector) -> None:
+    request = decode_request()
+    decode.get_num_new_matched_tokens(request, 16)
+    decode.update_state_after_alloc(request, ((10, 11),), 24)
+    meta = decode.build_connector_meta()
+    assert meta == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
+    finished = decode.take_finished()
+    assert finished.failed_recving == {
+        "d1": "cannot plan the load: cache group 0: 2 block(s) of 16 tokens cannot hold 40 "
+        "tokens (need 3)"
+    }
+    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    assert decode.take_finished() == NO_FINISHED
+    assert decode.request_finished(request, ((10, 11),)) == (False, None)
+
+
+def test_a_hybrid_model_loads_the_ssm_state_block(
+    clock: FakeClock, heartbeats: RecordingHeartbeats
+) -> None:
+    decode = make_decode(clock, heartbeats, spec=HYBRID, tp_size=1)
+    request = decode_request(remote_block_ids=[[1, 2, 3], [9]])
+    assert decode.get_num_new_matched_tokens(request, 32) == (8, True)
+    decode.update_state_after_alloc(request, ((10, 11, 12), (0, 5)), 8)
+    (load,) = decode.build_connector_meta().loads
+    assert load.local_block_ids == ((12,), (5,))
+    assert load.remote.block_ids == ((1, 2, 3), (9,))
+
+
+def test_reports_for_unknown_or_unemitted_requests_are_ignored(decode: SchedulerConnector) -> None:
+    request = decode_request()
+    decode.get_num_new_matched_tokens(request, 16)
+    decode.update_connector_output(all_ranks(finished_recving=("d1", "stranger")))
+    assert decode.take_finished() == NO_FINISHED
+    decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
+    assert len(decode.build_connector_meta().loads) == 1
+
+
+def drive_to(decode: SchedulerConnector, stage: str) -> list[str]:
+    """Take decode request d1 to ``stage``; returns the instructions the ranks received."""
+    request = decode_request()
+    instructions: list[str] = []
+    steps = ["matched", "allocated", "emitted", "one rank reported", "loaded"]
+    for index, name in enumerate(steps[: steps.index(stage) + 1]):
+        if name == "matched":
+            decode.get_num_new_matched_tokens(request, 16)
+        elif name == "allocated":
+            decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
+        elif name == "emitted":
+            instructions += [load.request_id for load in decode.build_connector_meta().loads]
+        else:
+            decode.update_connector_output([report(index - 3, finished_recving=("d1",))])
+    return instructions
+
+
+ABORT_STAGES = [
+    ("after matching", "matched", False, 0),
+    ("after allocation", "allocated", True, 1),
+    ("after the load was emitted", "emitted", True, 1),
+    ("after one rank reported", "one rank reported", True, 1),
+    ("after the load finished", "loaded", False, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("stage", "delay", "num_reports"),
+    [c[1:] for c in ABORT_STAGES],
+    ids=[c[0] for c in ABORT_STAGES],
+)
+def test_abort_at_every_stage_is_reported_at_most_once_and_leaks_nothing(
+    decode: SchedulerConnector, stage: str, delay: bool, num_reports: int
+) -> None:
+    loading = drive_to(decode, stage)  # loads the ranks already work on
+    finished = decode.take_finished()
+    reports = [*finished.finished_recving, *finished.failed_recving]
+    assert decode.request_finished(decode_request(), ((10, 11, 12),)) == (delay, None)
+    for _ in range(3):  # every rank answers every instruction, a few steps in a row
+        meta = decode.build_connector_meta()
+        loading += [load.request_id for load in meta.loads]
+        answers = {release.request_id: "aborted" for release in meta.releases}
+        decode.update_connector_output(
+            [
+                report(rank, finished_recving=tuple(loading), failed_recving=answers)
+                for rank in (0, 1)
+            ]
+        )
+        finished = decode.take_finished()
+        reports += [*finished.finished_recving, *finished.failed_recving]
+    assert reports.count("d1") == num_reports
+    # No state outlives the request: the same id would start afresh.
+    assert decode.get_num_new_matched_tokens(decode_request(), 16) == (24, True)

@@ -1,0 +1,273 @@
+"""The side-channel server survives anything a peer sends, and the client's failures are bounded."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from connector.errors import HandshakeError, UnsupportedConfiguration
+from connector.protocol import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    HandshakeRequest,
+    Heartbeat,
+    Reply,
+    decode_reply,
+    encode_request,
+)
+from connector.side_channel_client import fetch_handshake, send_heartbeat, send_release
+from scheduler.side_channel import SideChannelServer
+from tests.test_protocol import make_handshake
+
+HOST = "127.0.0.1"
+SECRET = "correct horse battery staple"
+MAX_MESSAGE_BYTES = 2**16
+TIMEOUT_S = 2.0
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Leases:
+    """Records the callbacks; raises when told to, to prove the server survives its own bugs."""
+
+    def __init__(self) -> None:
+        self.heartbeats: list[tuple[str, ...]] = []
+        self.releases: list[tuple[str, ...]] = []
+        self.fail = False
+
+    def on_heartbeat(self, ids: tuple[str, ...]) -> int:
+        if self.fail:
+            raise RuntimeError("lease table exploded")
+        self.heartbeats.append(ids)
+        return len(ids)
+
+    def on_release(self, ids: tuple[str, ...]) -> int:
+        self.releases.append(ids)
+        return 1
+
+
+def start_server(
+    leases: Leases, *, secret: str | None, port: int = 0, **kwargs: object
+) -> SideChannelServer:
+    server = SideChannelServer(
+        HOST,
+        port,
+        {0: make_handshake(0), 1: make_handshake(1)},
+        on_heartbeat=leases.on_heartbeat,
+        on_release=leases.on_release,
+        secret=secret,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    server.start()
+    return server
+
+
+@pytest.fixture
+def leases() -> Leases:
+    return Leases()
+
+
+@pytest.fixture
+def open_server(leases: Leases) -> Iterator[SideChannelServer]:
+    server = start_server(leases, secret=None)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def secret_server(leases: Leases) -> Iterator[SideChannelServer]:
+    server = start_server(leases, secret=SECRET)
+    yield server
+    server.stop()
+
+
+def assert_still_serving(server: SideChannelServer, secret: str | None = None) -> None:
+    handshake = fetch_handshake(HOST, server.port, 1, secret=secret, timeout_s=TIMEOUT_S)
+    assert handshake == make_handshake(1)
+
+
+def raw_exchange(port: int, frames: list[bytes], *, timeout_s: float = TIMEOUT_S) -> bytes | None:
+    """Send raw frames from a DEALER; return the reply's message frame, or None on timeout."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"tcp://{HOST}:{port}")
+        dealer.send_multipart(frames)
+        if not dealer.poll(int(timeout_s * 1000)):
+            return None
+        return dealer.recv_multipart()[-1]
+    finally:
+        dealer.close(linger=0)
+
+
+def error_reason(frame: bytes | None) -> str:
+    assert frame is not None, "the server did not answer"
+    reply: Reply = decode_reply(frame, secret=None, request_nonce=b"")
+    assert isinstance(reply, ErrorReply)
+    return reply.reason
+
+
+def envelope(payload: bytes, version: int = PROTOCOL_VERSION) -> bytes:
+    return msgspec.msgpack.encode({"protocol_version": version, "payload": payload})
+
+
+GARBAGE = [
+    ("random bytes", [b"\x00\xffgarbage\x13\x37"], "not a nixl-pd side-channel message"),
+    ("an empty frame", [b""], "expected one message frame, got 0"),
+    ("three frames", [b"a", b"b", b"c"], "expected one message frame, got 3"),
+    ("a msgpack integer", [msgspec.msgpack.encode(42)], "not a nixl-pd side-channel message"),
+    (
+        "a truncated request",
+        [encode_request(HandshakeRequest(0), secret=None, nonce=b"", timestamp_s=0.0)[:-4]],
+        "not a nixl-pd",
+    ),
+    ("another protocol version", [envelope(b"", version=PROTOCOL_VERSION + 1)], "protocol version"),
+    ("a payload of garbage", [envelope(b"\xc1\xc1")], "malformed side-channel request"),
+    (
+        "a tp_rank of the wrong type",
+        [envelope(msgspec.msgpack.encode({"type": "handshake", "tp_rank": [0]}))],
+        "got `array`",
+    ),
+    (
+        "an unknown request type",
+        [envelope(msgspec.msgpack.encode({"type": "drop_tables"}))],
+        "malformed side-channel request",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"), [c[1:] for c in GARBAGE], ids=[c[0] for c in GARBAGE]
+)
+def test_bad_input_gets_an_error_reply_and_the_server_keeps_serving(
+    open_server: SideChannelServer, frames: list[bytes], message: str
+) -> None:
+    assert message in error_reason(raw_exchange(open_server.port, frames))
+    assert_still_serving(open_server)
+
+
+def test_an_oversized_message_is_dropped_and_the_server_keeps_serving(
+    open_server: SideChannelServer,
+) -> None:
+    reply = raw_exchange(open_server.port, [b"x" * (MAX_MESSAGE_BYTES + 1)], timeout_s=0.5)
+    assert reply is None  # zmq.MAXMSGSIZE disconnects the peer without reading the message
+    assert_still_serving(open_server)
+
+
+def test_raw_tcp_garbage_does_not_hurt_the_server(open_server: SideChannelServer) -> None:
+    with socket.create_connection((HOST, open_server.port), timeout=TIMEOUT_S) as raw:
+        raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 4)
+    assert_still_serving(open_server)
+
+
+def test_unknown_tp_rank_is_refused_with_the_served_ranks(open_server: SideChannelServer) -> None:
+    with pytest.raises(HandshakeError, match="no tp_rank 5 here: this engine serves ranks 0, 1"):
+        fetch_handshake(HOST, open_server.port, 5, secret=None, timeout_s=TIMEOUT_S)
+    assert_still_serving(open_server)
+
+
+def test_heartbeat_and_release_reach_the_lease_callbacks(
+    open_server: SideChannelServer, leases: Leases
+) -> None:
+    assert send_heartbeat(HOST, open_server.port, ["a", "b"], secret=None, timeout_s=TIMEOUT_S) == 2
+    assert send_release(HOST, open_server.port, ["c"], secret=None, timeout_s=TIMEOUT_S) == 1
+    assert leases.heartbeats == [("a", "b")]
+    assert leases.releases == [("c",)]
+
+
+def test_a_failing_callback_is_an_error_reply_not_a_dead_thread(
+    open_server: SideChannelServer, leases: Leases
+) -> None:
+    leases.fail = True
+    with pytest.raises(HandshakeError, match="internal error: RuntimeError: lease table exploded"):
+        send_heartbeat(HOST, open_server.port, ["a"], secret=None, timeout_s=TIMEOUT_S)
+    assert_still_serving(open_server)
+
+
+def test_with_a_secret_the_right_secret_is_served(secret_server: SideChannelServer) -> None:
+    assert_still_serving(secret_server, SECRET)
+
+
+@pytest.mark.parametrize(
+    ("client_secret", "message"),
+    [
+        (None, "authentication required"),
+        ("wrong secret, same length!!!", "wrong side_channel_secret"),
+    ],
+    ids=["missing secret", "wrong secret"],
+)
+def test_with_a_secret_other_clients_are_refused(
+    secret_server: SideChannelServer, client_secret: str | None, message: str
+) -> None:
+    with pytest.raises(HandshakeError, match=message):
+        fetch_handshake(HOST, secret_server.port, 0, secret=client_secret, timeout_s=TIMEOUT_S)
+    assert_still_serving(secret_server, SECRET)
+
+
+def test_a_client_with_a_secret_refuses_an_open_server(open_server: SideChannelServer) -> None:
+    with pytest.raises(HandshakeError, match="reply failed authentication"):
+        fetch_handshake(HOST, open_server.port, 0, secret=SECRET, timeout_s=TIMEOUT_S)
+
+
+def test_a_replayed_request_is_refused(secret_server: SideChannelServer) -> None:
+    frame = encode_request(
+        Heartbeat(("r",)), secret=SECRET, nonce=b"n" * 16, timestamp_s=time.time()
+    )
+    first = decode_reply(
+        raw_exchange(secret_server.port, [frame]) or b"", secret=SECRET, request_nonce=b"n" * 16
+    )
+    assert not isinstance(first, ErrorReply)
+    second = decode_reply(
+        raw_exchange(secret_server.port, [frame]) or b"", secret=SECRET, request_nonce=b"n" * 16
+    )
+    assert isinstance(second, ErrorReply) and "replayed" in second.reason
+    assert_still_serving(secret_server, SECRET)
+
+
+def test_a_request_outside_the_replay_window_is_refused(leases: Leases) -> None:
+    server = start_server(leases, secret=SECRET, clock=lambda: time.time() + 3600.0)
+    try:
+        with pytest.raises(HandshakeError, match="timestamp is -36.* s from this server's clock"):
+            fetch_handshake(HOST, server.port, 0, secret=SECRET, timeout_s=TIMEOUT_S)
+    finally:
+        server.stop()
+
+
+def test_port_in_use_names_host_port_and_what_to_do(open_server: SideChannelServer) -> None:
+    with pytest.raises(
+        UnsupportedConfiguration,
+        match=f"cannot bind {HOST}:{open_server.port}.*VLLM_NIXL_SIDE_CHANNEL_PORT",
+    ):
+        start_server(Leases(), secret=None, port=open_server.port)
+    assert_still_serving(open_server)
+
+
+def test_fetch_handshake_against_a_dead_port_is_bounded() -> None:
+    with socket.socket() as probe:  # a port that was free a moment ago and has no listener
+        probe.bind((HOST, 0))
+        dead_port = probe.getsockname()[1]
+    started_s = time.monotonic()
+    with pytest.raises(HandshakeError, match=f"{HOST}:{dead_port} did not answer within 0.3 s"):
+        fetch_handshake(HOST, dead_port, 0, secret=None, timeout_s=0.3)
+    assert time.monotonic() - started_s < 2.0
+
+
+def test_a_reply_larger_than_the_client_limit_times_out(open_server: SideChannelServer) -> None:
+    with pytest.raises(HandshakeError, match="larger than max_message_bytes=16"):
+        fetch_handshake(HOST, open_server.port, 0, secret=None, timeout_s=0.3, max_message_bytes=16)
+
+
+def test_stop_joins_the_thread_and_frees_the_port(leases: Leases) -> None:
+    server = start_server(leases, secret=None)
+    port = server.port
+    server.stop()
+    assert not [t for t in threading.enumerate() if t.name == f"nixl-pd-side-channel-{port}"]
+    again = start_server(leases, secret=None, port=port)
+    again.stop()

@@ -1,0 +1,474 @@
+"""Worker-side connector against doubles: handshakes, per-request failures, aborts, notifications.
+
+The NIXL agent here is a recording double (no bytes move; tests decide each READ's fate), so
+every path can be driven step by step. Bytes landing for real is tests/test_lifecycle.py's job.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from connector.config import ConnectorConfig
+from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
+from connector.geometry import build_rank_layout
+from connector.layout import GroupKind, KVCacheSpec
+from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
+from tests.test_worker_parts import BASE, Clock, make_spec
+from worker.compat import fingerprint
+from worker.connector import WorkerConnector
+from worker.nixl_api import TransferState
+
+# --- a recording NIXL agent double -----------------------------------------------------------
+
+
+@dataclass
+class Read:
+    remote_agent: str
+    local: Any
+    remote: Any
+    notif: bytes
+    state: TransferState = TransferState.IN_PROGRESS
+    error: str | None = None
+    released: bool = False
+
+
+@dataclass
+class RecordingAgent:
+    """Implements NixlAgent; records every call and the thread that made it."""
+
+    name: str
+    threads: set[int] = field(default_factory=set)
+    regions: list[tuple[int, int]] = field(default_factory=list)
+    remotes: set[str] = field(default_factory=set)
+    reads: list[Read] = field(default_factory=list)
+    sent: list[tuple[str, bytes]] = field(default_factory=list)
+    inbox: dict[str, list[bytes]] = field(default_factory=dict)
+    broken_metadata: bool = False
+
+    def _call(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def register_regions(self, regions: Any) -> Any:
+        self._call()
+        self.regions = list(regions)
+        return "registration"
+
+    def deregister(self, registration: Any) -> None:
+        self._call()
+
+    def get_agent_metadata(self) -> bytes:
+        self._call()
+        return self.name.encode()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        self._call()
+        if self.broken_metadata:
+            raise HandshakeError("nixlMismatchError: corrupt metadata")
+        self.remotes.add(metadata.decode())
+        return metadata.decode()
+
+    def remove_remote_agent(self, agent_name: str) -> None:
+        self._call()
+        self.remotes.discard(agent_name)
+
+    def make_read(self, remote_agent: str, local: Any, remote: Any, notif: bytes = b"") -> Any:
+        self._call()
+        if remote_agent not in self.remotes:
+            raise TransferFailed(f"unknown agent {remote_agent}")
+        self.reads.append(Read(remote_agent, local, remote, notif))
+        return self.reads[-1]
+
+    def post(self, transfer: Read) -> TransferState:
+        self._call()
+        return transfer.state
+
+    def check(self, transfer: Read) -> TransferState:
+        self._call()
+        if transfer.error is not None:
+            raise TransferFailed(transfer.error)
+        return transfer.state
+
+    def release(self, transfer: Read) -> None:
+        self._call()
+        transfer.released = True
+
+    def send_notif(self, remote_agent: str, message: bytes) -> None:
+        self._call()
+        self.sent.append((remote_agent, message))
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self._call()
+        inbox, self.inbox = self.inbox, {}
+        return inbox
+
+    def close(self) -> None:
+        self._call()
+
+
+# --- worker connector against doubles --------------------------------------------------------
+
+CONFIG = ConnectorConfig(handshake_retries=0, kv_lease_duration_s=30.0, heartbeat_interval_s=5.0)
+PREFILL_PORT = 7001
+
+
+def remote_handshake(
+    engine_id: str, tp_rank: int, tp_size: int, spec: KVCacheSpec = BASE, agent_name: str = ""
+) -> WorkerHandshake:
+    layout = build_rank_layout(spec, tp_rank, tp_size)
+    name = agent_name or f"{engine_id}-r{tp_rank}"
+    digest, facts = fingerprint(spec)
+    addresses = tuple(0x1000_0000 * (i + 1) for i in range(len(layout.region_bytes)))
+    return WorkerHandshake(
+        PROTOCOL_VERSION, engine_id, tp_rank, tp_size, name, name.encode(), addresses, layout,
+        digest, dict(facts),
+    )  # fmt: skip
+
+
+class SideChannels:
+    """The fetch double: port -> {remote rank: handshake}; records calls and their threads."""
+
+    def __init__(self) -> None:
+        self.served: dict[int, dict[int, WorkerHandshake]] = {}
+        self.calls: list[tuple[int, int]] = []
+        self.threads: set[int] = set()
+        self.gate = threading.Event()  # fetches wait for it; tests clear it to stall them
+        self.gate.set()
+
+    def serve(self, engine_id: str, tp_size: int, port: int = PREFILL_PORT, **kwargs: Any) -> None:
+        self.served[port] = {
+            rank: remote_handshake(engine_id, rank, tp_size, **kwargs) for rank in range(tp_size)
+        }
+
+    def __call__(self, host: str, port: int, tp_rank: int) -> WorkerHandshake:
+        self.gate.wait(5.0)
+        self.calls.append((port, tp_rank))
+        self.threads.add(threading.get_ident())
+        if port not in self.served:
+            raise HandshakeError(f"side channel {host}:{port} did not answer (connection refused)")
+        return self.served[port][tp_rank]
+
+
+def source(
+    request_id: str = "p-req", *, engine_id: str = "p", tp_size: int = 1, port: int = PREFILL_PORT,
+    block_ids: tuple[tuple[int, ...], ...] = ((2, 3),),
+) -> RemoteSource:  # fmt: skip
+    return RemoteSource(engine_id, "127.0.0.1", port, tp_size, request_id, block_ids)
+
+
+def load(request_id: str, remote: RemoteSource, local_ids: tuple[int, ...] = (0, 1)) -> LoadSpec:
+    return LoadSpec(request_id, (local_ids,), num_tokens=8, num_cached_tokens=0, remote=remote)
+
+
+class Rig:
+    """One decode rank with a recording agent and the side-channel double."""
+
+    def __init__(
+        self,
+        *,
+        spec: KVCacheSpec = BASE,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        config: ConnectorConfig = CONFIG,
+    ) -> None:
+        self.clock = Clock()
+        self.channels = SideChannels()
+        self.agent = RecordingAgent(f"decode-r{tp_rank}")
+        self.worker = WorkerConnector(
+            config, engine_id="decode", tp_rank=tp_rank, tp_size=tp_size, spec=spec,
+            agent=self.agent, clock=self.clock, fetch=self.channels,
+        )  # fmt: skip
+        num_regions = len(build_rank_layout(spec, tp_rank, tp_size).region_bytes)
+        self.worker.register_kv_caches([0x100_0000 * (i + 1) for i in range(num_regions)])
+        self.finished: list[str] = []
+        self.failed: dict[str, str] = {}
+
+    def step(self, **metadata: Any) -> None:
+        self.worker.start_load_kv(ConnectorMetadata(**metadata))
+        self.collect()
+
+    def collect(self) -> WorkerReport:
+        report = self.worker.get_finished()
+        for request_id in [*report.finished_recving, *report.failed_recving]:
+            assert request_id not in self.finished and request_id not in self.failed, request_id
+        self.finished.extend(report.finished_recving)
+        self.failed.update(report.failed_recving)
+        return report
+
+    def until(self, condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+        """Collect reports until ``condition`` holds (handshakes run on a real thread)."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "condition not reached"
+            self.collect()
+            threading.Event().wait(0.002)
+
+    def reported(self, request_id: str) -> bool:
+        return request_id in self.finished or request_id in self.failed
+
+    def finish_reads(self) -> None:
+        for read in self.agent.reads:
+            read.state = TransferState.DONE
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def rig() -> Any:
+    rig = Rig()
+    yield rig
+    rig.close()
+
+
+def test_register_rejects_wrong_region_count() -> None:
+    worker = WorkerConnector(
+        CONFIG, engine_id="d", tp_rank=0, tp_size=1, spec=BASE, agent=RecordingAgent("a"),
+        fetch=SideChannels(),
+    )  # fmt: skip
+    try:
+        with pytest.raises(UnsupportedConfiguration, match="call register_kv_caches first"):
+            worker.get_handshake_metadata()
+        with pytest.raises(UnsupportedConfiguration, match="got 1 region addresses, but .* has 2"):
+            worker.register_kv_caches([0x1000])
+    finally:
+        worker.shutdown()
+
+
+def test_handshake_metadata_describes_registered_memory(rig: Rig) -> None:
+    handshake = rig.worker.get_handshake_metadata()
+    assert handshake.agent_name == "decode-r0" and handshake.agent_metadata == b"decode-r0"
+    assert rig.agent.regions == list(
+        zip(handshake.region_addresses, handshake.layout.region_bytes, strict=True)
+    )
+    assert (handshake.fingerprint, handshake.compat_facts) == tuple(fingerprint(BASE))
+
+
+def test_one_handshake_per_engine_shared_by_its_requests(rig: Rig) -> None:
+    rig.channels.serve("p", 1)
+    rig.channels.serve("q", 1, port=PREFILL_PORT + 1)
+    other = source("q-req", engine_id="q", port=PREFILL_PORT + 1)
+    rig.step(loads=(load("a", source("pa")), load("b", source("pb")), load("c", other)))
+    rig.until(lambda: len(rig.agent.reads) == 3)
+    assert sorted(rig.channels.calls) == [(PREFILL_PORT, 0), (PREFILL_PORT + 1, 0)]
+    assert sorted(read.notif for read in rig.agent.reads) == [b"pa:1", b"pb:1", b"q-req:1"]
+    assert rig.finished == []
+    rig.finish_reads()
+    rig.collect()
+    assert sorted(rig.finished) == ["a", "b", "c"] and rig.failed == {}
+    assert all(read.released for read in rig.agent.reads)
+
+
+def test_only_the_engine_thread_touches_the_agent(rig: Rig) -> None:
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source()),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.finish_reads()
+    rig.collect()
+    assert rig.agent.threads == {threading.get_ident()}
+    assert rig.channels.threads and threading.get_ident() not in rig.channels.threads
+
+
+def break_metadata(rig: Rig) -> None:
+    rig.agent.broken_metadata = True
+    rig.channels.serve("p", 1)
+
+
+@pytest.mark.parametrize(
+    ("setup", "match"),
+    [
+        pytest.param(lambda r: None, r"handshake with prefill engine p failed: .*connection refused", id="nobody-listening"),
+        pytest.param(lambda r: r.channels.serve("p", 1, spec=make_spec(model="other")), r"not compatible: model: local 'tiny', remote 'other'", id="compat-mismatch"),
+        pytest.param(lambda r: r.channels.serve("p-restarted", 1), r"belongs to engine 'p-restarted'.*restarted", id="peer-restarted-new-engine-id"),
+        pytest.param(break_metadata, r"corrupt metadata", id="corrupt-agent-metadata"),
+    ],
+)  # fmt: skip
+def test_handshake_problems_fail_every_request_of_that_peer(
+    rig: Rig, setup: Callable[[Rig], None], match: str
+) -> None:
+    setup(rig)
+    rig.step(loads=(load("a", source("pa")), load("b", source("pb"))))
+    rig.until(lambda: rig.reported("a") and rig.reported("b"))
+    assert rig.finished == [] and sorted(rig.failed) == ["a", "b"]
+    for reason in rig.failed.values():
+        assert re.search(match, reason), reason
+    assert rig.agent.reads == []
+
+
+def test_unpairable_tp_fails_without_handshake(rig: Rig) -> None:
+    rig.step(loads=(load("a", source(tp_size=3)),))
+    assert list(rig.failed) == ["a"]
+    assert "4 KV heads cannot be split over tensor-parallel size 3" in rig.failed["a"]
+    assert rig.channels.calls == []
+
+
+@pytest.mark.parametrize(
+    ("make_failure", "match"),
+    [
+        pytest.param("bad-block-ids", r"cannot plan the transfer: group 0: .* needs 2 blocks", id="plan-error"),
+        pytest.param("read-error", r"READ from prefill engine p rank 0 failed: peer gone", id="read-error"),
+        pytest.param("read-timeout", r"rank 0 did not finish within 30.0 s", id="read-timeout"),
+    ],
+)  # fmt: skip
+def test_transfer_problems_fail_only_their_request(rig: Rig, make_failure: str, match: str) -> None:
+    rig.channels.serve("p", 1)
+    bad_ids = (0, 1, 2) if make_failure == "bad-block-ids" else (0, 1)
+    rig.step(loads=(load("bad", source("p-bad"), bad_ids), load("good", source("p-good"), (4, 5))))
+    rig.until(lambda: len(rig.agent.reads) >= 1 and rig.agent.reads[-1].notif == b"p-good:1")
+    bad_read = next((r for r in rig.agent.reads if r.notif == b"p-bad:1"), None)
+    good_read = next(r for r in rig.agent.reads if r.notif == b"p-good:1")
+    good_read.state = TransferState.DONE
+    if make_failure == "read-error":
+        assert bad_read is not None
+        bad_read.error = "peer gone"
+    if make_failure == "read-timeout":
+        rig.clock.now_s += 31.0
+    rig.collect()
+    assert rig.finished == ["good"] and list(rig.failed) == ["bad"]
+    assert re.search(match, rig.failed["bad"]), rig.failed["bad"]
+    if bad_read is not None:  # the failed READ's rank still hears it may free the blocks
+        assert ("p-r0", b"p-bad:1") in rig.agent.sent
+
+
+def test_agent_bug_fails_only_that_request_once(rig: Rig) -> None:
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.agent.reads[0].error = None
+    rig.agent.check = None  # type: ignore[assignment, method-assign]  # calling it: TypeError
+    rig.collect()
+    rig.collect()
+    assert list(rig.failed) == ["a"] and rig.failed["a"].startswith("internal error: TypeError")
+    del rig.agent.check  # the engine keeps serving the next request
+    rig.step(loads=(load("b", source("pb")),))
+    rig.finish_reads()
+    rig.collect()
+    assert rig.finished == ["b"]
+
+
+def test_peer_restart_under_same_engine_id_rehandshakes(rig: Rig) -> None:
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.agent.reads[0].error = "remote disconnected"
+    rig.collect()
+    assert "remote disconnected" in rig.failed["a"]
+    rig.channels.serve("p", 1, agent_name="p-r0-restarted")
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    assert rig.agent.reads[1].remote_agent == "p-r0-restarted"
+    assert rig.agent.remotes == {"p-r0-restarted"}  # the dead peer's agent was removed
+    rig.finish_reads()
+    rig.collect()
+    assert rig.finished == ["b"] and rig.channels.calls == [(PREFILL_PORT, 0)] * 2
+
+
+def test_peer_restart_with_new_engine_id_replaces_the_old_peer(rig: Rig) -> None:
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.finish_reads()
+    rig.channels.serve("p-v2", 1)  # same address, new engine id and agent name
+    rig.step(loads=(load("b", source("pb", engine_id="p-v2")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    rig.collect()  # the old engine's agent goes once nothing reads from it
+    assert rig.agent.reads[1].remote_agent == "p-v2-r0"
+    assert rig.agent.remotes == {"p-v2-r0"}
+    rig.finish_reads()
+    rig.collect()
+    assert rig.finished == ["a", "b"]
+
+
+def test_compat_mismatch_tolerated_when_not_enforced() -> None:
+    config = ConnectorConfig(handshake_retries=0, enforce_handshake_compat=False)
+    rig = Rig(config=config)
+    try:
+        rig.channels.serve("p", 1, spec=make_spec(model="other"))
+        rig.step(loads=(load("a", source()),))
+        rig.until(lambda: bool(rig.agent.reads))
+        rig.finish_reads()
+        rig.collect()
+        assert rig.finished == ["a"]
+    finally:
+        rig.close()
+
+
+def test_abort_while_handshaking_notifies_and_reports_aborted(rig: Rig) -> None:
+    rig.channels.serve("p", 1)
+    rig.channels.gate.clear()  # hold the handshake mid-flight
+    rig.step(loads=(load("a", source("pa")),))
+    rig.step(releases=(ReleaseSpec("a", source("pa")),))
+    assert not rig.reported("a")
+    rig.channels.gate.set()
+    rig.until(lambda: rig.reported("a"))
+    assert rig.failed == {"a": "aborted"} and rig.agent.reads == []
+    assert rig.agent.sent == [("p-r0", b"pa:1")]
+
+
+@pytest.mark.parametrize(
+    ("read_outcome", "sent"),
+    [
+        pytest.param("done", [], id="read-completes-notification-rode-on-it"),
+        pytest.param("error", [("p-r0", b"pa:1")], id="read-fails-notify-separately"),
+    ],
+)
+def test_abort_mid_transfer_waits_for_the_read(
+    rig: Rig, read_outcome: str, sent: list[tuple[str, bytes]]
+) -> None:
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.step(releases=(ReleaseSpec("a", source("pa")),))
+    rig.step()
+    assert not rig.reported("a")  # decode blocks stay held under the live READ
+    if read_outcome == "done":
+        rig.finish_reads()
+    else:
+        rig.agent.reads[0].error = "gone"
+    rig.collect()
+    assert rig.failed == {"a": "aborted"} and rig.agent.sent == sent
+
+
+def test_abort_before_load_and_after_report(rig: Rig) -> None:
+    rig.channels.serve("p", 1)
+    rig.step(releases=(ReleaseSpec("never-loaded", source("p1")),))
+    rig.until(lambda: rig.reported("never-loaded"))
+    assert rig.failed == {"never-loaded": "aborted"} and rig.agent.sent == [("p-r0", b"p1:1")]
+    rig.step(loads=(load("done", source("p2")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.finish_reads()
+    rig.collect()
+    rig.step(releases=(ReleaseSpec("done", source("p2")),))
+    rig.collect()
+    assert rig.finished == ["done"] and list(rig.failed) == ["never-loaded"]
+
+
+def test_mla_reads_one_rank_and_notifies_the_other_with_prefill_id() -> None:
+    mla = make_spec(kind=GroupKind.MLA, num_kv_heads=1)
+    rig = Rig(spec=mla)
+    try:
+        rig.channels.serve("p", 2, spec=mla)
+        rig.step(loads=(load("decode-id", source("prefill-id", tp_size=2)),))
+        rig.until(lambda: bool(rig.agent.reads))
+        assert [(r.remote_agent, r.notif) for r in rig.agent.reads] == [("p-r0", b"prefill-id:1")]
+        assert rig.agent.sent == [("p-r1", b"prefill-id:1")]
+    finally:
+        rig.close()
+
+
+def test_prefill_rank_reports_sends_once_and_shrugs_off_bad_notifications(rig: Rig) -> None:
+    rig.step(sends=("p1", "p2"))
+    rig.agent.inbox = {"d0": [b"p1:2", b"p1:2", b"junk", b"ghost:1"], "d1": [b"p1:2", b"p2:1"]}
+    assert sorted(rig.collect().finished_sending) == ["p1", "p2"]
+    rig.agent.inbox = {"d2": [b"p1:2"]}
+    assert rig.collect().finished_sending == ()
+    rig.step(sends=("p3",), forgotten=("p3",))
+    rig.agent.inbox = {"d0": [b"p3:1"]}
+    assert rig.collect().finished_sending == ()

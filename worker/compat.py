@@ -1,0 +1,112 @@
+"""Model-compatibility fingerprint of a KV cache, and the check two engines run at handshake.
+
+The fingerprint covers the facts both sides must share for a byte copy to mean the same thing:
+model, dtypes, protocol version and, per cache group, its kind, layers, heads and head sizes.
+Tensor parallelism, block sizes and memory layout are deliberately left out: they may differ
+between engines and the transfer planner knows how to serve (or refuse) each difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from connector.errors import HandshakeError, UnsupportedConfiguration
+from connector.layout import GroupSpec, KVCacheSpec
+from connector.protocol import PROTOCOL_VERSION
+
+PROTOCOL_FACT = "protocol_version"
+
+
+class Fingerprint(NamedTuple):
+    """A digest of the compatibility facts, and the facts themselves for error messages."""
+
+    digest: str
+    facts: Mapping[str, str]
+
+
+def _per_layer(values: Sequence[int]) -> str:
+    """ "8" when every layer agrees, else "8,8,4" layer by layer."""
+    if len(set(values)) == 1:
+        return str(values[0])
+    return ",".join(str(value) for value in values)
+
+
+def _group_facts(index: int, group: GroupSpec) -> dict[str, str]:
+    layers = group.layers
+    prefix = f"group{index}"
+    return {
+        f"{prefix}.kind": group.kind.value,
+        f"{prefix}.window": str(group.window),
+        f"{prefix}.num_layers": str(len(layers)),
+        f"{prefix}.num_kv_heads": _per_layer([layer.num_kv_heads for layer in layers] or [0]),
+        f"{prefix}.head_dim": _per_layer([layer.head_dim for layer in layers] or [0]),
+        f"{prefix}.dtype_bytes": _per_layer([layer.dtype_bytes for layer in layers] or [0]),
+        f"{prefix}.num_planes": _per_layer([layer.num_planes for layer in layers] or [0]),
+    }
+
+
+def digest_of(facts: Mapping[str, str]) -> str:
+    """SHA-256 over the facts in a canonical (sorted JSON) form."""
+    canonical = json.dumps(dict(facts), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def fingerprint(spec: KVCacheSpec, protocol_version: int = PROTOCOL_VERSION) -> Fingerprint:
+    """The compatibility fingerprint of an engine's KV cache spec."""
+    facts: dict[str, str] = {
+        PROTOCOL_FACT: str(protocol_version),
+        "model": spec.model,
+        "dtype": spec.dtype,
+        "cache_dtype": spec.cache_dtype,
+        "num_groups": str(len(spec.groups)),
+    }
+    for index, group in enumerate(spec.groups):
+        facts.update(_group_facts(index, group))
+    return Fingerprint(digest_of(facts), facts)
+
+
+def _differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[str]:
+    missing = "<missing>"
+    return [
+        f"{key}: local {local.get(key, missing)!r}, remote {remote.get(key, missing)!r}"
+        for key in sorted(set(local) | set(remote))
+        if local.get(key) != remote.get(key)
+    ]
+
+
+def check_compatible(
+    local: Fingerprint, remote: Fingerprint, enforce: bool = True
+) -> tuple[str, ...]:
+    """Check a remote engine's fingerprint against ours; returns the differences it tolerated.
+
+    Raises HandshakeError when the peer speaks another protocol version or its digest does not
+    match its own facts (a corrupt or tampered handshake): these are never tolerated. Raises
+    UnsupportedConfiguration naming every differing fact when ``enforce`` is set; otherwise
+    the differences are returned for the caller to log.
+    """
+    local_version = local.facts.get(PROTOCOL_FACT)
+    remote_version = remote.facts.get(PROTOCOL_FACT)
+    if local_version != remote_version:
+        raise HandshakeError(
+            f"protocol version mismatch: local {local_version!r}, remote {remote_version!r}; "
+            "run the same nixl-pd-connector version on prefill and decode"
+        )
+    if digest_of(remote.facts) != remote.digest:
+        raise HandshakeError(
+            f"the peer's compatibility fingerprint {remote.digest[:16]!r} does not match the "
+            "facts it sent; the handshake is corrupt, check the peer's connector version"
+        )
+    if local.digest == remote.digest:
+        return ()
+    reasons = tuple(_differences(local.facts, remote.facts))
+    if enforce:
+        raise UnsupportedConfiguration(
+            "prefill and decode engines are not compatible: "
+            + "; ".join(reasons)
+            + ". Serve the same model with the same dtypes on both sides, or set "
+            "enforce_handshake_compat=false to proceed at your own risk"
+        )
+    return reasons

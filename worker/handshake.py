@@ -1,0 +1,141 @@
+"""Fetch remote engines' WorkerHandshakes on background threads, off the engine thread.
+
+Threading contract: handshake threads only talk ZMQ (through the injected ``fetch``) and put
+``HandshakeResult`` values on a queue; they never touch the NIXL agent or any connector
+state. The engine thread submits jobs and drains results with ``poll()``; everything done with
+a result (validation, add_remote_agent, planning) happens there.
+
+Each job fetches the handshake of every remote rank this rank needs. A failed fetch is retried
+``retries`` times with exponential backoff (``backoff_s``, doubled per attempt); the per-attempt
+timeout belongs to ``fetch``. A job always ends in exactly one result, success or error: an
+unexpected exception in a thread is logged and reported, never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from connector.errors import ConnectorError, HandshakeError
+from connector.protocol import WorkerHandshake
+
+logger = logging.getLogger(__name__)
+
+# (host, port, remote tp_rank) -> that rank's handshake; raises HandshakeError.
+Fetcher = Callable[[str, int, int], WorkerHandshake]
+
+
+@dataclass(frozen=True)
+class HandshakeJob:
+    """Fetch the handshakes of ``remote_ranks`` from the side channel at host:port."""
+
+    engine_id: str  # the engine the requests expect to find there
+    host: str
+    port: int
+    remote_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HandshakeResult:
+    """A finished job: every requested rank's handshake, or the reason it failed."""
+
+    job: HandshakeJob
+    handshakes: dict[int, WorkerHandshake] = field(default_factory=dict)
+    error: str | None = None
+
+
+class HandshakeClient:
+    """A small pool of handshake threads and the queue that brings their results back."""
+
+    def __init__(
+        self,
+        fetch: Fetcher,
+        *,
+        retries: int,
+        backoff_s: float = 0.05,
+        max_threads: int = 4,
+        wait: Callable[[float], object] | None = None,
+    ) -> None:
+        self._fetch = fetch
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._stop = threading.Event()  # set by close(): backoff waits end, no new attempts
+        self._wait = wait or self._stop.wait  # the backoff pause; tests record it instead
+        self._results: queue.SimpleQueue[HandshakeResult] = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="handshake")
+        self._num_in_flight = 0  # engine thread only
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def submit(self, job: HandshakeJob) -> None:
+        """Start a job on a handshake thread; its result comes back from poll()."""
+        self._num_in_flight += 1
+        future = self._pool.submit(self._run, job)
+        future.add_done_callback(lambda done: self._surface_crash(job, done))
+
+    def poll(self, wait_s: float = 0.0) -> list[HandshakeResult]:
+        """Results finished since the last call; waits up to ``wait_s`` for the first one."""
+        results: list[HandshakeResult] = []
+        if wait_s > 0 and self._num_in_flight > 0:
+            try:
+                results.append(self._results.get(timeout=wait_s))
+            except queue.Empty:
+                return results
+        while True:
+            try:
+                results.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        self._num_in_flight -= len(results)
+        return results
+
+    def close(self) -> None:
+        """Stop retrying and wait for running fetches (each bounded by its own timeout)."""
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, job: HandshakeJob) -> None:
+        try:
+            handshakes = {rank: self._fetch_with_retries(job, rank) for rank in job.remote_ranks}
+            result = HandshakeResult(job, handshakes)
+        except ConnectorError as error:
+            result = HandshakeResult(job, error=str(error))
+        except Exception as error:  # a bug in a fetcher must not vanish with its thread
+            logger.exception("handshake with %s:%d crashed", job.host, job.port)
+            result = HandshakeResult(job, error=f"handshake crashed: {error!r}")
+        self._results.put(result)
+
+    def _fetch_with_retries(self, job: HandshakeJob, remote_rank: int) -> WorkerHandshake:
+        attempt = 0
+        while True:
+            try:
+                return self._fetch(job.host, job.port, remote_rank)
+            except ConnectorError as error:
+                if attempt >= self._retries or self._stop.is_set():
+                    raise HandshakeError(
+                        f"rank {remote_rank} at {job.host}:{job.port} failed after "
+                        f"{attempt + 1} attempt(s): {error}"
+                    ) from error
+                delay_s = self._backoff_s * 2**attempt
+                logger.info(
+                    "handshake with %s:%d rank %d failed (%s); retrying in %.3f s",
+                    job.host, job.port, remote_rank, error, delay_s,
+                )  # fmt: skip
+                self._wait(delay_s)
+                attempt += 1
+
+    def _surface_crash(self, job: HandshakeJob, future: Future[None]) -> None:
+        """_run catches everything it can; this reports what escaped it (or a cancelled job)."""
+        if future.cancelled():
+            self._results.put(HandshakeResult(job, error="handshake cancelled: shutting down"))
+            return
+        error = future.exception()
+        if error is not None:
+            logger.error("handshake thread for %s:%d died: %r", job.host, job.port, error)
+            self._results.put(HandshakeResult(job, error=f"handshake thread died: {error!r}"))

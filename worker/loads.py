@@ -1,0 +1,302 @@
+"""Decode side: one record per in-flight request, from its LoadSpec to its one outcome.
+
+A ``Load`` waits for its peer's handshake, then plans and posts one READ per remote rank it
+reads (each carrying that rank's free notification) and sends notification-only messages to
+the ranks it covers but does not read. It ends once, with success or a reason, and only when
+no posted READ is live: decode blocks are never handed back under a READ.
+
+An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
+prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
+A failed load also notifies the covered ranks it had not notified (best effort), so prefill
+does not hold its blocks until the lease expires.
+
+Engine thread only: this module calls the NIXL agent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from connector.errors import ConnectorError
+from connector.metadata import LoadSpec, RemoteSource
+from connector.protocol import encode_free_notif
+from worker.nixl_api import Descriptors, NixlAgent, TransferState
+from worker.peers import Peer, PeerState
+from worker.planner import RankReads
+
+logger = logging.getLogger(__name__)
+
+ABORTED = "aborted"
+MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
+
+Outcome = tuple[str, str | None]  # (request id, failure reason or None for success)
+
+
+def build_descriptors(
+    region_addresses: Sequence[int],
+    regions: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+) -> Descriptors:
+    """NIXL descriptors (address, length_bytes, device 0) for byte ranges within regions."""
+    bases = np.asarray(region_addresses, dtype=np.int64)
+    addresses = bases[regions] + offsets
+    return np.column_stack((addresses, lengths, np.zeros_like(lengths))).astype(np.int64)
+
+
+@dataclass(eq=False)
+class Load:
+    """One request on this rank. ``spec`` is None for an abort of a request never loaded."""
+
+    request_id: str
+    remote: RemoteSource
+    peer: Peer
+    spec: LoadSpec | None
+    created_s: float
+    aborted: bool = False
+    failure: str | None = None  # the first failure; the outcome once nothing is live
+    started: bool = False  # the plan was posted, or given up on
+    posted: dict[int, Any] = field(default_factory=dict)  # remote rank -> live READ handle
+    counts: dict[int, int] = field(default_factory=dict)  # remote rank -> notification count
+    notified: set[int] = field(default_factory=set)  # remote ranks told to free
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+
+
+class LoadTable:
+    """The loads in flight on one rank, keyed by (decode) request id."""
+
+    def __init__(
+        self,
+        agent: NixlAgent,
+        *,
+        local_region_addresses: Sequence[int],
+        clock: Callable[[], float],
+        transfer_timeout_s: float,  # a request's READs are given up after this long on this rank
+        on_peer_failure: Callable[[Peer], None],
+    ) -> None:
+        self._agent = agent
+        self._local_addresses = tuple(local_region_addresses)
+        self._clock = clock
+        self._transfer_timeout_s = transfer_timeout_s
+        self._on_peer_failure = on_peer_failure
+        self._loads: dict[str, Load] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()  # ended ids, to spot late aborts
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._loads
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def add(self, spec: LoadSpec, peer: Peer) -> None:
+        if spec.request_id in self._loads:
+            logger.warning(
+                "request %s is already loading; duplicate LoadSpec ignored", spec.request_id
+            )
+            return
+        self._recent.pop(spec.request_id, None)
+        self._loads[spec.request_id] = Load(spec.request_id, spec.remote, peer, spec, self._clock())
+
+    def abort(self, request_id: str, remote: RemoteSource, peer: Peer) -> None:
+        """Abort a request; one never loaded here gets a record only to notify prefill.
+
+        A request this rank already reported is left alone: it was reported once, and its
+        free notifications already went out.
+        """
+        load = self._loads.get(request_id)
+        if load is None and request_id in self._recent:
+            logger.info("request %s aborted after this rank reported it; nothing to do", request_id)
+            return
+        if load is None:
+            load = self._loads[request_id] = Load(request_id, remote, peer, None, self._clock())
+        load.aborted = True
+
+    def advance(self) -> list[Outcome]:
+        """Move every load as far as it can go; returns the loads that ended."""
+        outcomes: list[Outcome] = []
+        for load in list(self._loads.values()):
+            try:
+                self._step(load)
+            except Exception as error:  # one request's bug must not stop the engine
+                logger.exception("request %s: unexpected error", load.request_id)
+                load.fail(f"internal error: {error!r}")
+                load.started = True
+                self._drop_handles(load)  # else the same error would recur every step
+            if load.started and not load.posted:
+                outcomes.append(self._finish(load))
+        return outcomes
+
+    def abandon_all(self) -> None:
+        """Shutdown: release every live READ handle (best effort) and drop the records."""
+        for load in self._loads.values():
+            self._drop_handles(load)
+        self._loads.clear()
+
+    def _drop_handles(self, load: Load) -> None:
+        for remote_rank in list(load.posted):
+            try:
+                self._release(load, remote_rank)
+            except Exception:  # the agent is in an unknown state: forget the handle anyway
+                logger.exception("request %s: dropping READ handle", load.request_id)
+                del load.posted[remote_rank]
+                load.peer.num_live_transfers -= 1
+
+    def _step(self, load: Load) -> None:
+        if not load.started:
+            self._start(load)
+        elif load.posted:
+            self._poll(load)
+
+    def _start(self, load: Load) -> None:
+        peer = load.peer
+        if peer.state is PeerState.HANDSHAKING:
+            return
+        load.started = True
+        if peer.state is PeerState.FAILED:
+            load.fail(f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}")
+        elif load.aborted or load.spec is None:
+            load.fail(ABORTED)
+        else:
+            self._post(load, load.spec, peer)
+
+    def _post(self, load: Load, spec: LoadSpec, peer: Peer) -> None:
+        if peer.planner is None:
+            raise RuntimeError(f"peer {peer.engine_id} is READY without a planner")
+        try:
+            plan = peer.planner.plan(
+                spec.local_block_ids,
+                spec.remote.block_ids,
+                num_tokens=spec.num_tokens,
+                num_cached_tokens=spec.num_cached_tokens,
+            )
+        except ConnectorError as error:
+            load.fail(f"cannot plan the transfer: {error}")
+            return
+        unknown = sorted({reads.remote_rank for reads in plan.reads} - set(peer.agent_names))
+        if unknown:
+            load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
+            return
+        load.counts = dict(plan.consumers)
+        read_ranks = {reads.remote_rank for reads in plan.reads}
+        for reads in plan.reads:
+            if not self._post_read(load, peer, reads):
+                return
+        for remote_rank in sorted((set(plan.consumers) | set(plan.notify_only)) - read_ranks):
+            self._notify(load, remote_rank)
+
+    def _post_read(self, load: Load, peer: Peer, reads: RankReads) -> bool:
+        remote_rank = reads.remote_rank
+        local = build_descriptors(
+            self._local_addresses, reads.local_regions, reads.local_offsets, reads.lengths
+        )
+        remote = build_descriptors(
+            peer.handshakes[remote_rank].region_addresses,
+            reads.remote_regions,
+            reads.remote_offsets,
+            reads.lengths,
+        )
+        notif = encode_free_notif(load.remote.request_id, self._count(load, remote_rank))
+        try:
+            handle = self._agent.make_read(peer.agent_names[remote_rank], local, remote, notif)
+        except ConnectorError as error:
+            self._transfer_failed(load, remote_rank, error)
+            return False
+        load.posted[remote_rank] = handle
+        peer.num_live_transfers += 1
+        try:
+            self._agent.post(handle)
+        except ConnectorError as error:
+            self._transfer_failed(load, remote_rank, error)
+            self._release(load, remote_rank)
+            return False
+        return True
+
+    def _poll(self, load: Load) -> None:
+        for remote_rank, handle in list(load.posted.items()):
+            try:
+                state = self._agent.check(handle)
+            except ConnectorError as error:
+                self._transfer_failed(load, remote_rank, error)
+                self._release(load, remote_rank)
+                continue
+            if state is TransferState.DONE:
+                load.notified.add(remote_rank)  # the free notification rode on the READ
+                self._release(load, remote_rank)
+            elif self._clock() - load.created_s > self._transfer_timeout_s:
+                load.fail(
+                    f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} did not "
+                    f"finish within {self._transfer_timeout_s} s"
+                )
+                # A READ the backend cannot cancel stays live: keep waiting for it.
+                self._release(load, remote_rank, keep_if_live=True)
+
+    def _finish(self, load: Load) -> Outcome:
+        del self._loads[load.request_id]
+        self._recent[load.request_id] = None
+        if len(self._recent) > MAX_RECENT_IDS:
+            self._recent.popitem(last=False)
+        if load.failure is not None or load.aborted:
+            self._notify_rest(load)
+        reason = ABORTED if load.aborted else load.failure
+        if reason is not None and reason != ABORTED:
+            logger.warning("request %s failed: %s", load.request_id, reason)
+        return load.request_id, reason
+
+    def _notify_rest(self, load: Load) -> None:
+        """Tell every covered remote rank not yet notified that its blocks may be freed."""
+        if load.peer.state is not PeerState.READY:
+            return
+        ranks = set(load.peer.duty) | set(load.counts)
+        for remote_rank in sorted(ranks - load.notified):
+            self._notify(load, remote_rank)
+
+    def _notify(self, load: Load, remote_rank: int) -> None:
+        agent_name = load.peer.agent_names.get(remote_rank)
+        if agent_name is None:
+            logger.warning(
+                "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
+            )
+            return
+        message = encode_free_notif(load.remote.request_id, self._count(load, remote_rank))
+        try:
+            self._agent.send_notif(agent_name, message)
+        except ConnectorError as error:
+            logger.warning(
+                "request %s: notifying remote rank %d failed: %s",
+                load.request_id,
+                remote_rank,
+                error,
+            )
+            return
+        load.notified.add(remote_rank)
+
+    def _count(self, load: Load, remote_rank: int) -> int:
+        count = load.counts.get(remote_rank) or load.peer.duty.get(remote_rank)
+        return count if count else 1
+
+    def _transfer_failed(self, load: Load, remote_rank: int, error: ConnectorError) -> None:
+        load.fail(
+            f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} failed: {error}"
+        )
+        self._on_peer_failure(load.peer)
+
+    def _release(self, load: Load, remote_rank: int, *, keep_if_live: bool = False) -> None:
+        """Release a READ handle; with ``keep_if_live`` a handle that will not release stays."""
+        try:
+            self._agent.release(load.posted[remote_rank])
+        except ConnectorError as error:
+            logger.warning("request %s: releasing READ handle failed: %s", load.request_id, error)
+            if keep_if_live:
+                return
+        del load.posted[remote_rank]
+        load.peer.num_live_transfers -= 1

@@ -1,0 +1,164 @@
+"""Prefill side: count free notifications per request id and report the ids whose count is reached.
+
+A decode rank that finished reading (or gave up on) a prefill rank's blocks sends it
+``b"<prefill request id>:<consumers>"``, where ``consumers`` is how many decode ranks will
+notify this prefill rank for the request. The blocks may be freed once that many distinct
+senders have notified. Bad input from peers never raises out of here: garbage, duplicate and
+stray notifications are counted and logged, and the request is unaffected.
+
+A notification may overtake the scheduler's ``sends`` entry for its id (the decode engine can
+read before this engine's next step), so unknown ids are held for ``early_ttl_s`` seconds
+before they are written off as stray.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from connector.errors import InvalidNotification
+from connector.protocol import decode_free_notif
+
+logger = logging.getLogger(__name__)
+
+MAX_EARLY_IDS = 4096  # bound on ids held before their `sends` entry; more are dropped as stray
+MAX_RECENT_IDS = 4096  # finished ids remembered to tell a late duplicate from a stray
+
+
+@dataclass
+class NotificationStats:
+    """Counters of what arrived, for logs and tests."""
+
+    counted: int = 0  # accepted towards an expected request id
+    duplicate: int = 0
+    stray: int = 0
+    garbage: int = 0
+
+
+@dataclass
+class _Tally:
+    """Notifications received for one request id."""
+
+    senders: set[str] = field(default_factory=set)
+    consumers: int = 0  # the largest count any message carried
+    first_seen_s: float = 0.0
+
+
+class NotificationCounter:
+    """Counts free notifications per prefill request id. Not thread-safe: engine thread only."""
+
+    def __init__(self, *, clock: Callable[[], float], early_ttl_s: float) -> None:
+        self._clock = clock
+        self._early_ttl_s = early_ttl_s
+        self._expected: dict[str, _Tally] = {}
+        self._early: dict[str, _Tally] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._finished: list[str] = []
+        self.stats = NotificationStats()
+
+    @property
+    def num_expected(self) -> int:
+        return len(self._expected)
+
+    def expect(self, request_ids: Iterable[str]) -> None:
+        """Start counting for these ids (the scheduler put their blocks under a lease)."""
+        for request_id in request_ids:
+            if request_id in self._expected:
+                logger.warning("request %s is already expecting free notifications", request_id)
+                continue
+            tally = self._early.pop(request_id, None) or _Tally(first_seen_s=self._clock())
+            self.stats.counted += len(tally.senders)
+            self._expected[request_id] = tally
+            self._finish_if_complete(request_id, tally)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Stop counting for these ids (lease expired or released): nothing is reported."""
+        for request_id in request_ids:
+            self._expected.pop(request_id, None)
+            self._early.pop(request_id, None)
+
+    def receive(self, notifs: Mapping[str, Sequence[bytes]]) -> None:
+        """Count notifications, as returned by the agent's get_new_notifs()."""
+        for sender, messages in notifs.items():
+            for message in messages:
+                self._receive_one(sender, message)
+        self._expire_early()
+
+    def take_finished(self) -> tuple[str, ...]:
+        """Ids whose count was reached since the last call; each id is returned once."""
+        finished, self._finished = tuple(self._finished), []
+        return finished
+
+    def _receive_one(self, sender: str, message: bytes) -> None:
+        try:
+            request_id, consumers = decode_free_notif(message)
+        except InvalidNotification as error:
+            self.stats.garbage += 1
+            logger.warning("ignoring garbage notification from %s: %s", sender, error)
+            return
+        tally = self._expected.get(request_id)
+        if tally is None:
+            self._hold_early(sender, request_id, consumers)
+            return
+        if self._add(tally, sender, request_id, consumers):
+            self.stats.counted += 1
+            self._finish_if_complete(request_id, tally)
+
+    def _add(self, tally: _Tally, sender: str, request_id: str, consumers: int) -> bool:
+        if sender in tally.senders:
+            self.stats.duplicate += 1
+            logger.warning("duplicate free notification for %s from %s", request_id, sender)
+            return False
+        if tally.consumers and consumers != tally.consumers:
+            # Freeing too late only costs memory; freeing under a live read corrupts it.
+            logger.warning(
+                "free notifications for %s disagree on the reader count (%d vs %d); "
+                "waiting for the larger",
+                request_id,
+                tally.consumers,
+                consumers,
+            )
+        tally.senders.add(sender)
+        tally.consumers = max(tally.consumers, consumers)
+        return True
+
+    def _hold_early(self, sender: str, request_id: str, consumers: int) -> None:
+        if request_id in self._recent:
+            self.stats.duplicate += 1
+            logger.warning("free notification for finished request %s from %s", request_id, sender)
+            return
+        tally = self._early.get(request_id)
+        if tally is None:
+            if len(self._early) >= MAX_EARLY_IDS:
+                self.stats.stray += 1
+                logger.warning("dropping notification for unknown request %s", request_id)
+                return
+            tally = self._early[request_id] = _Tally(first_seen_s=self._clock())
+        self._add(tally, sender, request_id, consumers)
+
+    def _finish_if_complete(self, request_id: str, tally: _Tally) -> None:
+        if tally.consumers == 0 or len(tally.senders) < tally.consumers:
+            return
+        del self._expected[request_id]
+        self._finished.append(request_id)
+        self._recent[request_id] = None
+        if len(self._recent) > MAX_RECENT_IDS:
+            self._recent.popitem(last=False)
+
+    def _expire_early(self) -> None:
+        now_s = self._clock()
+        expired = [
+            request_id
+            for request_id, tally in self._early.items()
+            if now_s - tally.first_seen_s > self._early_ttl_s
+        ]
+        for request_id in expired:
+            tally = self._early.pop(request_id)
+            self.stats.stray += len(tally.senders)
+            logger.warning(
+                "free notification for unknown request %s from %s: no such lease; ignored",
+                request_id,
+                sorted(tally.senders),
+            )

@@ -1,0 +1,239 @@
+"""Token-exact transfer planning: a request's block ids -> merged byte ranges per remote rank.
+
+Every transfer is "tokens [a, b) of group g, heads [h0, h1), from prefill's kernel blocks to
+decode's kernel blocks". Byte ranges come from token ranges through each side's own geometry,
+so heterogeneous logical and kernel block sizes (either direction), partial prefix hits, TP
+head slices and per-layer page sizes are correct by construction.
+
+Which tokens a group reads, given decode's prefix hit ``c`` and the prompt length ``n``:
+
+    FULL, MLA        [c, n)
+    SLIDING_WINDOW   [max(c, n - window), n)   (ids of blocks outside it may be placeholders)
+    SSM              no tokens: prefill's last block (its state) -> decode's last block
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from connector.errors import TransferPlanError
+from connector.layout import GroupKind, RankLayout
+from worker.planner_pairing import (
+    GroupPairing,
+    Int64Array,
+    SideBlocks,
+    consumer_counts,
+    covered_union,
+    pair_groups,
+)
+from worker.planner_ranges import (
+    Runs,
+    Segments,
+    broadcast,
+    class_runs,
+    merge,
+    state_segment,
+    token_segments,
+)
+
+
+@dataclass(frozen=True)
+class RankReads:
+    """The descriptors to READ from one remote rank; descriptor i copies ``lengths[i]`` bytes."""
+
+    remote_rank: int
+    local_regions: Int64Array
+    local_offsets: Int64Array
+    remote_regions: Int64Array
+    remote_offsets: Int64Array
+    lengths: Int64Array
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    reads: tuple[RankReads, ...]  # one per remote rank actually read (may be empty)
+    notify_only: tuple[int, ...]  # remote ranks to notify without reading
+    consumers: dict[int, int]  # remote rank -> count to put in its free notification
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TransferPlanner:
+    """Plans reads from one remote engine into one local (decode) rank.
+
+    Construction validates the pairing (handshake time) and raises UnsupportedConfiguration;
+    ``plan`` does per-request index work only and raises TransferPlanError.
+    """
+
+    def __init__(self, local: RankLayout, remote: RankLayout) -> None:
+        self._groups = pair_groups(local, remote)
+        self._covered = tuple(sorted(covered_union(local.tp_rank, local, remote.tp_size)))
+        all_counts = consumer_counts(local, remote.tp_size)
+        self._consumers = {rank: all_counts[rank] for rank in self._covered}
+        self._read_ranks = tuple(sorted({rank for g in self._groups for rank in g.classes}))
+
+    def plan(
+        self,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+        *,
+        num_tokens: int,
+        num_cached_tokens: int,
+    ) -> TransferPlan:
+        """Descriptors reading tokens [num_cached_tokens, num_tokens) from the remote engine.
+
+        ``local_block_ids[g]``: decode's logical blocks covering [num_cached_tokens, num_tokens);
+        ``remote_block_ids[g]``: prefill's logical blocks covering [0, num_tokens).
+        """
+        self._check_request(local_block_ids, remote_block_ids, num_tokens, num_cached_tokens)
+        segments = [
+            self._segments(
+                g,
+                local_block_ids[g.index],
+                remote_block_ids[g.index],
+                num_tokens,
+                num_cached_tokens,
+            )
+            for g in self._groups
+        ]
+        reads: list[RankReads] = []
+        for rank in self._read_ranks:
+            parts = [
+                broadcast(class_runs(seg, cls), cls)
+                for g, seg in zip(self._groups, segments, strict=True)
+                if seg is not None
+                for cls in g.classes.get(rank, ())
+            ]
+            if parts:
+                runs = merge(parts)
+                reads.append(_rank_reads(rank, runs))
+        read_ranks = {r.remote_rank for r in reads}
+        notify_only = tuple(rank for rank in self._covered if rank not in read_ranks)
+        return TransferPlan(tuple(reads), notify_only, dict(self._consumers))
+
+    def _check_request(
+        self,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        num_cached_tokens: int,
+    ) -> None:
+        if num_tokens <= 0 or not 0 <= num_cached_tokens <= num_tokens:
+            raise TransferPlanError(
+                f"num_tokens={num_tokens} and num_cached_tokens={num_cached_tokens}: need "
+                "0 <= num_cached_tokens <= num_tokens and num_tokens > 0"
+            )
+        for side, ids in (("decode", local_block_ids), ("prefill", remote_block_ids)):
+            if len(ids) != len(self._groups):
+                raise TransferPlanError(
+                    f"{side} block ids have {len(ids)} groups, the layout has {len(self._groups)}"
+                )
+        for g in self._groups:
+            _check_counts(
+                g,
+                len(local_block_ids[g.index]),
+                len(remote_block_ids[g.index]),
+                num_tokens,
+                num_cached_tokens,
+            )
+
+    def _segments(
+        self,
+        g: GroupPairing,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        num_tokens: int,
+        num_cached: int,
+    ) -> Segments | None:
+        if g.kind is GroupKind.SSM:
+            if not local_ids:
+                return None
+            local_block = _used_ids(
+                g, "decode", local_ids, len(local_ids) - 1, len(local_ids), g.local
+            )
+            remote_block = _used_ids(
+                g, "prefill", remote_ids, len(remote_ids) - 1, len(remote_ids), g.remote
+            )
+            return state_segment(int(local_block[0]), int(remote_block[0]))
+        start = num_cached
+        if g.kind is GroupKind.SLIDING_WINDOW and g.window is not None:
+            start = max(num_cached, num_tokens - g.window)
+        if start >= num_tokens:
+            return None
+        local_first = num_cached // g.local.block_size
+        local_lo, local_hi = start // g.local.block_size, (num_tokens - 1) // g.local.block_size + 1
+        remote_lo, remote_hi = (
+            start // g.remote.block_size,
+            (num_tokens - 1) // g.remote.block_size + 1,
+        )
+        local_used = _used_ids(
+            g, "decode", local_ids, local_lo - local_first, local_hi - local_first, g.local
+        )
+        remote_used = _used_ids(g, "prefill", remote_ids, remote_lo, remote_hi, g.remote)
+        return token_segments(
+            start, num_tokens, g.local, g.remote, local_used, local_lo, remote_used, remote_lo
+        )
+
+
+def _check_counts(
+    g: GroupPairing, num_local: int, num_remote: int, num_tokens: int, num_cached: int
+) -> None:
+    if g.kind is GroupKind.SSM:
+        if num_local > 0 and num_remote == 0:
+            raise TransferPlanError(
+                f"group {g.index} (SSM): decode has a state block but prefill sent none"
+            )
+        return
+    if num_cached % g.local.block_size != 0:
+        raise TransferPlanError(
+            f"group {g.index}: num_cached_tokens={num_cached} is not a multiple of decode's block "
+            f"size {g.local.block_size}; a prefix hit covers whole blocks"
+        )
+    expected_local = _ceil_div(num_tokens, g.local.block_size) - num_cached // g.local.block_size
+    expected_remote = _ceil_div(num_tokens, g.remote.block_size)
+    if num_local != expected_local or num_remote != expected_remote:
+        raise TransferPlanError(
+            f"group {g.index}: for tokens [{num_cached}, {num_tokens}) decode needs {expected_local} "
+            f"blocks of {g.local.block_size} tokens and got {num_local}; prefill needs {expected_remote} "
+            f"blocks of {g.remote.block_size} tokens for [0, {num_tokens}) and got {num_remote}"
+        )
+
+
+def _used_ids(
+    g: GroupPairing, side: str, ids: Sequence[int], lo: int, hi: int, blocks: SideBlocks
+) -> Int64Array:
+    """ids[lo:hi] as an array; each must be a distinct block of the side's pool."""
+    if isinstance(ids, np.ndarray):
+        used = ids[lo:hi].astype(np.int64, copy=False)
+    else:
+        used = np.fromiter(ids[lo:hi], dtype=np.int64, count=max(0, min(hi, len(ids)) - lo))
+    bad = used[(used < 0) | (used >= blocks.num_blocks)]
+    if len(bad):
+        raise TransferPlanError(
+            f"group {g.index}: {side} block id {int(bad[0])} is outside the pool [0, {blocks.num_blocks})"
+        )
+    if len(used) > 1 and not bool(np.all(used[1:] > used[:-1])):
+        ordered = np.sort(used)
+        repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+        if len(repeats):
+            raise TransferPlanError(
+                f"group {g.index}: {side} block ids repeat block {int(repeats[0])}; "
+                "each block of a request must be distinct"
+            )
+    return used
+
+
+def _rank_reads(rank: int, runs: Runs) -> RankReads:
+    return RankReads(
+        remote_rank=rank,
+        local_regions=runs.local_regions,
+        local_offsets=runs.local_offsets,
+        remote_regions=runs.remote_regions,
+        remote_offsets=runs.remote_offsets,
+        lengths=runs.lengths,
+    )
