@@ -64,15 +64,22 @@ def _plane_bytes_per_kernel_block(group: GroupSpec, layer: LayerSpec, tp_size: i
     return slots * num_heads * layer.head_dim * layer.dtype_bytes
 
 
+_PACKED = (MemoryLayout.NHD_PACKED, MemoryLayout.HND_PACKED)
+
+
 def _strides(
-    group: GroupSpec, num_heads: int, head_bytes: int, memory_layout: MemoryLayout
+    group: GroupSpec, num_heads: int, cell_bytes: int, memory_layout: MemoryLayout
 ) -> tuple[int, int]:
-    """(token_stride_bytes, head_stride_bytes) inside one kernel block of one plane."""
+    """(token_stride_bytes, head_stride_bytes) inside one kernel block of one plane.
+
+    ``cell_bytes`` is one (token, head) cell: one head's bytes, or every plane's in a packed
+    layout.
+    """
     if group.kind is GroupKind.SSM:
-        return 0, head_bytes
-    if memory_layout is MemoryLayout.HND:
-        return head_bytes, group.kernel_block_size * head_bytes
-    return num_heads * head_bytes, head_bytes
+        return 0, cell_bytes
+    if memory_layout in (MemoryLayout.HND, MemoryLayout.HND_PACKED):
+        return cell_bytes, group.kernel_block_size * cell_bytes
+    return num_heads * cell_bytes, cell_bytes
 
 
 def _per_layer_group(
@@ -86,7 +93,11 @@ def _per_layer_group(
         num_heads, replicated = _layer_heads(layer, group.kind, tp_size)
         head_bytes = layer.head_dim * layer.dtype_bytes
         block_bytes = _plane_bytes_per_kernel_block(group, layer, tp_size)
-        token_stride, head_stride = _strides(group, num_heads, head_bytes, memory_layout)
+        # Packed: K and V of one (token, head) are neighbours, e.g. NHD_PACKED with 2 heads:
+        # [t0h0 K|V][t0h1 K|V][t1h0 K|V]...; V's plane starts head_bytes into the block.
+        packed = memory_layout in _PACKED
+        cell_bytes = head_bytes * layer.num_planes if packed else head_bytes
+        token_stride, head_stride = _strides(group, num_heads, cell_bytes, memory_layout)
         region = first_region + len(regions)
         for plane in range(layer.num_planes):
             planes.append(
@@ -94,8 +105,8 @@ def _per_layer_group(
                     layer=layer_index,
                     plane=plane,
                     region=region,
-                    offset_bytes=plane * num_kernel_blocks * block_bytes,
-                    kernel_block_stride_bytes=block_bytes,
+                    offset_bytes=plane * (head_bytes if packed else num_kernel_blocks * block_bytes),
+                    kernel_block_stride_bytes=block_bytes * (layer.num_planes if packed else 1),
                     token_stride_bytes=token_stride,
                     head_stride_bytes=head_stride,
                     head_bytes=head_bytes,

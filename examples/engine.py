@@ -27,6 +27,7 @@ import msgspec
 
 from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.layout import MemoryLayout
+from connector.metadata import WorkerReport
 from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, build_spec
 from examples.metering import MeteredAgent, TransferStats
 from examples.model import ModelKind, TinyModel
@@ -140,6 +141,9 @@ class Engine:
         self.loading: dict[str, _Request] = {}
         self.running: list[_Request] = []
         self.held: dict[str, _Request] = {}  # finished, blocks kept alive for remote readers
+        # Decode: ReleaseSpecs the ranks are still carrying out (e.g. after a full prefix hit,
+        # prefill must still be told to free): request id -> ranks that reported it.
+        self.releasing: dict[str, set[int]] = {}
         self.stats = TransferStats(clock)
         self.scheduler: Any = None
         self.workers: list[Any] = []
@@ -205,7 +209,8 @@ class Engine:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.loading or self.running or self.held)
+        """Requests to serve, or connector work that needs steps (loads, releases, leases)."""
+        return bool(self.waiting or self.loading or self.running or self.held or self.releasing)
 
     @property
     def num_leaked_blocks(self) -> int:
@@ -219,13 +224,27 @@ class Engine:
         if self.scheduler is not None:
             metadata = self.scheduler.build_connector_meta()
             self.stats.note_loads(metadata)
+            for release in metadata.releases:
+                self.releasing.setdefault(release.request_id, set())
             for worker in self.workers:
                 worker.start_load_kv(metadata)
         outputs += self._run_model()
         if self.scheduler is not None:
-            self.scheduler.update_connector_output([w.get_finished() for w in self.workers])
+            reports = [worker.get_finished() for worker in self.workers]
+            self._note_releases_done(reports)
+            self.scheduler.update_connector_output(reports)
             outputs += self._apply_finished(self.scheduler.take_finished())
         return outputs
+
+    def _note_releases_done(self, reports: Sequence[WorkerReport]) -> None:
+        """A release is done once every rank reported it (its free notifications went out)."""
+        for report in reports:
+            for request_id in (*report.finished_recving, *report.failed_recving):
+                ranks = self.releasing.get(request_id)
+                if ranks is not None:
+                    ranks.add(report.tp_rank)
+                    if len(ranks) == len(self.workers):
+                        del self.releasing[request_id]
 
     def _schedule(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

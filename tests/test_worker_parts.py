@@ -15,8 +15,8 @@ from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, Memor
 from worker.compat import Fingerprint, check_compatible, digest_of, fingerprint
 from worker.handshake import HandshakeClient, HandshakeJob
 from worker.notifications import NotificationCounter
-from worker.peers import head_shapes, notification_duty
 from worker.planner import TransferPlanner
+from worker.topology import expected_notifications, head_shapes, notification_duty
 
 # --- model specs ------------------------------------------------------------------------------
 
@@ -297,10 +297,24 @@ def test_notification_duty_matches_the_planner(
 ) -> None:
     spec = make_spec(num_kv_heads=num_kv_heads, kind=kind)
     remote = build_rank_layout(spec, 0, remote_tp)
+    replicated = kind is GroupKind.MLA
+    notified_by: dict[int, list[int]] = {}
     for tp_rank in range(local_tp):
-        plan = TransferPlanner(build_rank_layout(spec, tp_rank, local_tp), remote).plan(
+        local = build_rank_layout(spec, tp_rank, local_tp)
+        plan = TransferPlanner(local, remote).plan(
             ((0, 1),), ((0, 1),), num_tokens=8, num_cached_tokens=0
         )
-        duty = notification_duty(tp_rank, local_tp, remote_tp, head_shapes(spec))
+        duty = notification_duty(tp_rank, local_tp, remote_tp, head_shapes(local))
         assert duty == plan.consumers
         assert set(duty) == {r.remote_rank for r in plan.reads} | set(plan.notify_only)
+        for remote_rank, count in duty.items():
+            assert count == expected_notifications(
+                remote_rank, local_tp, remote_tp, num_kv_heads, replicated=replicated
+            )
+            notified_by.setdefault(remote_rank, []).append(tp_rank)
+    # Every prefill rank hears from exactly as many decode ranks as each of them announces.
+    assert sorted(notified_by) == list(range(remote_tp))
+    for remote_rank, senders in notified_by.items():
+        assert len(senders) == expected_notifications(
+            remote_rank, local_tp, remote_tp, num_kv_heads, replicated=replicated
+        )

@@ -28,7 +28,7 @@ from worker.handshake import Fetcher, HandshakeClient
 from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
-from worker.peers import PeerTable, head_shapes
+from worker.peers import PeerTable
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,6 @@ class WorkerConnector:
             tp_size=tp_size,
             local_layout=self._layout,
             local_fingerprint=self._fingerprint,
-            shapes=head_shapes(spec),
             enforce_compat=config.enforce_handshake_compat,
         )
         self._notifications = NotificationCounter(

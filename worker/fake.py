@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
+from worker.descriptors import checked_read_descriptors, checked_regions
 from worker.nixl_api import Descriptors, TransferState
 
 CORRUPT_PREFIX = b"\xff\xfe"  # prepended to corrupted notifications: never valid UTF-8
@@ -144,7 +145,7 @@ class FakeNixl:
 
     def register_regions(self, regions: Sequence[tuple[int, int]]) -> FakeRegistration:
         self._live()
-        registration = FakeRegistration(next(self._registration_ids), _checked_regions(regions))
+        registration = FakeRegistration(next(self._registration_ids), checked_regions(regions))
         with self._fabric.lock:
             self._registrations[registration.registration_id] = registration
         return registration
@@ -192,7 +193,7 @@ class FakeNixl:
     ) -> FakeRead:
         self._live()
         self._require_remote(remote_agent)
-        local_rows, remote_rows = _checked_read_descriptors(local, remote)
+        local_rows, remote_rows = checked_read_descriptors(local, remote)
         transfer = FakeRead(remote_agent, local_rows, remote_rows, bytes(notif))
         with self._fabric.lock:
             self._check_ranges(transfer)
@@ -333,57 +334,3 @@ def _first_outside(rows: Descriptors, regions: Collection[tuple[int, int]]) -> i
     within = (starts >= region_starts) & (ends <= region_starts + region_lengths)
     outside = np.flatnonzero(~within.any(axis=1) | (rows[:, 2] != 0))
     return int(outside[0]) if len(outside) else None
-
-
-def _checked_regions(regions: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    if not regions:
-        raise TransferFailed("no memory regions to register; pass (address, length_bytes) pairs")
-    for address, length_bytes in regions:
-        if address <= 0 or length_bytes <= 0:
-            raise TransferFailed(
-                f"cannot register region (address={address}, length_bytes={length_bytes}): "
-                "both must be positive"
-            )
-    return tuple((int(address), int(length_bytes)) for address, length_bytes in regions)
-
-
-def _checked_read_descriptors(
-    local: Descriptors, remote: Descriptors
-) -> tuple[Descriptors, Descriptors]:
-    """Both lists as (N, 3) int64 arrays, N > 0, with equal per-descriptor lengths.
-
-    The same checks and messages as worker.nixl_real's (kept apart so FakeNixl never imports
-    nixl); tests/test_nixl_contract.py holds the two to the same messages.
-    """
-    local_rows = _descriptor_rows(local, "local")
-    remote_rows = _descriptor_rows(remote, "remote")
-    if len(local_rows) != len(remote_rows):
-        raise TransferFailed(
-            f"descriptor count mismatch: {len(local_rows)} local vs {len(remote_rows)} remote; "
-            "a READ pairs remote[i] with local[i]"
-        )
-    mismatched = np.flatnonzero(local_rows[:, 1] != remote_rows[:, 1])
-    if len(mismatched):
-        i = int(mismatched[0])
-        raise TransferFailed(
-            f"descriptor length mismatch at index {i}: local {local_rows[i, 1]} bytes vs "
-            f"remote {remote_rows[i, 1]} bytes ({len(mismatched)} mismatched in all)"
-        )
-    return local_rows, remote_rows
-
-
-def _descriptor_rows(descriptors: Descriptors, side: str) -> Descriptors:
-    rows = np.array(descriptors, dtype=np.int64)  # a copy: the caller may reuse its array
-    if rows.ndim != 2 or rows.shape[1] != 3:
-        raise TransferFailed(
-            f"{side} descriptors have shape {rows.shape}; expected (N, 3) rows of "
-            "(address, length_bytes, device_id)"
-        )
-    if len(rows) == 0:
-        raise TransferFailed(
-            f"empty {side} descriptor list: a READ needs at least one descriptor "
-            "(use send_notif for a notification without data)"
-        )
-    if (rows[:, 1] <= 0).any():
-        raise TransferFailed(f"{side} descriptors contain a non-positive length_bytes")
-    return rows

@@ -32,6 +32,7 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
+from worker.descriptors import checked_read_descriptors, checked_regions
 from worker.nixl_api import Descriptors, TransferState
 
 DEFAULT_PROGRESS_DELAY_US = 1000
@@ -165,7 +166,7 @@ class RealNixlAgent:
     ) -> RealRead:
         agent = self._live()
         self._require_remote(remote_agent)
-        local_rows, remote_rows = _checked_read_descriptors(local, remote)
+        local_rows, remote_rows = checked_read_descriptors(local, remote)
         num_bytes = int(local_rows[:, 1].sum())
         action = f"preparing a READ of {len(local_rows)} descriptors from agent {remote_agent!r}"
         with _translated(action):
@@ -269,51 +270,5 @@ def _state(status: str, transfer: RealRead) -> TransferState:
 
 def _region_rows(regions: Sequence[tuple[int, int]]) -> Descriptors:
     """(address, length_bytes) pairs -> NIXL's (N, 3) registration rows on device 0."""
-    if not regions:
-        raise TransferFailed("no memory regions to register; pass (address, length_bytes) pairs")
-    for address, length_bytes in regions:
-        if address <= 0 or length_bytes <= 0:
-            raise TransferFailed(
-                f"cannot register region (address={address}, length_bytes={length_bytes}): "
-                "both must be positive"
-            )
-    pairs = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
+    pairs = np.asarray(checked_regions(regions), dtype=np.int64).reshape(-1, 2)
     return np.column_stack([pairs, np.zeros(len(pairs), dtype=np.int64)])
-
-
-def _checked_read_descriptors(
-    local: Descriptors, remote: Descriptors
-) -> tuple[Descriptors, Descriptors]:
-    """Both lists as (N, 3) int64 arrays, N > 0, with equal per-descriptor lengths."""
-    local_rows = _descriptor_rows(local, "local")
-    remote_rows = _descriptor_rows(remote, "remote")
-    if len(local_rows) != len(remote_rows):
-        raise TransferFailed(
-            f"descriptor count mismatch: {len(local_rows)} local vs {len(remote_rows)} remote; "
-            "a READ pairs remote[i] with local[i]"
-        )
-    mismatched = np.flatnonzero(local_rows[:, 1] != remote_rows[:, 1])
-    if len(mismatched):
-        i = int(mismatched[0])
-        raise TransferFailed(
-            f"descriptor length mismatch at index {i}: local {local_rows[i, 1]} bytes vs "
-            f"remote {remote_rows[i, 1]} bytes ({len(mismatched)} mismatched in all)"
-        )
-    return local_rows, remote_rows
-
-
-def _descriptor_rows(descriptors: Descriptors, side: str) -> Descriptors:
-    rows = np.asarray(descriptors, dtype=np.int64)
-    if rows.ndim != 2 or rows.shape[1] != 3:
-        raise TransferFailed(
-            f"{side} descriptors have shape {rows.shape}; expected (N, 3) rows of "
-            "(address, length_bytes, device_id)"
-        )
-    if len(rows) == 0:
-        raise TransferFailed(
-            f"empty {side} descriptor list: a READ needs at least one descriptor "
-            "(use send_notif for a notification without data)"
-        )
-    if (rows[:, 1] <= 0).any():
-        raise TransferFailed(f"{side} descriptors contain a non-positive length_bytes")
-    return rows

@@ -14,62 +14,19 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from connector.errors import ConnectorError, HandshakeError, UnsupportedConfiguration
-from connector.layout import GroupKind, KVCacheSpec, RankLayout
+from connector.layout import RankLayout
 from connector.metadata import RemoteSource
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from worker.compat import Fingerprint, check_compatible
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
 from worker.nixl_api import NixlAgent
 from worker.planner import TransferPlanner
-from worker.topology import covered_ranks
+from worker.topology import head_shapes, notification_duty
 
 logger = logging.getLogger(__name__)
-
-
-HeadShape = tuple[int, bool]  # (model KV heads of a layer, replicated on every rank)
-
-
-def head_shapes(spec: KVCacheSpec) -> tuple[HeadShape, ...]:
-    """The distinct head shapes of the spec's layers (MLA latents are replicated)."""
-    shapes = {
-        (layer.num_kv_heads, group.kind is GroupKind.MLA)
-        for group in spec.groups
-        for layer in group.layers
-    }
-    return tuple(sorted(shapes))
-
-
-def _covered(
-    tp_rank: int, tp_size: int, remote_tp_size: int, shapes: Sequence[HeadShape]
-) -> set[int]:
-    return {
-        remote_rank
-        for num_kv_heads, replicated in shapes
-        for remote_rank in covered_ranks(
-            tp_rank, tp_size, remote_tp_size, num_kv_heads, replicated=replicated
-        )
-    }
-
-
-def notification_duty(
-    tp_rank: int, tp_size: int, remote_tp_size: int, shapes: Sequence[HeadShape]
-) -> dict[int, int]:
-    """Remote rank -> reader count, for every remote rank local rank ``tp_rank`` must notify.
-
-    A local rank notifies every remote rank it covers in any layer, once; the count is how many
-    local ranks do so for that remote rank. Raises UnsupportedConfiguration for TP sizes that
-    cannot pair. Example: 8 heads, local TP 1, remote TP 2: {0: 1, 1: 1}.
-    """
-    mine = _covered(tp_rank, tp_size, remote_tp_size, shapes)
-    everyone = [_covered(rank, tp_size, remote_tp_size, shapes) for rank in range(tp_size)]
-    return {
-        remote_rank: sum(remote_rank in covered for covered in everyone)
-        for remote_rank in sorted(mine)
-    }
 
 
 class PeerState(enum.Enum):
@@ -150,7 +107,6 @@ class PeerTable:
         tp_size: int,
         local_layout: RankLayout,
         local_fingerprint: Fingerprint,
-        shapes: Sequence[HeadShape],
         enforce_compat: bool,
     ) -> None:
         self._agent = agent
@@ -159,7 +115,7 @@ class PeerTable:
         self._tp_size = tp_size
         self._local_layout = local_layout
         self._local_fingerprint = local_fingerprint
-        self._shapes = tuple(shapes)
+        self._shapes = tuple(sorted(head_shapes(local_layout)))
         self._enforce_compat = enforce_compat
         self._current: dict[str, Peer] = {}  # engine id -> newest generation
         self._pending: dict[HandshakeJob, Peer] = {}  # handshakes in flight

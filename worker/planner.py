@@ -25,8 +25,6 @@ from worker.planner_pairing import (
     GroupPairing,
     Int64Array,
     SideBlocks,
-    consumer_counts,
-    covered_union,
     pair_groups,
 )
 from worker.planner_ranges import (
@@ -38,6 +36,7 @@ from worker.planner_ranges import (
     state_segment,
     token_segments,
 )
+from worker.topology import head_shapes, notification_duty
 
 
 @dataclass(frozen=True)
@@ -72,9 +71,10 @@ class TransferPlanner:
 
     def __init__(self, local: RankLayout, remote: RankLayout) -> None:
         self._groups = pair_groups(local, remote)
-        self._covered = tuple(sorted(covered_union(local.tp_rank, local, remote.tp_size)))
-        all_counts = consumer_counts(local, remote.tp_size)
-        self._consumers = {rank: all_counts[rank] for rank in self._covered}
+        self._consumers = notification_duty(
+            local.tp_rank, local.tp_size, remote.tp_size, head_shapes(local)
+        )
+        self._covered = tuple(self._consumers)
         self._read_ranks = tuple(sorted({rank for g in self._groups for rank in g.classes}))
 
     def plan(

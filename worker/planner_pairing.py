@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from connector.layout import GroupKind, MemoryLayout, PlaneGeometry, RankLayout
 from worker.planner_checks import validate_pair
-from worker.topology import ReadSource, covered_ranks, read_sources
+from worker.topology import ReadSource, read_sources
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -191,29 +191,3 @@ def pair_groups(local: RankLayout, remote: RankLayout) -> tuple[GroupPairing, ..
         )
         for index, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=True))
     )
-
-
-def head_configs(layout: RankLayout) -> set[tuple[int, bool]]:
-    """Distinct (model heads, replicated) of the layout's planes: each has its own TP mapping."""
-    return {
-        (plane.model_heads, plane.replicated) for group in layout.groups for plane in group.planes
-    }
-
-
-def covered_union(local_rank: int, local: RankLayout, remote_tp: int) -> set[int]:
-    """Remote ranks decode rank ``local_rank`` covers through any of its planes."""
-    covered: set[int] = set()
-    for model_heads, replicated in head_configs(local):
-        covered.update(
-            covered_ranks(local_rank, local.tp_size, remote_tp, model_heads, replicated=replicated)
-        )
-    return covered
-
-
-def consumer_counts(local: RankLayout, remote_tp: int) -> dict[int, int]:
-    """Remote rank -> how many decode ranks cover it (the count in its free notifications)."""
-    counts: dict[int, int] = {}
-    for rank in range(local.tp_size):
-        for remote_rank in covered_union(rank, local, remote_tp):
-            counts[remote_rank] = counts.get(remote_rank, 0) + 1
-    return counts

@@ -18,10 +18,12 @@ to the rest, so every remote rank hears from exactly the decode ranks that cover
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from connector.errors import UnsupportedConfiguration
 from connector.geometry import heads_per_rank
+from connector.layout import RankLayout
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,41 @@ def expected_notifications(
         remote_rank in covered_ranks(rank, local_tp, remote_tp, num_kv_heads, replicated=replicated)
         for rank in range(local_tp)
     )
+
+
+HeadShape = tuple[int, bool]  # (model KV heads of a plane, replicated on every rank)
+
+
+def head_shapes(layout: RankLayout) -> set[HeadShape]:
+    """Distinct head shapes of a layout's planes: each has its own TP mapping."""
+    return {
+        (plane.model_heads, plane.replicated) for group in layout.groups for plane in group.planes
+    }
+
+
+def notification_duty(
+    local_rank: int, local_tp: int, remote_tp: int, shapes: Iterable[HeadShape]
+) -> dict[int, int]:
+    """Remote rank -> free-notification count, for every remote rank ``local_rank`` notifies.
+
+    A decode rank notifies, once, every remote rank it covers through any plane shape; the
+    count is how many decode ranks do so for that remote rank. Planes with different head
+    counts map differently, so the union matters. Example: 8 heads, local TP 1, remote TP 2:
+    {0: 1, 1: 1}.
+    """
+    distinct = sorted(set(shapes))
+
+    def covered(rank: int) -> set[int]:
+        return {
+            remote_rank
+            for num_kv_heads, replicated in distinct
+            for remote_rank in covered_ranks(
+                rank, local_tp, remote_tp, num_kv_heads, replicated=replicated
+            )
+        }
+
+    everyone = [covered(rank) for rank in range(local_tp)]
+    return {
+        remote_rank: sum(remote_rank in ranks for ranks in everyone)
+        for remote_rank in sorted(everyone[local_rank])
+    }
