@@ -9,6 +9,8 @@ from typing import NoReturn
 
 import msgspec
 
+MODELS = ("dense", "mla", "hybrid-swa", "hybrid-ssm")
+
 
 class _OneLineParser(argparse.ArgumentParser):
     """Bad flags print one clear line (and exit 2) instead of the usage block."""
@@ -28,22 +30,34 @@ def _parser() -> argparse.ArgumentParser:
         "block leaks against a single-engine run. Exits non-zero on any mismatch or leak.",
     )
     for side in ("prefill", "decode"):
-        demo.add_argument(f"--{side}-tp", type=int, default=1, help=f"{side} TP size (1)")
+        demo.add_argument(
+            f"--{side}-tp", type=int, default=1, metavar="N", help=f"{side} TP size (1)"
+        )
         demo.add_argument(
             f"--{side}-block-size",
             type=int,
             default=16,
+            metavar="TOKENS",
             help=f"{side} logical block size in tokens (16)",
         )
         demo.add_argument(
             f"--{side}-kernel-block-size",
             type=int,
             default=None,
+            metavar="TOKENS",
             help=f"{side} kernel block size (default: the block size)",
         )
-    demo.add_argument("--layout", choices=("nhd", "hnd"), default="nhd")
     demo.add_argument(
-        "--model", choices=("dense", "mla", "hybrid-swa", "hybrid-ssm"), default="dense"
+        "--layout", choices=("nhd", "hnd"), default="nhd", help="KV memory layout (nhd)"
+    )
+    demo.add_argument(
+        "--model", choices=MODELS, default="dense", help="model both engines serve (dense)"
+    )
+    demo.add_argument(
+        "--decode-model",
+        choices=MODELS,
+        default=None,
+        help="serve another model on decode, to see the handshake refuse the pairing",
     )
     demo.add_argument(
         "--decode-prefix-hit",
@@ -52,12 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="fraction of each prompt already in decode's prefix cache (0)",
     )
-    demo.add_argument("--requests", type=int, default=8, metavar="N")
-    demo.add_argument("--prompt-len", type=int, default=64, metavar="L")
+    demo.add_argument("--requests", type=int, default=8, metavar="N", help="batch size (8)")
+    demo.add_argument(
+        "--prompt-len", type=int, default=64, metavar="L", help="prompt tokens per request (64)"
+    )
     demo.add_argument(
         "--max-tokens",
         type=int,
         default=8,
+        metavar="N",
         help="tokens decode generates after prefill's first token (8)",
     )
     demo.add_argument(
@@ -65,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="both engines in this process over FakeNixl (no UCX)",
     )
-    demo.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS")
+    demo.add_argument(
+        "--timeout", type=float, default=120.0, metavar="SECONDS", help="for the batch (120)"
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -75,7 +94,11 @@ def _raise_interrupt(signum: int, frame: object) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run `nixl-pd`; returns the exit code (2: bad flags, 1: the demo found a problem)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a bad flag already explained on stderr
+        return int(exit_request.code or 0)
     from connector.errors import ConnectorError
     from examples import demo
 
@@ -88,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_kernel_block_size=args.decode_kernel_block_size,
         layout=args.layout,
         model=args.model,
+        decode_model=args.decode_model,
         decode_prefix_hit=args.decode_prefix_hit,
         requests=args.requests,
         prompt_len=args.prompt_len,

@@ -97,6 +97,7 @@ def _per_layer_group(
         # [t0h0 K|V][t0h1 K|V][t1h0 K|V]...; V's plane starts head_bytes into the block.
         packed = memory_layout in _PACKED
         cell_bytes = head_bytes * layer.num_planes if packed else head_bytes
+        plane_offset_bytes = head_bytes if packed else num_kernel_blocks * block_bytes
         token_stride, head_stride = _strides(group, num_heads, cell_bytes, memory_layout)
         region = first_region + len(regions)
         for plane in range(layer.num_planes):
@@ -105,7 +106,7 @@ def _per_layer_group(
                     layer=layer_index,
                     plane=plane,
                     region=region,
-                    offset_bytes=plane * (head_bytes if packed else num_kernel_blocks * block_bytes),
+                    offset_bytes=plane * plane_offset_bytes,
                     kernel_block_stride_bytes=block_bytes * (layer.num_planes if packed else 1),
                     token_stride_bytes=token_stride,
                     head_stride_bytes=head_stride,
@@ -160,7 +161,9 @@ def build_rank_layout(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> RankLayo
             f"tp_rank={tp_rank} is not a rank of tp_size={tp_size}; ranks are 0..tp_size-1"
         )
     if not spec.groups:
-        raise UnsupportedConfiguration("the KV cache spec has no cache groups; describe at least one")
+        raise UnsupportedConfiguration(
+            "the KV cache spec has no cache groups; describe at least one"
+        )
     groups: list[GroupGeometry] = []
     region_bytes: list[int] = []
     for index, group in enumerate(spec.groups):

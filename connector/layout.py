@@ -35,7 +35,9 @@ class GroupKind(enum.Enum):
 class MemoryLayout(enum.Enum):
     NHD = "nhd"  # per layer: (planes, kernel blocks, tokens, heads, head_dim)
     HND = "hnd"  # per layer: (planes, kernel blocks, heads, tokens, head_dim)
-    BLOCK_OUTERMOST = "block_outermost"  # per group: (kernel blocks, layers, planes, tokens, heads, head_dim)
+    BLOCK_OUTERMOST = (
+        "block_outermost"  # per group: (kernel blocks, layers, planes, tokens, heads, head_dim)
+    )
     # Per layer, K and V packed into one cell per (token, head), as vLLM >= 0.33 stores them
     # (its layouts LBNHC and LBHNC, cell C = K then V): planes sit head_bytes apart in a cell.
     NHD_PACKED = "nhd_packed"  # per layer: (kernel blocks, tokens, heads, planes * head_dim)

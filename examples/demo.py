@@ -29,6 +29,7 @@ from examples.model import MAX_POSITIONS, VOCAB_SIZE, ModelKind, check_tp
 from examples.router import Completion, EngineHandle, InProcessEngine, ToyRouter, run_local
 
 Progress = Callable[[str], None]
+MAX_BATCH_TOKENS = 200_000  # bounds each engine's KV pools (and the demo's run time)
 
 
 class DemoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,6 +109,12 @@ def validate_options(options: DemoOptions) -> None:
     limit = MAX_POSITIONS - options.max_tokens - 1
     _check(1 <= options.prompt_len <= limit, f"--prompt-len {options.prompt_len}: use 1..{limit}")
     _check(options.timeout_s > 0, f"--timeout {options.timeout_s}: must be positive")
+    num_tokens = options.requests * (options.prompt_len + options.max_tokens)
+    _check(
+        num_tokens <= MAX_BATCH_TOKENS,
+        f"--requests {options.requests} x (--prompt-len {options.prompt_len} + --max-tokens "
+        f"{options.max_tokens}) = {num_tokens} tokens; keep the batch within {MAX_BATCH_TOKENS}",
+    )
 
 
 def engine_configs(options: DemoOptions, run_id: str) -> tuple[EngineConfig, EngineConfig]:
@@ -115,7 +122,7 @@ def engine_configs(options: DemoOptions, run_id: str) -> tuple[EngineConfig, Eng
     configs = []
     for side in ("prefill", "decode"):
         block = getattr(options, f"{side}_block_size")
-        per_request = math.ceil((options.prompt_len + options.max_tokens + 1) / block) + 1
+        per_request = _blocks_per_request(options, block)
         model = options.decode_model if side == "decode" and options.decode_model else options.model
         configs.append(
             EngineConfig(
@@ -131,6 +138,10 @@ def engine_configs(options: DemoOptions, run_id: str) -> tuple[EngineConfig, Eng
             )
         )
     return configs[0], configs[1]
+
+
+def _blocks_per_request(options: DemoOptions, block_size: int) -> int:
+    return math.ceil((options.prompt_len + options.max_tokens + 1) / block_size) + 1
 
 
 def make_prompts(options: DemoOptions) -> dict[str, list[int]]:
@@ -150,7 +161,7 @@ def reference_outputs(
             "reference",
             model=options.model,
             seed=options.seed,
-            num_blocks=options.requests * 64 + 8,
+            num_blocks=options.requests * _blocks_per_request(options, 16) + 8,
         )
     )
     handle = InProcessEngine(engine)

@@ -17,22 +17,25 @@ Without a connector the engine is a plain single engine (the reference run).
 from __future__ import annotations
 
 import enum
+import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.layout import MemoryLayout
-from connector.metadata import WorkerReport
 from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, build_spec
 from examples.metering import MeteredAgent, TransferStats
 from examples.model import ModelKind, TinyModel
+from scheduler.requests import RequestInfo
 
 AgentFactory = Callable[[str], Any]  # agent name -> NixlAgent
+logger = logging.getLogger(__name__)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -78,7 +81,7 @@ class Status(enum.Enum):
 @dataclass
 class _Request:
     spec: EngineRequest
-    info: Any  # scheduler.requests.RequestInfo
+    info: RequestInfo
     token_ids: list[int]
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
@@ -118,7 +121,7 @@ class Engine:
         self,
         config: EngineConfig,
         *,
-        connector_config: Any = None,
+        connector_config: ConnectorConfig | None = None,
         agent_factory: AgentFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -141,27 +144,35 @@ class Engine:
         self.loading: dict[str, _Request] = {}
         self.running: list[_Request] = []
         self.held: dict[str, _Request] = {}  # finished, blocks kept alive for remote readers
-        # Decode: ReleaseSpecs the ranks are still carrying out (e.g. after a full prefix hit,
-        # prefill must still be told to free): request id -> ranks that reported it.
-        self.releasing: dict[str, set[int]] = {}
         self.stats = TransferStats(clock)
         self.scheduler: Any = None
         self.workers: list[Any] = []
         self.agents: list[MeteredAgent] = []
         if config.role != "local":
-            self._start_connector(connector_config, agent_factory, clock)
+            try:
+                self._start_connector(connector_config, agent_factory, clock)
+            except BaseException:
+                self.shutdown()  # agents and workers created so far
+                raise
 
     def _start_connector(
-        self, connector_config: Any, agent_factory: AgentFactory | None, clock: Callable[[], float]
+        self,
+        connector_config: ConnectorConfig | None,
+        agent_factory: AgentFactory | None,
+        clock: Callable[[], float],
     ) -> None:
         from scheduler.connector import SchedulerConnector
         from scheduler.requests import Role
         from worker.connector import WorkerConnector
 
         roles = {"prefill": Role.PRODUCER, "decode": Role.CONSUMER, "both": Role.BOTH}
-        if self.config.role not in roles or agent_factory is None:
+        if self.config.role not in roles:
             raise UnsupportedConfiguration(
-                f"engine role {self.config.role!r} needs a connector: use prefill, decode or both"
+                f"engine role {self.config.role!r} is unknown: use local, prefill, decode or both"
+            )
+        if connector_config is None or agent_factory is None:
+            raise UnsupportedConfiguration(
+                f"engine role {self.config.role!r} needs a connector config and an agent factory"
             )
         suffix = uuid.uuid4().hex[:8]  # fresh agent names per start (NIXL pitfall)
         for rank, buffers in enumerate(self.ranks):
@@ -194,8 +205,6 @@ class Engine:
 
     def add_request(self, request: EngineRequest) -> RequestOutput | None:
         """Queue ``request``; returns an error output at once if it can never run."""
-        from scheduler.requests import RequestInfo
-
         num_tokens = len(request.prompt_token_ids)
         error = _check_request(request, num_tokens)
         if error is not None:
@@ -210,7 +219,8 @@ class Engine:
 
     def has_work(self) -> bool:
         """Requests to serve, or connector work that needs steps (loads, releases, leases)."""
-        return bool(self.waiting or self.loading or self.running or self.held or self.releasing)
+        connector_busy = self.scheduler is not None and self.scheduler.has_pending_work()
+        return bool(self.waiting or self.loading or self.running or self.held or connector_busy)
 
     @property
     def num_leaked_blocks(self) -> int:
@@ -224,27 +234,14 @@ class Engine:
         if self.scheduler is not None:
             metadata = self.scheduler.build_connector_meta()
             self.stats.note_loads(metadata)
-            for release in metadata.releases:
-                self.releasing.setdefault(release.request_id, set())
             for worker in self.workers:
                 worker.start_load_kv(metadata)
         outputs += self._run_model()
         if self.scheduler is not None:
             reports = [worker.get_finished() for worker in self.workers]
-            self._note_releases_done(reports)
             self.scheduler.update_connector_output(reports)
             outputs += self._apply_finished(self.scheduler.take_finished())
         return outputs
-
-    def _note_releases_done(self, reports: Sequence[WorkerReport]) -> None:
-        """A release is done once every rank reported it (its free notifications went out)."""
-        for report in reports:
-            for request_id in (*report.finished_recving, *report.failed_recving):
-                ranks = self.releasing.get(request_id)
-                if ranks is not None:
-                    ranks.add(report.tp_rank)
-                    if len(ranks) == len(self.workers):
-                        del self.releasing[request_id]
 
     def _schedule(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -260,6 +257,13 @@ class Engine:
 
     def _schedule_one(self, request: _Request) -> bool:
         """Allocate and start ``request``; False if the pools are too full (retry next step)."""
+        num_tokens = len(request.token_ids) + request.spec.max_tokens
+        if self.blocks.blocks_for(num_tokens) > self.config.num_blocks - 1:
+            raise UnsupportedConfiguration(
+                f"request {request.request_id} needs {self.blocks.blocks_for(num_tokens)} blocks "
+                f"for {num_tokens} tokens; the pool has {self.config.num_blocks - 1}: raise "
+                "num_blocks or shorten the request"
+            )
         if not self.blocks.can_allocate(len(request.token_ids) + 1):
             return False
         num_cached = self.blocks.find_prefix_hit(request.token_ids, len(request.token_ids) - 1)
@@ -388,16 +392,18 @@ class Engine:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the connector (side channel, agents); idempotent."""
+        """Stop the connector (workers, side channel) and close the agents; idempotent."""
         workers, self.workers = self.workers, []
-        for worker in workers:
-            worker.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown()
-            self.scheduler = None
+        scheduler, self.scheduler = self.scheduler, None
         agents, self.agents = self.agents, []
-        for agent in agents:
-            agent.close()
+        steps = [worker.shutdown for worker in workers]
+        steps += [scheduler.shutdown] if scheduler is not None else []
+        steps += [agent.close for agent in agents]
+        for step in steps:  # best effort: one failure must not keep the rest running
+            try:
+                step()
+            except Exception:
+                logger.exception("engine %s: shutdown step failed", self.config.engine_id)
 
 
 def _check_request(request: EngineRequest, num_tokens: int) -> str | None:
@@ -406,17 +412,3 @@ def _check_request(request: EngineRequest, num_tokens: int) -> str | None:
     if request.max_tokens < 1:
         return f"max_tokens must be >= 1, got {request.max_tokens}"
     return None
-
-
-def run_until_done(
-    engines: Sequence[Engine], *, timeout_s: float, clock: Callable[[], float] = time.monotonic
-) -> list[RequestOutput]:
-    """Step every engine until none has work; raises TimeoutError after ``timeout_s``."""
-    deadline = clock() + timeout_s
-    outputs: list[RequestOutput] = []
-    while any(engine.has_work() for engine in engines):
-        if clock() > deadline:
-            raise TimeoutError(f"engines still busy after {timeout_s} s")
-        for engine in engines:
-            outputs += engine.step()
-    return outputs

@@ -167,18 +167,18 @@ class SchedulerConnector:
         self, request: RequestInfo, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks?, kv_transfer_params to return to the client)."""
-        if self._consumer is not None:
-            delay, _ = self._consumer.request_finished(request.request_id)
-            if delay:
-                return True, None
-        if self._producer is None or request.aborted:
-            return False, None
         try:
             params = self._parse(request)
         except InvalidTransferParams as exc:
             logger.warning("request %s finished with invalid params: %s", request.request_id, exc)
             return False, None
-        if params is None or not params.do_remote_decode:
+        if params is None:
+            return False, None
+        if params.do_remote_prefill:
+            if self._consumer is None:
+                return False, None
+            return self._consumer.request_finished(request.request_id, params.remote_source())
+        if self._producer is None or request.aborted or not params.do_remote_decode:
             return False, None
         return self._producer.request_finished(request.request_id, block_ids)
 
@@ -195,6 +195,17 @@ class SchedulerConnector:
             self._consumer.take_finished() if self._consumer else ((), {})
         )
         return FinishedRequests(finished_sending, finished_recving, failed_recving)
+
+    def has_pending_work(self) -> bool:
+        """True while loads, releases or leases still need engine steps to finish.
+
+        An engine that stops stepping while this is true strands them: e.g. a release after a
+        full prefix hit must still reach the prefill engine.
+        """
+        return bool(
+            (self._producer is not None and self._producer.has_pending_work)
+            or (self._consumer is not None and self._consumer.has_pending_work)
+        )
 
     def shutdown(self) -> None:
         if self._side_channel is not None:

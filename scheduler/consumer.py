@@ -97,11 +97,19 @@ class Consumer:
         self._send_heartbeats_if_due()
         return tuple(loads), releases
 
-    def request_finished(self, request_id: str) -> tuple[bool, None]:
-        """(True, None) while ranks may still touch the request's blocks, else (False, None)."""
-        self._done.discard(request_id)
+    def request_finished(self, request_id: str, source: RemoteSource) -> tuple[bool, None]:
+        """(True, None) while ranks may still touch the request's blocks, else (False, None).
+
+        ``source`` is where the request's KV lives, from its params.
+        """
+        if request_id in self._done:
+            self._done.discard(request_id)
+            return False, None
         load = self._loads.get(request_id)
         if load is None:
+            if request_id not in self._releasing:
+                # Aborted before the engine ever asked about it: prefill still holds the KV.
+                self._release_over_side_channel(source)
             return False, None
         if load.block_ids is None:  # no blocks yet: nothing of ours to hold
             del self._loads[request_id]
@@ -164,12 +172,20 @@ class Consumer:
                 self._done.add(request_id)  # until request_finished: gnnmt says (0, False)
             if load.failures:
                 self._failed[request_id] = _failure_reason(load.failures)
+                self._release_over_side_channel(load.source)
             else:
                 self._finished.append(request_id)
 
     def _release_only(self, request_id: str, source: RemoteSource) -> None:
         self._releasing[request_id] = set()
         self._pending_releases.append(ReleaseSpec(request_id, source))
+        self._release_over_side_channel(source)
+
+    def _release_over_side_channel(self, source: RemoteSource) -> None:
+        # The ranks' free notifications need a NIXL handshake; when that is what failed (peer
+        # unreachable or incompatible), only the side channel can still free prefill's blocks
+        # before the lease ends. Releasing an already-freed request is a no-op there.
+        self._heartbeats.submit_release(source.host, source.port, [source.request_id])
 
     def _fail_now(self, request_id: str, reason: str) -> None:
         load = self._loads.pop(request_id)
@@ -190,6 +206,11 @@ class Consumer:
             )
         for (host, port), remote_request_ids in sorted(by_peer.items()):
             self._heartbeats.submit(host, port, remote_request_ids)
+
+    @property
+    def has_pending_work(self) -> bool:
+        """Loads or releases the ranks have not finished: the engine must keep stepping."""
+        return bool(self._loads or self._releasing or self._pending_releases)
 
     @property
     def num_tracked(self) -> int:

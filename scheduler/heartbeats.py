@@ -1,8 +1,9 @@
-"""Send decode's lease heartbeats to prefill side channels from a small background thread.
+"""Send decode's heartbeats and releases to prefill side channels from a background thread.
 
-The engine thread only enqueues (never blocks); a full queue drops the batch with a warning
-(the next interval sends a fresh one). Failures are logged, never raised: a missed heartbeat
-at worst lets a lease expire, and that load then fails on its own.
+The engine thread only enqueues (never blocks); a full queue drops the message with a warning
+(the next interval sends a fresh heartbeat). Failures are logged, never raised: a missed
+heartbeat at worst lets a lease expire, and a missed release leaves the prefill blocks to
+their lease.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from connector.errors import ConnectorError
-from connector.side_channel_client import send_heartbeat
+from connector.side_channel_client import send_heartbeat, send_release
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +32,33 @@ class HeartbeatSender:
         timeout_s: float,
         max_queued: int = 64,
         send: SendFn | None = None,
+        send_release_fn: SendFn | None = None,
     ) -> None:
         self._send: SendFn = send or (
             lambda host, port, ids: send_heartbeat(
                 host, port, ids, secret=secret, timeout_s=timeout_s
             )
         )
-        self._queue: queue.Queue[tuple[str, int, tuple[str, ...]]] = queue.Queue(max_queued)
+        self._send_release: SendFn = send_release_fn or (
+            lambda host, port, ids: send_release(
+                host, port, ids, secret=secret, timeout_s=timeout_s
+            )
+        )
+        self._queue: queue.Queue[tuple[SendFn, str, int, tuple[str, ...]]] = queue.Queue(max_queued)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def submit(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
         """Queue one heartbeat; False (and a warning) if the queue is full or stopped."""
+        return self._enqueue(self._send, host, port, remote_request_ids)
+
+    def submit_release(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
+        """Queue one release (decode will never read these); False if full or stopped."""
+        return self._enqueue(self._send_release, host, port, remote_request_ids)
+
+    def _enqueue(
+        self, send: SendFn, host: str, port: int, remote_request_ids: Sequence[str]
+    ) -> bool:
         if self._stop.is_set():
             return False
         if self._thread is None:
@@ -51,9 +67,9 @@ class HeartbeatSender:
             )
             self._thread.start()
         try:
-            self._queue.put_nowait((host, port, tuple(remote_request_ids)))
+            self._queue.put_nowait((send, host, port, tuple(remote_request_ids)))
         except queue.Full:
-            logger.warning("heartbeat queue full; dropping a heartbeat to %s:%d", host, port)
+            logger.warning("side-channel queue full; dropping a message to %s:%d", host, port)
             return False
         return True
 
@@ -66,12 +82,12 @@ class HeartbeatSender:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                host, port, remote_request_ids = self._queue.get(timeout=POLL_INTERVAL_S)
+                send, host, port, remote_request_ids = self._queue.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
                 continue
             try:
-                self._send(host, port, remote_request_ids)
+                send(host, port, remote_request_ids)
             except ConnectorError as exc:
-                logger.warning("heartbeat to %s:%d failed: %s", host, port, exc)
+                logger.warning("side-channel message to %s:%d failed: %s", host, port, exc)
             except Exception:  # the thread must outlive a bug in one send
-                logger.exception("heartbeat to %s:%d failed", host, port)
+                logger.exception("side-channel message to %s:%d failed", host, port)

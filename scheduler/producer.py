@@ -119,5 +119,10 @@ class Producer:
         self._finished.append(request_id)
 
     @property
+    def has_pending_work(self) -> bool:
+        """Leased requests not yet freed, or ids the ranks have not yet been told about."""
+        return bool(self._sending or self._pending_sends or self._pending_forgotten)
+
+    @property
     def num_leased(self) -> int:
         return len(self._sending)

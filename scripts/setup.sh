@@ -13,6 +13,6 @@ pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-ch
 # would otherwise pull a multi-GB CUDA build.
 pip_install "torch==2.13.0"
 pip_install -e ".[test]"
-if [ "${WITH_VLLM:-0}" = "1" ]; then
+if [ "${WITH_VLLM:-1}" = "1" ]; then
     bash scripts/install_vllm.sh
 fi

@@ -51,9 +51,14 @@ class RecordingHeartbeats(HeartbeatSender):
     def __init__(self) -> None:
         super().__init__(secret=None, timeout_s=1.0)
         self.sent: list[tuple[str, int, tuple[str, ...]]] = []
+        self.released: list[tuple[str, int, tuple[str, ...]]] = []
 
     def submit(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
         self.sent.append((host, port, tuple(remote_request_ids)))
+        return True
+
+    def submit_release(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
+        self.released.append((host, port, tuple(remote_request_ids)))
         return True
 
 

@@ -10,10 +10,12 @@ no failed request and no referenced block left on either engine.
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import pytest
 
+from connector.cli import main
 from connector.config import ConnectorConfig
 from examples.demo import DemoOptions, run_demo
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
@@ -237,3 +239,89 @@ def test_malformed_params_fail_one_request_and_the_engine_keeps_serving() -> Non
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+# ---- the `nixl-pd demo` command --------------------------------------------------------
+
+JSON_KEYS = {
+    "tokens_match",
+    "kv_match",
+    "requests",
+    "bytes_transferred",
+    "transfer_gbps",
+    "failed_requests",
+    "leaked_blocks_prefill",
+    "leaked_blocks_decode",
+}
+
+
+def test_cli_demo_json_prints_one_object_with_the_contract_keys(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "demo",
+        "--fake-nixl",
+        "--json",
+        "--requests",
+        "2",
+        "--prompt-len",
+        "20",
+        "--max-tokens",
+        "2",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "1",
+    ]
+
+    exit_code = main(argv)
+
+    out = capsys.readouterr().out
+    result = json.loads(out)
+    assert exit_code == 0
+    assert out.count("\n") == 1
+    assert set(result) >= JSON_KEYS
+    assert result["tokens_match"] and result["kv_match"] and result["requests"] == 2
+
+
+def test_cli_demo_prints_a_human_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    exit_code = main(["demo", "--fake-nixl", "--requests", "1", "--prompt-len", "12"])
+
+    captured = capsys.readouterr()
+    assert exit_code == 0
+    assert captured.out.startswith("nixl-pd demo: OK")
+    assert "leaks         prefill 0 blocks, decode 0 blocks" in captured.out
+    assert "[1/1] cmpl-0: 9 tokens" in captured.err
+
+
+BAD_FLAGS = {
+    "unknown-flag": (["--bogus"], "nixl-pd: error: unrecognized arguments: --bogus"),
+    "not-a-number": (["--requests", "many"], "argument --requests: invalid int value: 'many'"),
+    "unknown-model": (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
+    "kernel-does-not-divide": (
+        ["--decode-kernel-block-size", "5"],
+        "nixl-pd demo: error: --decode-kernel-block-size 5 must divide --decode-block-size 16",
+    ),
+    "tp-the-model-cannot-split": (
+        ["--prefill-tp", "3"],
+        "nixl-pd demo: error: --prefill-tp 3: model dense cannot run with tensor-parallel size 3",
+    ),
+    "hit-not-a-fraction": (
+        ["--decode-prefix-hit", "1.5"],
+        "--decode-prefix-hit 1.5: give a fraction in [0, 1]",
+    ),
+    "batch-too-large": (["--requests", "1000", "--prompt-len", "1000"], "keep the batch within"),
+}
+
+
+@pytest.mark.parametrize("flags, message", list(BAD_FLAGS.values()), ids=list(BAD_FLAGS))
+def test_cli_bad_flags_give_one_clear_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    exit_code = main(["demo", "--fake-nixl", *flags])
+
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert exit_code == 2
+    assert len(lines) == 1 and message in lines[0]
+    assert captured.out == ""

@@ -6,10 +6,15 @@ A representative subset of the FakeNixl matrix, run through the demo exactly as
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import msgspec
 import pytest
 
 from examples.demo import DemoOptions, run_demo
+from examples.engine import EngineConfig
+from examples.server import ServerProcess
 
 pytestmark = pytest.mark.real_nixl
 
@@ -83,3 +88,19 @@ def test_incompatible_models_are_refused_at_handshake_over_real_nixl() -> None:
         "prefill and decode engines are not compatible: group0.head_dim: local '16', "
         "remote '8'" in result.errors[0]
     )
+
+
+def test_a_server_that_cannot_start_reports_why_and_is_reaped(tmp_path: Path) -> None:
+    config = EngineConfig("prefill-bad", role="prefill", model="gpt")
+    server = ServerProcess(config, env=dict(os.environ), log_path=str(tmp_path / "log"))
+    try:
+        with pytest.raises(
+            ConnectionError,
+            match="prefill-bad failed: UnsupportedConfiguration: "
+            "unknown model 'gpt'; choose one of",
+        ):
+            server.wait_ready(timeout_s=60.0)
+    finally:
+        server.close()
+
+    assert server.process.returncode is not None

@@ -110,14 +110,17 @@ def test_heartbeat_failures_are_logged_not_raised(caplog: pytest.LogCaptureFixtu
 
     def send(host: str, port: int, ids: Sequence[str]) -> object:
         attempted.set()
-        raise HandshakeError("side channel 10.0.0.9:1 did not answer")
+        raise HandshakeError("side channel 127.0.0.9:1 did not answer")
 
     sender = HeartbeatSender(secret=None, timeout_s=1.0, send=send)
     with caplog.at_level(logging.WARNING):
-        assert sender.submit("10.0.0.9", 1, ["p1"])
+        assert sender.submit("127.0.0.9", 1, ["p1"])
         assert attempted.wait(5.0)
         sender.stop()
-    assert "heartbeat to 10.0.0.9:1 failed: side channel 10.0.0.9:1 did not answer" in caplog.text
+    assert (
+        "side-channel message to 127.0.0.9:1 failed: side channel 127.0.0.9:1 did not answer"
+        in caplog.text
+    )
 
 
 def test_a_full_heartbeat_queue_drops_instead_of_blocking() -> None:

@@ -268,13 +268,13 @@ def test_every_awaited_decode_request_is_reported_exactly_once(
         elif kind == "finish" and arg not in finished:
             finished.add(str(arg))
             matched.discard(str(arg))
-            if consumer.request_finished(str(arg))[0]:
+            if consumer.request_finished(str(arg), REMOTE)[0]:
                 held.add(str(arg))
             else:
                 waiting.discard(str(arg))
     # Drain: the engine finishes everything; ranks answer every instruction.
     for request_id in IDS:
-        if request_id not in finished and consumer.request_finished(request_id)[0]:
+        if request_id not in finished and consumer.request_finished(request_id, REMOTE)[0]:
             held.add(request_id)
     for _ in range(3):
         step()

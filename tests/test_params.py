@@ -20,7 +20,7 @@ PREFILL_DONE: dict[str, Any] = {
     "remote_engine_id": "prefill-0",
     "remote_request_id": "cmpl-1",
     "remote_block_ids": [[1, 2, 3], [7]],
-    "remote_host": "10.0.0.5",
+    "remote_host": "127.0.0.5",
     "remote_port": 5600,
     "tp_size": 2,
 }
@@ -165,7 +165,7 @@ VALID: list[tuple[str, Any, KVTransferParams | None]] = [
             remote_engine_id="prefill-0",
             remote_request_id="cmpl-1",
             remote_block_ids=((1, 2, 3), (7,)),
-            remote_host="10.0.0.5",
+            remote_host="127.0.0.5",
             remote_port=5600,
             tp_size=2,
         ),
@@ -178,7 +178,7 @@ VALID: list[tuple[str, Any, KVTransferParams | None]] = [
             remote_engine_id="prefill-0",
             remote_request_id="cmpl-1",
             remote_block_ids=((4, 5),),
-            remote_host="10.0.0.5",
+            remote_host="127.0.0.5",
             remote_port=5600,
             tp_size=2,
         ),
@@ -211,7 +211,7 @@ def test_params_for_decode_round_trip_through_the_parser() -> None:
         engine_id="prefill-0",
         request_id="cmpl-1",
         block_ids=((1, 2, 3), (7,)),
-        host="10.0.0.5",
+        host="127.0.0.5",
         port=5600,
         tp_size=2,
     )
@@ -220,7 +220,7 @@ def test_params_for_decode_round_trip_through_the_parser() -> None:
     assert parsed is not None
     assert parsed.remote_source() == RemoteSource(
         engine_id="prefill-0",
-        host="10.0.0.5",
+        host="127.0.0.5",
         port=5600,
         tp_size=2,
         request_id="cmpl-1",

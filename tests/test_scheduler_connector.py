@@ -315,6 +315,56 @@ def test_one_failing_rank_fails_the_request_with_its_reason(decode: SchedulerCon
     assert decode.get_num_new_matched_tokens(decode_request(), 16) == (0, False)
 
 
+def test_a_failed_load_also_releases_prefill_over_the_side_channel(
+    decode: SchedulerConnector, heartbeats: RecordingHeartbeats
+) -> None:
+    # A failed handshake leaves no NIXL path to notify prefill; the side channel still frees it.
+    start_load(decode)
+    assert heartbeats.released == []
+    decode.update_connector_output(all_ranks(failed_recving={"d1": "handshake refused"}))
+    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "handshake refused"})
+    assert heartbeats.released == [(REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+
+
+def test_a_successful_load_sends_no_release(
+    decode: SchedulerConnector, heartbeats: RecordingHeartbeats
+) -> None:
+    start_load(decode)
+    decode.update_connector_output(all_ranks(finished_recving=("d1",)))
+    assert decode.take_finished() == FinishedRequests(finished_recving=("d1",))
+    assert heartbeats.released == []
+
+
+def test_an_abort_before_the_load_releases_over_the_side_channel_too(
+    decode: SchedulerConnector, heartbeats: RecordingHeartbeats
+) -> None:
+    request = decode_request()
+    decode.get_num_new_matched_tokens(request, 16)
+    decode.request_finished(request, ((),))
+    assert heartbeats.released == [(REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+
+
+def test_an_abort_before_the_engine_ever_asked_releases_prefill(
+    decode: SchedulerConnector, heartbeats: RecordingHeartbeats
+) -> None:
+    assert decode.request_finished(decode_request(), ((),)) == (False, None)
+    assert heartbeats.released == [(REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+    assert decode.build_connector_meta() == ConnectorMetadata()
+    assert not decode.has_pending_work()
+
+
+def test_a_finished_load_is_not_released_again_at_request_finished(
+    decode: SchedulerConnector, heartbeats: RecordingHeartbeats
+) -> None:
+    start_load(decode)
+    assert decode.has_pending_work()
+    decode.update_connector_output(all_ranks(finished_recving=("d1",)))
+    decode.take_finished()
+    assert decode.request_finished(decode_request(), ((10, 11, 12),)) == (False, None)
+    assert heartbeats.released == []
+    assert not decode.has_pending_work()
+
+
 def test_different_rank_failures_name_the_lowest_rank(decode: SchedulerConnector) -> None:
     start_load(decode)
     decode.update_connector_output(

@@ -1,0 +1,291 @@
+"""The vLLM 0.33 adapter: NixlPDConnector maps vLLM's connector calls onto our connectors.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "NixlPDConnector",
+"kv_connector_module_path": "connector.vllm", "kv_role": "kv_producer", ...}'``. Only this
+module and its connector.vllm_* helpers import vllm; importing ``connector`` never does.
+The scheduler half lives in connector.vllm_scheduler, the worker half in connector.vllm_worker.
+
+Who decides what (one request's journey through vLLM):
+- Scheduler process: our SchedulerConnector owns request state. Each step it builds our
+  ConnectorMetadata, and after the step it reads every rank's WorkerReport (carried back in
+  vLLM's worker metadata) and decides which requests finished or failed.
+- Those decisions reach vLLM's scheduler through the next step: every worker rank echoes
+  them from ``get_transfer_results``, so vLLM's output aggregator (which waits for every rank)
+  passes them on, and vLLM applies its own ``kv_load_failure_policy`` to failures. A failure
+  thus costs one engine step of latency and never an engine crash.
+- Malformed kv_transfer_params fail only their request: the adapter answers "tokens will
+  arrive" and announces the request as a failed load in the same step; vLLM then fails it
+  ("fail") or recomputes it locally ("recompute").
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from connector.config import ConnectorConfig
+from connector.errors import UnsupportedConfiguration
+from connector.layout import KVCacheSpec
+from connector.vllm_layout import (
+    dtype_name,
+    kv_cache_spec_from_vllm,
+    memory_layout_of,
+)
+from connector.vllm_messages import NixlPDMetadata, NixlPDStats
+from connector.vllm_scheduler import SchedulerSide
+from connector.vllm_worker import WorkerSide
+from scheduler.connector import SchedulerConnector
+from scheduler.requests import Role
+from worker.nixl_api import NixlAgent
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_ROLES = {"kv_producer": Role.PRODUCER, "kv_consumer": Role.CONSUMER, "kv_both": Role.BOTH}
+
+
+class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's entry point; one per process role (scheduler, or one per worker rank).
+
+    Keyword-only seams for tests and embedders: ``connector_config`` replaces the config read
+    from kv_connector_extra_config + env, ``tp_rank`` the rank read from vLLM's parallel
+    state, ``agent`` the NIXL agent this worker rank would create.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        connector_config: ConnectorConfig | None = None,
+        tp_rank: int | None = None,
+        agent: NixlAgent | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise UnsupportedConfiguration(
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}: NixlPDConnector "
+                "supports tensor parallelism only; use pipeline_parallel_size 1"
+            )
+        if transfer.kv_role not in _ROLES:
+            raise UnsupportedConfiguration(
+                f"kv_role {transfer.kv_role!r} is not accepted; expected one of {sorted(_ROLES)}"
+            )
+        config = connector_config or ConnectorConfig.from_sources(
+            transfer.kv_connector_extra_config
+        )
+        if connector_config is None and parallel.data_parallel_index:
+            # One side channel per data-parallel engine, as vLLM's NixlConnector does.
+            port = config.side_channel_port + parallel.data_parallel_index
+            config = msgspec.structs.replace(config, side_channel_port=port)
+        self._config = config
+        self._engine_id = str(transfer.engine_id)
+        self._tp_size = parallel.tensor_parallel_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self._connector(config, _ROLES[transfer.kv_role]), kv_cache_config
+            )
+        else:
+            rank = _tp_rank(self._tp_size) if tp_rank is None else tp_rank
+            self._worker = WorkerSide(
+                config,
+                engine_id=self._engine_id,
+                tp_rank=rank,
+                tp_size=self._tp_size,
+                agent=agent or self._create_agent(rank),
+                kv_cache_config=kv_cache_config,
+                spec_for=self.kv_cache_spec,
+            )
+
+    # ---- configuration shared by both roles --------------------------------------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No: sleep remaps KV memory, and registered regions and peers' handshakes would go
+        stale (vLLM then refuses --enable-sleep-mode at start instead of corrupting KV)."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """No requirement: both layer-outermost layouts (LBNHC, LBHNC) translate, and the
+        attention backend may support only one. Block-outermost ones are refused at start."""
+        return None
+
+    def kv_cache_spec(self, kernel_block_sizes: tuple[int, ...] | None = None) -> KVCacheSpec:
+        """Our KVCacheSpec for this engine (kernel block sizes known on workers only)."""
+        model = self._vllm_config.model_config
+        cache = self._vllm_config.cache_config
+        dtype = dtype_name(model.dtype)
+        return kv_cache_spec_from_vllm(
+            self._kv_cache_config,
+            model=str(model.model),
+            dtype=dtype,
+            cache_dtype=dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype),
+            model_kv_heads=model.get_total_num_kv_heads(),
+            tp_size=self._tp_size,
+            memory_layout=memory_layout_of(self._kv_cache_config.kv_cache_layout),
+            kernel_block_sizes=kernel_block_sizes,
+        )
+
+    def _connector(self, config: ConnectorConfig, role: Role) -> SchedulerConnector:
+        return SchedulerConnector(
+            config,
+            engine_id=self._engine_id,
+            role=role,
+            spec=self.kv_cache_spec(),
+            tp_size=self._tp_size,
+        )
+
+    def _create_agent(self, tp_rank: int) -> NixlAgent:
+        from worker.nixl_real import RealNixlAgent  # imports nixl: only real worker ranks
+
+        # A fresh name per start: a restarted peer under an old name is refused by NIXL.
+        name = f"{self._engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
+        return RealNixlAgent(
+            name, backends=self._config.backends, num_threads=self._config.num_threads
+        )
+
+    def _require_scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise UnsupportedConfiguration("a scheduler-side method was called on a worker")
+        return self._scheduler
+
+    def _require_worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise UnsupportedConfiguration("a worker-side method was called on the scheduler")
+        return self._worker
+
+    # ---- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._require_scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._require_scheduler().build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._require_scheduler().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._require_scheduler().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._require_scheduler().request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._require_scheduler().start_side_channel(metadata)
+
+    @property
+    def side_channel_port(self) -> int:
+        """The scheduler's bound side-channel port (what decode engines dial)."""
+        return self._require_scheduler().connector.side_channel_port
+
+    # ---- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._require_worker().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._require_worker().get_handshake_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, NixlPDMetadata):
+            raise UnsupportedConfiguration(
+                f"expected NixlPDMetadata from the scheduler, got {type(metadata).__name__}: "
+                "both roles of an engine must use NixlPDConnector"
+            )
+        self._require_worker().start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete between steps (asynchronously); nothing to wait for per layer."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Pull mode: decode reads prefill's blocks; prefill saves nothing."""
+
+    def wait_for_save(self) -> None:
+        """Pull mode: nothing to save."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        bound = metadata if isinstance(metadata, NixlPDMetadata) else None
+        return self._require_worker().get_transfer_results(bound)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._require_worker().build_worker_meta()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return NixlPDStats(data=dict(data or {}))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Failures are reported per request (failed_recving), never per block id."""
+        return set()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.connector.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+def _tp_rank(tp_size: int) -> int:
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    if tp_size == 1:
+        return 0
+    raise UnsupportedConfiguration(
+        f"tensor_parallel_size={tp_size} but vLLM's parallel state is not initialized, so this "
+        "worker's TP rank is unknown; pass tp_rank= when constructing NixlPDConnector directly"
+    )

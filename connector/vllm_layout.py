@@ -1,0 +1,230 @@
+"""Translate vLLM 0.33's KV cache configuration and tensors into our KVCacheSpec and regions.
+
+vLLM describes the cache as groups of layers sharing a block table (``KVCacheConfig``), each
+with a spec class (full attention, sliding window, MLA, Mamba) whose head counts are already
+per TP rank. Each layer's tensor is a logical ``[kernel blocks, H, N, C]`` view in which the
+cell C packs K then V (``head_size + head_size_v`` elements); the engine's layout (LBNHC or
+LBHNC) says whether tokens or heads come first in memory. Only vLLM's own modules import this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from connector.errors import UnsupportedConfiguration
+from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout, RankLayout
+
+# vLLM layout name -> ours. Block-outermost layouts (BLNHC...) interleave layers per block in
+# one tensor per group; they are not translated yet.
+VLLM_LAYOUTS: dict[str, MemoryLayout] = {
+    "LBNHC": MemoryLayout.NHD_PACKED,
+    "LBHNC": MemoryLayout.HND_PACKED,
+}
+DEFAULT_VLLM_LAYOUT = "LBNHC"  # what vLLM picks when the backend has no preference
+
+
+def memory_layout_of(vllm_layout: str | None) -> MemoryLayout:
+    """Our MemoryLayout for vLLM's layout name (None: vLLM's default, LBNHC)."""
+    name = vllm_layout or DEFAULT_VLLM_LAYOUT
+    layout = VLLM_LAYOUTS.get(name)
+    if layout is None:
+        raise UnsupportedConfiguration(
+            f"vLLM KV cache layout {name!r} is not supported by NixlPDConnector; supported: "
+            f"{', '.join(sorted(VLLM_LAYOUTS))}; set VLLM_KV_CACHE_LAYOUT=LBNHC (or LBHNC)"
+        )
+    return layout
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; strings pass through."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _group_kind(spec: Any, index: int) -> tuple[GroupKind, int | None]:
+    # Order matters: MLAAttentionSpec and the HMA-off sliding-window merge subclass
+    # FullAttentionSpec.
+    if isinstance(spec, MLAAttentionSpec):
+        return GroupKind.MLA, None
+    if isinstance(spec, SlidingWindowSpec):
+        return GroupKind.SLIDING_WINDOW, int(spec.sliding_window)
+    if isinstance(spec, FullAttentionSpec):
+        return GroupKind.FULL, None
+    if isinstance(spec, MambaSpec):
+        return GroupKind.SSM, None
+    raise UnsupportedConfiguration(
+        f"KV cache group {index} uses {type(spec).__name__}, which NixlPDConnector cannot "
+        "transfer; supported: FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec, MambaSpec"
+    )
+
+
+def _check_attention(spec: AttentionSpec, index: int) -> None:
+    problems = []
+    if spec.head_size_v not in (spec.head_size, 0):
+        problems.append(f"head_size_v={spec.head_size_v} differs from head_size={spec.head_size}")
+    if spec.page_size_padded not in (None, spec.unpadded_page_size_bytes):
+        problems.append(f"padded pages ({spec.page_size_padded} bytes)")
+    if spec.kv_quant_mode != 0 or spec.num_head_slots is not None:
+        problems.append(f"quantized or packed heads ({spec.kv_quant_mode!r})")
+    if spec.tokens_per_state != 1:
+        problems.append(f"tokens_per_state={spec.tokens_per_state}")
+    if problems:
+        raise UnsupportedConfiguration(
+            f"KV cache group {index} ({type(spec).__name__}) has {'; '.join(problems)}: "
+            "NixlPDConnector transfers plain per-token K/V pages only"
+        )
+
+
+def _attention_layers(
+    spec: AttentionSpec, names: Sequence[str], kind: GroupKind, model_kv_heads: int, tp_size: int
+) -> tuple[LayerSpec, ...]:
+    dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
+    if kind is GroupKind.MLA:
+        return tuple(
+            LayerSpec(name, 1, spec.head_size, dtype_bytes, num_planes=1) for name in names
+        )
+    expected = _heads_per_rank(model_kv_heads, tp_size)
+    if spec.num_kv_heads != expected:
+        raise UnsupportedConfiguration(
+            f"vLLM gives each rank {spec.num_kv_heads} KV heads, but {model_kv_heads} model KV "
+            f"heads over tensor-parallel size {tp_size} make {expected}: cannot describe the "
+            "sharding; use a TP size that divides the KV head count or a multiple of it"
+        )
+    return tuple(LayerSpec(name, model_kv_heads, spec.head_size, dtype_bytes) for name in names)
+
+
+def _heads_per_rank(model_heads: int, tp_size: int) -> int:
+    return model_heads // tp_size if model_heads >= tp_size else 1
+
+
+def _mamba_layers(spec: MambaSpec, names: Sequence[str], tp_size: int) -> tuple[LayerSpec, ...]:
+    # One opaque state page per rank: tp_size "heads" of page bytes, one head per rank, so a
+    # rank reads exactly its peer rank's page (SSM state cannot be re-sharded byte-wise).
+    page_bytes = spec.page_size_bytes
+    return tuple(LayerSpec(name, tp_size, page_bytes, 1, num_planes=1) for name in names)
+
+
+def kv_cache_spec_from_vllm(
+    kv_cache_config: KVCacheConfig,
+    *,
+    model: str,
+    dtype: str,
+    cache_dtype: str,
+    model_kv_heads: int,
+    tp_size: int,
+    memory_layout: MemoryLayout,
+    kernel_block_sizes: Sequence[int] | None = None,
+) -> KVCacheSpec:
+    """Our model-wide spec for vLLM's transferable cache groups (in ``transfer_groups`` order).
+
+    ``kernel_block_sizes`` (one per transfer group) come from the worker's tensors; without
+    them (the scheduler process) each group's kernel block is its logical block.
+    """
+    groups = []
+    for index, group in enumerate(kv_cache_config.transfer_groups):
+        spec = group.kv_cache_spec
+        kind, window = _group_kind(spec, index)
+        if isinstance(spec, MambaSpec):
+            layers = _mamba_layers(spec, group.layer_names, tp_size)
+        else:
+            assert isinstance(spec, AttentionSpec)  # _group_kind accepted it
+            _check_attention(spec, index)
+            layers = _attention_layers(spec, group.layer_names, kind, model_kv_heads, tp_size)
+        block_size = int(spec.block_size)
+        kernel = kernel_block_sizes[index] if kernel_block_sizes is not None else block_size
+        groups.append(
+            GroupSpec(
+                kind=kind,
+                block_size=block_size,
+                kernel_block_size=block_size if kind is GroupKind.SSM else kernel,
+                num_blocks=kv_cache_config.num_blocks,
+                layers=layers,
+                window=window,
+            )
+        )
+    if not groups:
+        raise UnsupportedConfiguration(
+            "the vLLM KV cache config has no transferable cache group; nothing to transfer"
+        )
+    return KVCacheSpec(model, dtype, cache_dtype, tuple(groups), memory_layout)
+
+
+def kernel_block_sizes_of(
+    kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor]
+) -> tuple[int, ...]:
+    """Each transfer group's kernel block size, read off its first layer's tensor.
+
+    A layer tensor's dim 0 counts kernel blocks: ``num_blocks * (block_size // kernel)``.
+    """
+    sizes = []
+    for index, group in enumerate(kv_cache_config.transfer_groups):
+        tensor = _layer_tensor(kv_caches, group.layer_names[0], index)
+        block_size = int(group.kv_cache_spec.block_size)
+        num_kernel_blocks = int(tensor.shape[0])
+        ratio, remainder = divmod(num_kernel_blocks, kv_cache_config.num_blocks)
+        if isinstance(group.kv_cache_spec, MambaSpec) or ratio == 0:
+            sizes.append(block_size)
+        elif remainder or block_size % ratio:
+            raise UnsupportedConfiguration(
+                f"layer {group.layer_names[0]!r}: {num_kernel_blocks} kernel blocks for "
+                f"{kv_cache_config.num_blocks} blocks of {block_size} tokens is not a whole "
+                "split; cannot tell the kernel block size"
+            )
+        else:
+            sizes.append(block_size // ratio)
+    return tuple(sizes)
+
+
+def region_addresses(
+    layout: RankLayout, spec: KVCacheSpec, kv_caches: Mapping[str, torch.Tensor]
+) -> tuple[int, ...]:
+    """One base address per region of ``layout``: each layer's tensor, checked for size."""
+    addresses: list[int] = []
+    for group_index, group in enumerate(spec.groups):
+        geometry = layout.groups[group_index]
+        regions = sorted({plane.region for plane in geometry.planes})
+        for layer, region in zip(group.layers, regions, strict=True):
+            tensor = _layer_tensor(kv_caches, layer.name, group_index)
+            _check_span(tensor, layer.name, layout.region_bytes[region])
+            addresses.append(int(tensor.data_ptr()))
+    return tuple(addresses)
+
+
+def _layer_tensor(kv_caches: Mapping[str, torch.Tensor], name: str, group: int) -> torch.Tensor:
+    tensor = kv_caches.get(name)
+    if tensor is None:
+        raise UnsupportedConfiguration(
+            f"register_kv_caches has no tensor for layer {name!r} of cache group {group} "
+            f"(got {len(kv_caches)} layers, e.g. {sorted(kv_caches)[:3]})"
+        )
+    if tensor.device.type != "cpu":
+        raise UnsupportedConfiguration(
+            f"layer {name!r} lives on {tensor.device}; this build registers host (DRAM) memory only"
+        )
+    return tensor
+
+
+def _check_span(tensor: torch.Tensor, name: str, region_bytes: int) -> None:
+    """The tensor must cover exactly the region: dense bytes from its data pointer."""
+    span_bytes = tensor.element_size() * (
+        1
+        + sum(
+            (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        )
+    )
+    if tensor.numel() * tensor.element_size() != region_bytes or span_bytes != region_bytes:
+        raise UnsupportedConfiguration(
+            f"layer {name!r}: its tensor spans {span_bytes} bytes ({tuple(tensor.shape)}, "
+            f"strides {tuple(tensor.stride())}) but our layout expects a dense {region_bytes}-"
+            "byte region; the KV cache layout does not match (is VLLM_KV_CACHE_LAYOUT LBNHC?)"
+        )

@@ -1,0 +1,93 @@
+"""The objects NixlPDConnector hands across vLLM's process boundaries (all picklable).
+
+Scheduler -> every worker rank each step: NixlPDMetadata. Worker ranks -> scheduler each
+step: NixlPDWorkerMeta. Each worker rank -> scheduler once at start: NixlPDHandshakeMetadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from connector.metadata import ConnectorMetadata, WorkerReport
+from scheduler.requests import FinishedRequests
+
+
+class NixlPDMetadata(KVConnectorMetadata):
+    """Scheduler -> every worker rank, one per step: our instructions plus what to echo."""
+
+    def __init__(self, step: ConnectorMetadata, announce: FinishedRequests) -> None:
+        self.step = step
+        self.announce = announce
+
+
+class NixlPDWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker ranks -> scheduler, one per step: the ranks' reports, concatenated."""
+
+    def __init__(self, reports: tuple[WorkerReport, ...]) -> None:
+        self.reports = reports
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, NixlPDWorkerMeta):
+            return self
+        return NixlPDWorkerMeta(self.reports + other.reports)
+
+
+class NixlPDHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One rank's WorkerHandshake, msgpack-encoded, on its way to the scheduler process."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
+def merge(first: FinishedRequests, second: FinishedRequests) -> FinishedRequests:
+    return FinishedRequests(
+        first.finished_sending + second.finished_sending,
+        first.finished_recving + second.finished_recving,
+        {**first.failed_recving, **second.failed_recving},
+    )
+
+
+STAT_KEYS = ("loads_finished", "loads_failed", "sends_finished")
+
+
+@dataclass
+class NixlPDStats(KVConnectorStats):
+    """Per-interval counters, summed over ranks and steps (vLLM logs ``reduce()``).
+
+    Counts are per rank: a request loaded by 2 decode ranks counts 2 loads_finished.
+    """
+
+    def __post_init__(self) -> None:
+        for key in STAT_KEYS:
+            self.data.setdefault(key, 0)
+
+    @classmethod
+    def from_report(cls, report: WorkerReport) -> NixlPDStats:
+        return cls(
+            data={
+                "loads_finished": len(report.finished_recving),
+                "loads_failed": len(report.failed_recving),
+                "sends_finished": len(report.finished_sending),
+            }
+        )
+
+    def reset(self) -> None:
+        self.data = {key: 0 for key in STAT_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged: dict[str, Any] = {key: self.data[key] + other.data.get(key, 0) for key in STAT_KEYS}
+        return NixlPDStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: int(self.data[key]) for key in STAT_KEYS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in STAT_KEYS)

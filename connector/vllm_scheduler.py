@@ -1,0 +1,152 @@
+"""NixlPDConnector's scheduler-process half: vLLM's request objects in, our decisions out.
+
+Our SchedulerConnector owns request state; this class translates vLLM's Request and
+KVCacheBlocks into RequestInfo and block ids, collects the ranks' reports from vLLM's worker
+metadata, and queues every decision for the ranks to echo back to vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.v1.request import RequestStatus
+
+from connector.errors import InvalidTransferParams, UnsupportedConfiguration
+from connector.metadata import BlockIds
+from connector.protocol import WorkerHandshake
+from connector.vllm_messages import (
+    NixlPDHandshakeMetadata,
+    NixlPDMetadata,
+    NixlPDWorkerMeta,
+    merge,
+)
+from scheduler.connector import SchedulerConnector
+from scheduler.requests import FinishedRequests, RequestInfo
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Finished statuses under which a prefill's KV is complete and may be offered to decode.
+_COMPLETE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+_handshake_decoder = msgspec.msgpack.Decoder(WorkerHandshake)
+
+
+def _request_info(request: Request, *, aborted: bool = False) -> RequestInfo:
+    return RequestInfo(
+        request.request_id, request.num_prompt_tokens, request.kv_transfer_params, aborted
+    )
+
+
+def _block_ids(groups: Iterable[Iterable[int]]) -> BlockIds:
+    return tuple(tuple(int(block) for block in group) for group in groups)
+
+
+class SchedulerSide:
+    """The scheduler process's half: request state via SchedulerConnector, plus the echo.
+
+    Requests with malformed params never reach SchedulerConnector. Their journey: claimed as
+    a pending load (``_invalid``), announced as a failed load once vLLM parked them, i.e. once
+    it called update_state_after_alloc with tokens to load (``_to_announce``), then never
+    offered a load again (``_settled``) so "recompute" computes them locally.
+    """
+
+    def __init__(self, connector: SchedulerConnector, kv_cache_config: KVCacheConfig) -> None:
+        self.connector = connector
+        self._kv_cache_config = kv_cache_config
+        self._announce = FinishedRequests()  # decided, not yet sent to the ranks to echo
+        self._invalid: dict[str, str] = {}  # request id -> why its params were refused
+        self._to_announce: dict[str, str] = {}
+        self._settled: set[str] = set()
+
+    def start_side_channel(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        handshakes = []
+        for tp_rank, payload in sorted(metadata.items()):
+            if not isinstance(payload, NixlPDHandshakeMetadata):
+                raise UnsupportedConfiguration(
+                    f"TP rank {tp_rank} sent {type(payload).__name__} handshake metadata; "
+                    "every worker must run NixlPDConnector"
+                )
+            try:
+                handshakes.append(_handshake_decoder.decode(payload.payload))
+            except msgspec.DecodeError as exc:
+                raise UnsupportedConfiguration(
+                    f"TP rank {tp_rank}'s handshake metadata does not decode ({exc}); every "
+                    "worker must run the same nixl-pd-connector version"
+                ) from None
+        self.connector.start_side_channel(handshakes)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        request_id = request.request_id
+        num_tokens = request.num_prompt_tokens - num_computed_tokens
+        if request_id in self._settled:
+            return 0, False
+        if request_id in self._invalid:  # claimed before, not parked yet: claim again
+            return (num_tokens, True) if num_tokens > 0 else (0, False)
+        try:
+            return self.connector.get_num_new_matched_tokens(
+                _request_info(request), num_computed_tokens
+            )
+        except InvalidTransferParams as exc:
+            logger.warning("request %s: %s", request_id, exc)
+            if num_tokens <= 0:
+                self._settled.add(request_id)
+                return 0, False
+            # Claim the tokens so vLLM parks the request as a pending load, then announce
+            # the load as failed: vLLM's kv_load_failure_policy decides its fate.
+            self._invalid[request_id] = f"invalid kv_transfer_params: {exc}"
+            return num_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        request_id = request.request_id
+        if request_id in self._invalid:
+            if num_external_tokens > 0:  # parked: vLLM now waits for our answer
+                self._to_announce[request_id] = self._invalid[request_id]
+            self._settled.add(request_id)
+            return
+        if request_id in self._settled:
+            return
+        groups = self._kv_cache_config.select_transfer_block_ids(blocks.get_block_ids())
+        self.connector.update_state_after_alloc(
+            _request_info(request), _block_ids(groups), num_external_tokens
+        )
+
+    def build_connector_meta(self) -> NixlPDMetadata:
+        step = self.connector.build_connector_meta()
+        invalid = FinishedRequests(failed_recving=dict(self._to_announce))
+        self._to_announce.clear()
+        announce, self._announce = merge(self._announce, invalid), FinishedRequests()
+        return NixlPDMetadata(step, announce)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        reports = meta.reports if isinstance(meta, NixlPDWorkerMeta) else ()
+        self.connector.update_connector_output(reports)
+        finished = self.connector.take_finished()
+        for request_id, reason in finished.failed_recving.items():
+            logger.warning("request %s: KV load failed: %s", request_id, reason)
+        self._announce = merge(self._announce, finished)
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        if self._invalid.pop(request_id, None) is not None:
+            self._settled.discard(request_id)
+            return False, None
+        self._settled.discard(request_id)
+        groups = self._kv_cache_config.select_transfer_block_ids(block_ids)
+        info = _request_info(request, aborted=request.status not in _COMPLETE)
+        return self.connector.request_finished(info, _block_ids(groups))

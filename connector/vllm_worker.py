@@ -1,0 +1,130 @@
+"""NixlPDConnector's worker-rank half: vLLM's KV tensors in, our WorkerConnector driven.
+
+The WorkerConnector is created at register_kv_caches, once the tensors tell the kernel block
+sizes. Each step the rank runs the scheduler's instructions, keeps its WorkerReport for the
+scheduler (vLLM's worker metadata), and echoes the scheduler's decisions to vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from connector.config import ConnectorConfig
+from connector.errors import UnsupportedConfiguration
+from connector.geometry import build_rank_layout
+from connector.layout import KVCacheSpec
+from connector.metadata import WorkerReport
+from connector.vllm_layout import kernel_block_sizes_of, region_addresses
+from connector.vllm_messages import (
+    NixlPDHandshakeMetadata,
+    NixlPDMetadata,
+    NixlPDStats,
+    NixlPDWorkerMeta,
+    merge,
+)
+from scheduler.requests import FinishedRequests
+from worker.connector import WorkerConnector
+from worker.nixl_api import NixlAgent
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class WorkerSide:
+    """One worker rank's half: our WorkerConnector, created once the KV tensors are known."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        agent: NixlAgent,
+        kv_cache_config: KVCacheConfig,
+        spec_for: Callable[[tuple[int, ...]], KVCacheSpec],
+    ) -> None:
+        self._config = config
+        self._engine_id = engine_id
+        self._tp_rank = tp_rank
+        self._tp_size = tp_size
+        self._agent = agent
+        self._kv_cache_config = kv_cache_config
+        self._spec_for = spec_for  # kernel block sizes -> our spec
+        self._connector: WorkerConnector | None = None
+        self._reports: list[WorkerReport] = []
+        self._echo = FinishedRequests()  # announced by the scheduler, not yet echoed
+        self._last_run: NixlPDMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        spec = self._spec_for(kernel_block_sizes_of(self._kv_cache_config, kv_caches))
+        connector = WorkerConnector(
+            self._config,
+            engine_id=self._engine_id,
+            tp_rank=self._tp_rank,
+            tp_size=self._tp_size,
+            spec=spec,
+            agent=self._agent,
+        )
+        layout = build_rank_layout(spec, self._tp_rank, self._tp_size)
+        connector.register_kv_caches(region_addresses(layout, spec, kv_caches))
+        self._connector = connector
+
+    def get_handshake_metadata(self) -> NixlPDHandshakeMetadata:
+        handshake = self._require().get_handshake_metadata()
+        return NixlPDHandshakeMetadata(msgspec.msgpack.encode(handshake))
+
+    def start_load_kv(self, metadata: NixlPDMetadata) -> None:
+        """Run one step's instructions; a metadata already run (same object) is ignored."""
+        if metadata is self._last_run:
+            return
+        self._last_run = metadata
+        self._require().start_load_kv(metadata.step)
+        self._echo = merge(self._echo, metadata.announce)
+
+    def get_transfer_results(self, metadata: NixlPDMetadata | None) -> KVConnectorTransferResults:
+        """This rank's report goes to the worker metadata; vLLM gets the scheduler's echo.
+
+        ``metadata`` is the step's bound metadata: run here if the engine skipped
+        start_load_kv this step, so no instruction and no echo is ever lost.
+        """
+        if metadata is not None:
+            self.start_load_kv(metadata)
+        self._reports.append(self._require().get_finished())
+        echo, self._echo = self._echo, FinishedRequests()
+        failed = set(echo.failed_recving)
+        return KVConnectorTransferResults(
+            finished_sending=set(echo.finished_sending),
+            # vLLM 0.33 wants failed loads in finished_recving too: that ends their wait.
+            finished_recving=set(echo.finished_recving) | failed,
+            failed_recving=failed,
+        )
+
+    def stats(self) -> NixlPDStats | None:
+        """Counters of the reports not yet handed to the scheduler (this step's)."""
+        stats = NixlPDStats()
+        for report in self._reports:
+            stats = stats.aggregate(NixlPDStats.from_report(report))  # type: ignore[assignment]
+        return None if stats.is_empty() else stats
+
+    def build_worker_meta(self) -> NixlPDWorkerMeta | None:
+        reports, self._reports = tuple(self._reports), []
+        return NixlPDWorkerMeta(reports) if reports else None
+
+    def shutdown(self) -> None:
+        if self._connector is not None:
+            self._connector.shutdown()
+            self._connector = None
+        self._agent.close()
+
+    def _require(self) -> WorkerConnector:
+        if self._connector is None:
+            raise UnsupportedConfiguration(
+                "the worker connector has no KV caches yet: vLLM calls register_kv_caches first"
+            )
+        return self._connector

@@ -1,0 +1,1 @@
+"""Running NixlPDConnector under `vllm serve`: launch recipe and a stdlib P/D proxy."""

@@ -1,0 +1,239 @@
+"""Translation of vLLM 0.33's KV cache config and tensors into our KVCacheSpec and regions."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQUIRE_VLLM"):
+    pytest.skip(
+        "vllm is not installed (scripts/install_vllm.sh); CI sets NIXL_PD_REQUIRE_VLLM",
+        allow_module_level=True,
+    )
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from connector.errors import UnsupportedConfiguration  # noqa: E402
+from connector.geometry import build_rank_layout  # noqa: E402
+from connector.layout import GroupKind, MemoryLayout  # noqa: E402
+from connector.vllm_layout import (  # noqa: E402
+    kernel_block_sizes_of,
+    kv_cache_spec_from_vllm,
+    memory_layout_of,
+    region_addresses,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+_F32 = torch.float32
+
+
+def _cache(*specs: Any, num_blocks: int = 8) -> Any:
+    groups = [KVCacheGroupSpec([f"g{i}.l0", f"g{i}.l1"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _translate(cache: Any, *, tp_size: int = 1, kernels: tuple[int, ...] | None = None) -> Any:
+    return kv_cache_spec_from_vllm(
+        cache,
+        model="m",
+        dtype="float32",
+        cache_dtype="float32",
+        model_kv_heads=4,
+        tp_size=tp_size,
+        memory_layout=MemoryLayout.NHD_PACKED,
+        kernel_block_sizes=kernels,
+    )
+
+
+_FULL = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=8, dtype=_F32)
+
+
+@pytest.mark.parametrize(
+    ("vllm_spec", "kind", "heads", "head_dim", "planes", "window"),
+    [
+        (_FULL, GroupKind.FULL, 4, 8, 2, None),
+        (
+            SlidingWindowSpec(
+                block_size=16, num_kv_heads=4, head_size=8, dtype=_F32, sliding_window=64
+            ),
+            GroupKind.SLIDING_WINDOW,
+            4,
+            8,
+            2,
+            64,
+        ),
+        (
+            MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=24, dtype=_F32),
+            GroupKind.MLA,
+            1,
+            24,
+            1,
+            None,
+        ),
+        (
+            MambaSpec(block_size=16, shapes=((3, 4), (5,)), dtypes=(_F32, _F32)),
+            GroupKind.SSM,
+            1,
+            68,
+            1,
+            None,
+        ),
+    ],
+    ids=["full-attention", "sliding-window", "mla-latent", "mamba-state-as-bytes"],
+)
+def test_group_kinds_translate(
+    vllm_spec: Any, kind: GroupKind, heads: int, head_dim: int, planes: int, window: Any
+) -> None:
+    (group,) = _translate(_cache(vllm_spec)).groups
+    assert (group.kind, group.window, group.num_blocks) == (kind, window, 8)
+    shapes = {(layer.num_kv_heads, layer.head_dim, layer.num_planes) for layer in group.layers}
+    if kind is GroupKind.SSM:
+        assert shapes == {(1, 68, 1)}  # 3*4 + 5 float32 elements = 68 bytes; tp 1: one "head"
+    else:
+        assert shapes == {(heads, head_dim, planes)}
+
+
+def test_per_rank_heads_become_model_heads_and_kernel_sizes_apply() -> None:
+    per_rank = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=_F32)
+    (group,) = _translate(_cache(per_rank), tp_size=2, kernels=(8,)).groups
+    assert {layer.num_kv_heads for layer in group.layers} == {4}
+    assert (group.block_size, group.kernel_block_size) == (16, 8)
+
+
+@pytest.mark.parametrize(
+    ("vllm_spec", "tp_size", "message"),
+    [
+        (
+            FullAttentionSpec(
+                block_size=16, num_kv_heads=4, head_size=8, head_size_v=4, dtype=_F32
+            ),
+            1,
+            "head_size_v=4 differs from head_size=8",
+        ),
+        (
+            ChunkedLocalAttentionSpec(
+                block_size=16, num_kv_heads=4, head_size=8, dtype=_F32, attention_chunk_size=32
+            ),
+            1,
+            "ChunkedLocalAttentionSpec, which NixlPDConnector cannot transfer",
+        ),
+        (_FULL, 2, "vLLM gives each rank 4 KV heads, but 4 model KV heads over tensor-parallel"),
+    ],
+    ids=["different-k-and-v-head-sizes", "unsupported-spec-class", "heads-not-sharded-as-tp-says"],
+)
+def test_unsupported_vllm_configs_are_refused(vllm_spec: Any, tp_size: int, message: str) -> None:
+    with pytest.raises(UnsupportedConfiguration, match=re.escape(message)):
+        _translate(_cache(vllm_spec), tp_size=tp_size)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("LBNHC", MemoryLayout.NHD_PACKED), ("LBHNC", MemoryLayout.HND_PACKED), (None, None)],
+    ids=["tokens-outer", "heads-outer", "default-is-lbnhc"],
+)
+def test_vllm_layout_names(name: str | None, expected: MemoryLayout | None) -> None:
+    assert memory_layout_of(name) is (expected or MemoryLayout.NHD_PACKED)
+
+
+def test_block_outermost_vllm_layout_is_refused() -> None:
+    with pytest.raises(UnsupportedConfiguration, match="layout 'BLNHC' is not supported"):
+        memory_layout_of("BLNHC")
+
+
+@pytest.mark.parametrize(
+    ("num_kernel_blocks", "expected"),
+    [(8, (16,)), (16, (8,)), (32, (4,))],
+    ids=["kernel-equals-block", "two-kernel-blocks-per-block", "four-kernel-blocks-per-block"],
+)
+def test_kernel_block_size_read_off_tensors(num_kernel_blocks: int, expected: tuple) -> None:
+    tensors = {name: torch.zeros(num_kernel_blocks, 4) for name in ("g0.l0", "g0.l1")}
+    assert kernel_block_sizes_of(_cache(_FULL), tensors) == expected
+
+
+def test_kernel_block_size_that_is_not_a_split_is_refused() -> None:
+    tensors = {name: torch.zeros(12, 4) for name in ("g0.l0", "g0.l1")}
+    with pytest.raises(UnsupportedConfiguration, match="12 kernel blocks for 8 blocks"):
+        kernel_block_sizes_of(_cache(_FULL), tensors)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({"g0.l0": torch.zeros(8, 4096, dtype=torch.uint8)}, "no tensor for layer 'g0.l1'"),
+        (
+            {name: torch.zeros(8, 100, dtype=torch.uint8) for name in ("g0.l0", "g0.l1")},
+            "spans 800 bytes",
+        ),
+    ],
+    ids=["missing-layer", "wrong-size-region"],
+)
+def test_region_addresses_check_the_tensors(tensors: dict, message: str) -> None:
+    spec = _translate(_cache(_FULL))
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        region_addresses(build_rank_layout(spec, 0, 1), spec, tensors)
+
+
+@pytest.mark.parametrize("vllm_layout", ["LBNHC", "LBHNC"])
+def test_our_packed_geometry_matches_vllm_kv_cache_views(vllm_layout: str) -> None:
+    """Write K and V through vLLM's own per-layer views; read them back through our planes."""
+    block_size, kernel, num_blocks = 16, 8, 4
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=4, dtype=_F32)
+    page_bytes = spec.page_size_bytes
+    raw = torch.zeros(2 * page_bytes * num_blocks, dtype=torch.int8)
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=["g0.l0", "g0.l1"],
+        layer_stride=page_bytes * num_blocks,
+        block_stride=page_bytes,
+    )
+    views = create_kv_cache_views(
+        raw, spec, num_blocks, KVCacheLayout[vllm_layout], tensor, kernel_block_size=kernel
+    )
+    for layer, view in enumerate(views):  # [kernel blocks, heads, tokens, K|V]
+        values = torch.arange(view.numel(), dtype=_F32).reshape(view.shape) + 1000 * layer
+        view.copy_(values)
+    ours = kv_cache_spec_from_vllm(
+        _cache(spec, num_blocks=num_blocks),
+        model="m",
+        dtype="float32",
+        cache_dtype="float32",
+        model_kv_heads=2,
+        tp_size=1,
+        memory_layout=memory_layout_of(vllm_layout),
+        kernel_block_sizes=(kernel,),
+    )
+    layout = build_rank_layout(ours, 0, 1)
+    base = raw.data_ptr()
+    addresses = [view.data_ptr() - base for view in views]
+    flat = raw.view(_F32)
+    for plane in layout.groups[0].planes:
+        view = views[plane.layer]
+        for block, head, token in [(0, 0, 0), (1, 1, 3), (7, 1, 7), (5, 0, 2)]:
+            offset = (
+                addresses[plane.region]
+                + plane.offset_bytes
+                + block * plane.kernel_block_stride_bytes
+                + token * plane.token_stride_bytes
+                + head * plane.head_stride_bytes
+            )
+            ours_value = flat[offset // 4 : offset // 4 + 4]
+            theirs = view[block, head, token, plane.plane * 4 : plane.plane * 4 + 4]
+            assert torch.equal(ours_value, theirs), (plane, block, head, token)

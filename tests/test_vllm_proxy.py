@@ -1,0 +1,114 @@
+"""The stdlib P/D proxy in examples/vllm: toy-proxy protocol against fake engines on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from examples.vllm.proxy import decode_body, make_server, prefill_body
+
+PARAMS = {"do_remote_prefill": True, "remote_request_id": "r1", "remote_block_ids": [[1, 2]]}
+
+
+class FakeEngine(BaseHTTPRequestHandler):
+    """Records each request; prefill answers with PARAMS, decode with a fixed completion."""
+
+    seen: list[tuple[str, str, dict[str, Any]]] = []
+    role = ""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.seen.append((self.role, self.headers["X-Request-Id"], body))
+        answer: dict[str, Any] = {"choices": [{"text": "hi"}]}
+        if self.role == "prefill":
+            answer["kv_transfer_params"] = PARAMS
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+def _serve(server: ThreadingHTTPServer) -> threading.Thread:
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def proxy_url() -> Iterator[tuple[str, list]]:
+    seen: list[tuple[str, str, dict[str, Any]]] = []
+    servers = []
+    for role in ("prefill", "decode"):
+        handler = type(f"Fake{role}", (FakeEngine,), {"role": role, "seen": seen})
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), handler))
+    prefill, decode = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    proxy = make_server("127.0.0.1", 0, prefill, decode)
+    servers.append(proxy)
+    threads = [_serve(server) for server in servers]
+    yield f"http://127.0.0.1:{proxy.server_address[1]}", seen
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    for thread in threads:
+        thread.join(timeout=5)
+
+
+def _post(url: str, body: dict[str, Any], request_id: str = "client-7") -> Any:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_prefill_then_decode_with_returned_params_and_same_request_id(proxy_url: Any) -> None:
+    url, seen = proxy_url
+    answer = _post(url + "/v1/completions", {"prompt": "abc", "max_tokens": 20, "stream": False})
+    assert answer == {"choices": [{"text": "hi"}]}
+    (p_role, p_id, p_body), (d_role, d_id, d_body) = seen
+    assert (p_role, d_role) == ("prefill", "decode")
+    assert p_id == d_id == "client-7"
+    assert p_body["max_tokens"] == 1 and p_body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert d_body["max_tokens"] == 20 and d_body["kv_transfer_params"] == PARAMS
+
+
+def test_unknown_path_is_refused(proxy_url: Any) -> None:
+    url, seen = proxy_url
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        _post(url + "/v1/embeddings", {"input": "x"})
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"prompt": "x", "max_tokens": 9, "stream": True}, {"max_tokens": 1, "stream": False}),
+        ({"messages": [], "max_completion_tokens": 9}, {"max_tokens": 1, "stream": False}),
+    ],
+    ids=["completion-streaming", "chat-max-completion-tokens-dropped"],
+)
+def test_prefill_body(body: dict[str, Any], expected: dict[str, Any]) -> None:
+    prefill = prefill_body(body)
+    assert {key: prefill[key] for key in expected} == expected
+    assert "max_completion_tokens" not in prefill
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
+
+
+def test_decode_body_needs_params_from_prefill() -> None:
+    with pytest.raises(ValueError, match="returned no kv_transfer_params"):
+        decode_body({"prompt": "x"}, {"choices": []})
