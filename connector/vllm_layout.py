@@ -136,10 +136,11 @@ def kv_cache_spec_from_vllm(
         kind, window = _group_kind(spec, index)
         if isinstance(spec, MambaSpec):
             layers = _mamba_layers(spec, group.layer_names, tp_size)
-        else:
-            assert isinstance(spec, AttentionSpec)  # _group_kind accepted it
+        elif isinstance(spec, AttentionSpec):
             _check_attention(spec, index)
             layers = _attention_layers(spec, group.layer_names, kind, model_kv_heads, tp_size)
+        else:  # _group_kind already refused every other spec type
+            raise UnsupportedConfiguration(f"KV cache group {index}: unexpected {type(spec)}")
         block_size = int(spec.block_size)
         kernel = kernel_block_sizes[index] if kernel_block_sizes is not None else block_size
         groups.append(
