@@ -55,6 +55,7 @@ class Case:
     fragmented: bool
     memory_layout: MemoryLayout = MemoryLayout.NHD
     decode_tp: int = 1  # decode TP 2 from prefill TP 1 reads a head slice
+    prefill_layout: MemoryLayout | None = None  # None: the same as decode's
 
 
 def _block_ids(num_blocks: int, fragmented: bool, seed: int) -> tuple[int, ...]:
@@ -76,9 +77,10 @@ def _median_us(
 
 def run(case: Case) -> tuple[float, int, int]:
     """(median plan time in µs, descriptors, descriptors of one per (layer plane, block))."""
-    spec = _spec(case.memory_layout)
+    decode_spec = _spec(case.memory_layout)
+    prefill_spec = _spec(case.prefill_layout or case.memory_layout)
     planner = TransferPlanner(
-        build_rank_layout(spec, 0, case.decode_tp), build_rank_layout(spec, 0, 1)
+        build_rank_layout(decode_spec, 0, case.decode_tp), build_rank_layout(prefill_spec, 0, 1)
     )
     num_blocks = -(-case.num_tokens // BLOCK_SIZE)
     local = _block_ids(num_blocks, case.fragmented, seed=1)
@@ -95,7 +97,20 @@ CASES = [
     Case("32k contiguous", 32768, False),
     Case("32k fragmented", 32768, True),
     Case("32k contiguous, block-outermost", 32768, False, MemoryLayout.BLOCK_OUTERMOST),
+    Case("32k contiguous, NHD packed (vLLM)", 32768, False, MemoryLayout.NHD_PACKED),
+    Case("32k fragmented, NHD packed (vLLM)", 32768, True, MemoryLayout.NHD_PACKED),
+    Case("32k contiguous, HND packed (vLLM)", 32768, False, MemoryLayout.HND_PACKED),
     Case("32k contiguous, HND decode TP2<-TP1", 32768, False, MemoryLayout.HND, decode_tp=2),
+    Case("32k contig., HND packed TP2<-TP1", 32768, False, MemoryLayout.HND_PACKED, decode_tp=2),
+    # Only one side packed: K and V heads interleave on one side only, one run per
+    # (token, head, plane) is unavoidable; planned plane by plane (exact, slow).
+    Case(
+        "2k contig., NHD packed <- NHD",
+        2048,
+        False,
+        MemoryLayout.NHD_PACKED,
+        prefill_layout=MemoryLayout.NHD,
+    ),
 ]
 
 

@@ -1,10 +1,13 @@
-"""The `nixl-pd` command: argument parsing only; the demo itself lives in examples.demo."""
+"""The `nixl-pd` command: argument parsing only; the work lives in examples.demo/serve/route."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
+import threading
 from typing import NoReturn
 
 import msgspec
@@ -86,7 +89,72 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=120.0, metavar="SECONDS", help="for the batch (120)"
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_serve_parser(commands)
+    _add_route_parser(commands)
     return parser
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run one prefill or decode engine until Ctrl-C or SIGTERM",
+        description="Run one example engine (real NIXL; UCX_NET_DEVICES=lo unless set) serving "
+        "JSON requests on a loopback ZMQ socket; `nixl-pd route` sends it work. Prints one "
+        "line when ready. Both engines of a pair must serve the same --model and --seed.",
+    )
+    serve.add_argument("--role", choices=("prefill", "decode"), required=True)
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="request socket port (prefill 8100, decode 8200; 0 picks a free one)",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address for the request socket and side channel"
+    )
+    serve.add_argument(
+        "--side-channel-port", type=int, default=0, metavar="P", help="(0: a free port)"
+    )
+    serve.add_argument("--engine-id", default=None, help="(default: <role>-<random hex>)")
+    serve.add_argument("--model", choices=MODELS, default="dense", help="(dense)")
+    serve.add_argument("--tp", type=int, default=1, metavar="N", help="TP size (1)")
+    serve.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="(16)")
+    serve.add_argument(
+        "--kernel-block-size", type=int, default=None, metavar="TOKENS", help="(the block size)"
+    )
+    serve.add_argument("--layout", choices=("nhd", "hnd"), default="nhd", help="(nhd)")
+    serve.add_argument(
+        "--num-blocks", type=int, default=256, metavar="N", help="KV blocks per group (256)"
+    )
+    serve.add_argument("--seed", type=int, default=0, help="model weights' seed (0)")
+
+
+def _add_route_parser(commands: argparse._SubParsersAction) -> None:
+    route = commands.add_parser(
+        "route",
+        help="send a batch through a prefill and a decode `nixl-pd serve`",
+        description="The toy router as a client: each prompt to prefill with "
+        '{"do_remote_decode": true} and max_tokens=1, then prompt + first token + the returned '
+        "kv_transfer_params to decode. Prints each request's tokens and a summary; exits 1 if "
+        "any request fails, the prompt KV differs, or (--check) tokens differ from one engine.",
+    )
+    route.add_argument("--prefill", required=True, metavar="HOST:PORT")
+    route.add_argument("--decode", required=True, metavar="HOST:PORT")
+    route.add_argument("--prompt-len", type=int, default=64, metavar="L", help="(64)")
+    route.add_argument("--requests", type=int, default=8, metavar="N", help="(8)")
+    route.add_argument(
+        "--max-tokens", type=int, default=8, metavar="N", help="decode's tokens after the first (8)"
+    )
+    route.add_argument("--seed", type=int, default=0, help="prompts' seed (0)")
+    route.add_argument(
+        "--timeout", type=float, default=60.0, metavar="SECONDS", help="for the batch (60)"
+    )
+    route.add_argument(
+        "--check",
+        action="store_true",
+        help="also run the prompts on a local engine (the servers' model and seed); compare",
+    )
+    route.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _raise_interrupt(signum: int, frame: object) -> NoReturn:
@@ -94,11 +162,16 @@ def _raise_interrupt(signum: int, frame: object) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `nixl-pd`; returns the exit code (2: bad flags, 1: the demo found a problem)."""
+    """Run `nixl-pd`; returns the exit code (2: bad flags, 1: a failure, 130: interrupted)."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_request:  # --help, or a bad flag already explained on stderr
         return int(exit_request.code or 0)
+    commands = {"demo": _demo, "serve": _serve, "route": _route}
+    return commands[args.command](args)
+
+
+def _demo(args: argparse.Namespace) -> int:
     from connector.errors import ConnectorError
     from examples import demo
 
@@ -135,6 +208,78 @@ def main(argv: list[str] | None = None) -> int:
         print(msgspec.json.encode(result).decode())
     else:
         print(demo.summary(result))
+    return 0 if result.ok else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before NIXL starts: UCX reads it once
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    from connector.errors import ConnectorError
+    from examples import serve
+
+    options = serve.ServeOptions(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        side_channel_port=args.side_channel_port,
+        engine_id=args.engine_id,
+        model=args.model,
+        tp_size=args.tp,
+        block_size=args.block_size,
+        kernel_block_size=args.kernel_block_size,
+        num_blocks=args.num_blocks,
+        layout=args.layout,
+        seed=args.seed,
+    )
+    stop = threading.Event()
+    serve.stop_on_signals(stop)
+    try:
+        serve.run_server(
+            options,
+            stop,
+            env=dict(os.environ),
+            on_ready=lambda started: print(serve.ready_line(options, started), flush=True),
+        )
+    except ConnectorError as exc:
+        print(f"nixl-pd serve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C while stopping
+        return 130
+    print(f"nixl-pd serve: {args.role} engine stopped", flush=True)
+    return 0
+
+
+def _route(args: argparse.Namespace) -> int:
+    from connector.errors import ConnectorError
+    from examples import route
+
+    options = route.RouteOptions(
+        prefill=args.prefill,
+        decode=args.decode,
+        prompt_len=args.prompt_len,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        check=args.check,
+    )
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        result = route.run_route(options)
+    except ConnectorError as exc:
+        print(f"nixl-pd route: error: {exc}", file=sys.stderr)
+        return 2
+    except (TimeoutError, ConnectionError) as exc:
+        print(f"nixl-pd route: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("nixl-pd route: interrupted", file=sys.stderr)
+        return 130
+    print(msgspec.json.encode(result).decode() if args.json else route.report(result, options))
     return 0 if result.ok else 1
 
 

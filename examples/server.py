@@ -1,11 +1,12 @@
-"""Run one example engine as a process, speaking JSON lines on stdin/stdout (loopback only).
+"""Run one example engine as a child process speaking JSON lines on stdin/stdout (loopback only).
 
     python -m examples.server '<EngineConfig as JSON>'
 
-stdin carries commands (Submit, GetStats, Shutdown), one JSON object a line; stdout carries
-events (Ready, Output, Stats, Fatal). Closing stdin stops the server. Logs and anything a
-native library prints go to stderr: stdout is re-pointed there at start, and the protocol
-writes to a private duplicate of the original stdout.
+stdin carries commands (``examples.engine_loop``: Submit, GetStats, GetInfo, Shutdown), one JSON
+object a line; stdout carries events (Ready, Output, Stats, Info, Error, Fatal). Closing stdin
+stops the server. Logs and anything a native library prints go to stderr: stdout is re-pointed
+there at start, and the protocol writes to a private duplicate of the original stdout.
+``ServerProcess`` is the parent's handle.
 """
 
 from __future__ import annotations
@@ -22,56 +23,24 @@ import msgspec
 
 from connector.config import ConnectorConfig
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from examples.metering import StatsSnapshot
+from examples.engine_loop import (
+    Command,
+    EngineLoop,
+    Error,
+    Event,
+    Fatal,
+    GetStats,
+    Output,
+    Peer,
+    Ready,
+    Shutdown,
+    Stats,
+    Submit,
+    command_decoder,
+    event_decoder,
+)
 
 logger = logging.getLogger("examples.server")
-
-IDLE_WAIT_S = 0.0005  # how long an engine with only transfers in flight waits for input
-
-
-class Submit(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="submit"):
-    request: EngineRequest
-
-
-class GetStats(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="get_stats"):
-    pass
-
-
-class Shutdown(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shutdown"):
-    pass
-
-
-Command = Submit | GetStats | Shutdown
-
-
-class Ready(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ready"):
-    engine_id: str
-    side_channel_port: int
-    setup_s: float
-
-
-class Output(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="output"):
-    output: RequestOutput
-
-
-class Stats(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="stats"):
-    busy: bool  # requests waiting, running, loading or held for a remote reader
-    leaked_blocks: int
-    transfer: StatsSnapshot
-
-
-class Fatal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="fatal"):
-    message: str
-
-
-Event = Ready | Output | Stats | Fatal
-
-command_decoder = msgspec.json.Decoder(Command)
-event_decoder = msgspec.json.Decoder(Event)
-
-
-def stats_of(engine: Engine) -> Stats:
-    return Stats(engine.has_work(), engine.num_leaked_blocks, engine.stats.snapshot())
 
 
 def real_agent_factory(config: ConnectorConfig) -> Any:
@@ -94,64 +63,43 @@ def connector_config() -> ConnectorConfig:
     )
 
 
-class _Server:
-    def __init__(self, engine: Engine, out: IO[str]) -> None:
-        self.engine = engine
+class StdioTransport:
+    """Commands as JSON lines on stdin (a reader thread), events as JSON lines on ``out``."""
+
+    def __init__(self, out: IO[str]) -> None:
         self.out = out
-        self.commands: queue.Queue[bytes | None] = queue.Queue()
+        self.lines: queue.Queue[bytes | None] = queue.Queue()
+        self.closed = False
 
-    def emit(self, event: Event) -> None:
-        self.out.write(msgspec.json.encode(event).decode() + "\n")
-        self.out.flush()
+    def start(self) -> None:
+        threading.Thread(target=self._read_stdin, name="stdin", daemon=True).start()
 
-    def read_stdin(self) -> None:
+    def _read_stdin(self) -> None:
         for line in sys.stdin.buffer:
             if line.strip():
-                self.commands.put(line)
-        self.commands.put(None)
+                self.lines.put(line)
+        self.lines.put(None)
 
-    def serve(self) -> None:
-        """Step while there is work; wait for commands otherwise. Returns on Shutdown or EOF."""
-        while True:
-            busy = self.engine.has_work()
-            timeout_s = IDLE_WAIT_S if busy else 0.5
-            if not self._handle_commands(timeout_s if not self.engine.running else 0.0):
-                return
-            if self.engine.has_work():
-                for output in self.engine.step():
-                    self.emit(Output(output))
-
-    def _handle_commands(self, timeout_s: float) -> bool:
+    def receive(self, timeout_s: float) -> list[tuple[bytes, Peer]] | None:
+        if self.closed:
+            return None
+        messages: list[tuple[bytes, Peer]] = []
         try:
-            line = (
-                self.commands.get(timeout=timeout_s)
-                if timeout_s > 0
-                else self.commands.get_nowait()
-            )
+            line = self.lines.get(timeout=timeout_s) if timeout_s > 0 else self.lines.get_nowait()
+            while line is not None:
+                messages.append((line, ()))
+                line = self.lines.get_nowait()
+            self.closed = True  # EOF: serve what came before it, then stop
         except queue.Empty:
-            return True
-        while line is not None:
-            try:
-                command = command_decoder.decode(line)
-            except msgspec.DecodeError as exc:
-                logger.error("ignoring a bad command line: %s", exc)
-            else:
-                if isinstance(command, Shutdown):
-                    return False
-                self._apply(command)
-            try:
-                line = self.commands.get_nowait()
-            except queue.Empty:
-                return True
-        return False
+            pass
+        return messages
 
-    def _apply(self, command: Submit | GetStats) -> None:
-        if isinstance(command, GetStats):
-            self.emit(stats_of(self.engine))
-            return
-        error = self.engine.add_request(command.request)
-        if error is not None:
-            self.emit(Output(error))
+    def decode(self, payload: bytes) -> Command:
+        return command_decoder.decode(payload)
+
+    def send(self, peer: Peer, event: Event) -> None:
+        self.out.write(msgspec.json.encode(event).decode() + "\n")
+        self.out.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     protocol_fd = os.dup(1)
     os.dup2(2, 1)  # native libraries that print to stdout must not corrupt the protocol
     sys.stdout = sys.stderr
-    out = os.fdopen(protocol_fd, "w", encoding="utf-8")
+    transport = StdioTransport(os.fdopen(protocol_fd, "w", encoding="utf-8"))
     start_s = time.monotonic()
     try:
         config = msgspec.json.decode(args[0], type=EngineConfig)
@@ -173,16 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             config, connector_config=connector, agent_factory=real_agent_factory(connector)
         )
     except Exception as exc:  # report any start-up failure to the parent, then exit
-        out.write(msgspec.json.encode(Fatal(f"{type(exc).__name__}: {exc}")).decode() + "\n")
-        out.flush()
+        transport.send((), Fatal(f"{type(exc).__name__}: {exc}"))
         return 1
-    server = _Server(engine, out)
     try:
-        server.emit(
-            Ready(config.engine_id, engine.scheduler.side_channel_port, time.monotonic() - start_s)
-        )
-        threading.Thread(target=server.read_stdin, name="stdin", daemon=True).start()
-        server.serve()
+        ready_s = time.monotonic() - start_s
+        transport.send((), Ready(config.engine_id, engine.scheduler.side_channel_port, ready_s))
+        transport.start()
+        EngineLoop(engine, transport).serve(threading.Event())
     finally:
         engine.shutdown()
     return 0
@@ -241,6 +186,8 @@ class ServerProcess:
             raise ConnectionError(f"{self.config.engine_id} exited: {self.log_tail()}")
         if isinstance(event, Fatal):
             raise ConnectionError(f"{self.config.engine_id} failed: {event.message}")
+        if isinstance(event, Error):  # a command we sent was refused: a bug on this side
+            logger.error("%s refused a command: %s", self.config.engine_id, event.message)
         return event
 
     def wait_ready(self, timeout_s: float) -> Ready:

@@ -14,8 +14,10 @@ from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from tests import oracle
 from worker.planner import TransferPlan, TransferPlanner
+from worker.planner_pairing import CopyMode, pair_groups
 
 FULL, SWA, MLA, SSM = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MLA, GroupKind.SSM
+NHD_PACKED, HND_PACKED = MemoryLayout.NHD_PACKED, MemoryLayout.HND_PACKED
 
 
 def _layers(heads=(4, 4), head_dim=2, kind=FULL):
@@ -135,6 +137,57 @@ SCENARIOS = {
         _spec(_group(), memory_layout=MemoryLayout.BLOCK_OUTERMOST),
         _spec(_group(), memory_layout=MemoryLayout.BLOCK_OUTERMOST),
         _req(64, 0, [[4, 5, 6, 7]], [[8, 9, 10, 11]]), descriptors=[1],
+    ),
+    # Packed (vLLM >= 0.33) on both sides: a layer's K and V cells are one fused plane, so a
+    # contiguous run of blocks is one descriptor per layer: 2 layers = 2 descriptors.
+    "nhd-packed-contiguous-one-descriptor-per-layer": Scenario(
+        _spec(_group(), memory_layout=NHD_PACKED), _spec(_group(), memory_layout=NHD_PACKED),
+        _req(64, 0, [[4, 5, 6, 7]], [[8, 9, 10, 11]]), descriptors=[2],
+    ),
+    "hnd-packed-contiguous-one-descriptor-per-layer": Scenario(
+        _spec(_group(), memory_layout=HND_PACKED), _spec(_group(), memory_layout=HND_PACKED),
+        _req(64, 0, [[4, 5, 6, 7]], [[8, 9, 10, 11]]), descriptors=[2],
+    ),
+    # Two contiguous runs of blocks on both sides ([4, 5] <- [8, 9], [9, 10] <- [12, 13]).
+    "nhd-packed-two-contiguous-runs-two-descriptors-per-layer": Scenario(
+        _spec(_group(), memory_layout=NHD_PACKED), _spec(_group(), memory_layout=NHD_PACKED),
+        _req(64, 0, [[4, 5, 9, 10]], [[8, 9, 12, 13]]), descriptors=[4],
+    ),
+    "packed-hetero-blocks-kernels-and-partial-hit": Scenario(
+        _spec(_group(block=32, kernel=8), memory_layout=NHD_PACKED),
+        _spec(_group(block=16), memory_layout=HND_PACKED),
+        _req(70, 16, [[3, 1, 9, 4]], [[5, 0, 1]]),
+    ),
+    # A head slice of a packed layer: one fused (K|V) run per token (NHD) or per block (HND).
+    "nhd-packed-decode-tp-larger-one-descriptor-per-token": Scenario(
+        _spec(_group(heads=(8, 8)), memory_layout=NHD_PACKED),
+        _spec(_group(heads=(8, 8)), memory_layout=NHD_PACKED),
+        _req(40, 0, [[1, 2, 3]], [[4, 5, 6]]), prefill_tp=1, decode_tp=2, descriptors=[80, 80],
+    ),
+    "hnd-packed-decode-tp-larger-one-descriptor-per-block": Scenario(
+        _spec(_group(heads=(8, 8)), memory_layout=HND_PACKED),
+        _spec(_group(heads=(8, 8)), memory_layout=HND_PACKED),
+        _req(64, 0, [[1, 2, 3, 4]], [[4, 5, 6, 7]]), prefill_tp=1, decode_tp=2, descriptors=[8, 8],
+    ),
+    "packed-prefill-tp-larger-reads-several-ranks": Scenario(
+        _spec(_group(heads=(8, 8)), memory_layout=HND_PACKED),
+        _spec(_group(heads=(8, 8)), memory_layout=NHD_PACKED),
+        _req(40, 16, [[1, 2]], [[4, 5, 6]]), prefill_tp=4, decode_tp=2,
+    ),
+    # Only one side packed: exact, but one descriptor per (token, head, plane): 20 x 4 x 4.
+    "packed-decode-reads-unpacked-nhd-per-head": Scenario(
+        _spec(_group()), _spec(_group(), memory_layout=NHD_PACKED),
+        _req(20, 0, [[1, 2]], [[4, 5]]), descriptors=[320],
+    ),
+    "unpacked-decode-reads-packed-hnd": Scenario(
+        _spec(_group(block=8), memory_layout=HND_PACKED),
+        _spec(_group(block=16), memory_layout=MemoryLayout.HND),
+        _req(40, 16, [[3, 2]], [[7, 1, 0, 4, 5]]), prefill_tp=2, decode_tp=1,
+    ),
+    "block-outermost-reads-packed": Scenario(
+        _spec(_group(), memory_layout=NHD_PACKED),
+        _spec(_group(), memory_layout=MemoryLayout.BLOCK_OUTERMOST),
+        _req(20, 0, [[1, 2]], [[4, 5]]),
     ),
     "mixed-layouts-nhd-reads-hnd": Scenario(
         _spec(_group(block=16, kernel=8), memory_layout=MemoryLayout.HND), _spec(_group(block=32)),
@@ -270,11 +323,47 @@ def test_swa_placeholders_outside_the_window_are_not_validated():
     assert int(np.sum(reads.lengths)) > 0
 
 
-def test_contiguous_32k_request_is_one_descriptor_per_plane():
-    spec = _spec(_group(block=16, blocks=2100, heads=(8,) * 4))
+@pytest.mark.parametrize(
+    ("memory_layout", "descriptors"),
+    [
+        (MemoryLayout.NHD, 8),
+        (MemoryLayout.HND, 8),
+        (MemoryLayout.BLOCK_OUTERMOST, 1),
+        (NHD_PACKED, 4),
+        (HND_PACKED, 4),
+    ],
+    ids=["nhd-per-plane", "hnd-per-plane", "block-outermost-one", "nhd-packed-per-layer",
+         "hnd-packed-per-layer"],
+)  # fmt: skip
+def test_contiguous_32k_request_descriptors(memory_layout, descriptors):
+    spec = _spec(_group(block=16, blocks=2100, heads=(8,) * 4), memory_layout=memory_layout)
     ids = tuple(range(1, 2049))
     plan = _planner(spec, spec).plan((ids,), (ids,), num_tokens=32768, num_cached_tokens=0)
-    assert [len(r.lengths) for r in plan.reads] == [8]
+    assert [len(r.lengths) for r in plan.reads] == [descriptors]
+
+
+@pytest.mark.parametrize(
+    ("decode_layout", "prefill_layout", "mode", "head_bytes", "num_planes"),
+    [
+        (NHD_PACKED, NHD_PACKED, CopyMode.SEGMENT, (8, 12), 2),
+        (HND_PACKED, HND_PACKED, CopyMode.PER_HEAD, (8, 12), 2),
+        (NHD_PACKED, HND_PACKED, CopyMode.PER_ELEMENT, (8, 12), 2),
+        (NHD_PACKED, MemoryLayout.NHD, CopyMode.PER_ELEMENT, (4, 6), 4),
+        (MemoryLayout.HND, HND_PACKED, CopyMode.PER_ELEMENT, (4, 6), 4),
+    ],
+    ids=["nhd-packed-both", "hnd-packed-both", "packed-differently", "decode-only-packed",
+         "prefill-only-packed"],
+)  # fmt: skip
+def test_packed_layers_fuse_only_when_both_sides_pack_them(
+    decode_layout, prefill_layout, mode, head_bytes, num_planes
+):
+    """Layers of 4- and 6-byte heads: fused into one plane of K|V cells only if both sides pack."""
+    decode = build_rank_layout(_spec(_group(), memory_layout=decode_layout), 0, 1)
+    prefill = build_rank_layout(_spec(_group(), memory_layout=prefill_layout), 0, 1)
+    (pairing,) = pair_groups(decode, prefill)
+    classes = pairing.classes[0]
+    assert [(c.mode, c.head_bytes) for c in classes] == [(mode, size) for size in head_bytes]
+    assert sum(len(c.local_offsets) for c in classes) == num_planes
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,8 @@ from tests import oracle
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]  # (prefill, decode)
 KINDS = [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MLA, GroupKind.SSM]
 PLACEHOLDER = 0  # the null block: never a real block on either side
+ALL_LAYOUTS = list(MemoryLayout)  # includes the packed layouts
+PACKED = [MemoryLayout.NHD_PACKED, MemoryLayout.HND_PACKED]  # K and V share a (token, head) cell
 
 
 @dataclass(frozen=True)
@@ -99,13 +102,22 @@ def _group_ids(draw, kind, block_size, window, num_tokens, first_token, pool) ->
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
+def _memory_layouts(draw: st.DrawFn, packed: str) -> tuple[MemoryLayout, MemoryLayout]:
+    """(prefill, decode) layouts; ``packed`` names the side(s) forced to a packed layout."""
+    prefill = draw(st.sampled_from(PACKED if packed in ("prefill", "both") else ALL_LAYOUTS))
+    decode = draw(st.sampled_from(PACKED if packed in ("decode", "both") else ALL_LAYOUTS))
+    return prefill, decode
+
+
+@st.composite
+def cases(draw: st.DrawFn, packed: str = "any") -> Case:
     prefill_tp, decode_tp = draw(st.sampled_from(TP_PAIRS))
     kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=3))
     layers = [draw(_layers(kind)) for kind in kinds]
     windows = [draw(st.integers(1, 24)) if k is GroupKind.SLIDING_WINDOW else None for k in kinds]
-    prefill = Side(draw(st.sampled_from(MemoryLayout)), tuple(draw(_block_sizes(k)) for k in kinds))
-    decode = Side(draw(st.sampled_from(MemoryLayout)), tuple(draw(_block_sizes(k)) for k in kinds))
+    prefill_layout, decode_layout = draw(_memory_layouts(packed))
+    prefill = Side(prefill_layout, tuple(draw(_block_sizes(k)) for k in kinds))
+    decode = Side(decode_layout, tuple(draw(_block_sizes(k)) for k in kinds))
     aligned = math.lcm(
         *[b for (b, _), k in zip(decode.blocks, kinds, strict=True) if k is not GroupKind.SSM]
         or [1]
@@ -140,4 +152,13 @@ def cases(draw: st.DrawFn) -> Case:
 @settings(max_examples=250)
 @given(cases())
 def test_plans_are_byte_exact_merged_and_notify_every_prefill_rank(case: Case) -> None:
+    oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)
+
+
+@pytest.mark.parametrize("packed", ["prefill", "decode", "both"], ids=lambda side: f"{side}-packed")
+@settings(max_examples=100)
+@given(data=st.data())
+def test_packed_layouts_are_byte_exact_and_merged(packed: str, data: st.DataObject) -> None:
+    """Packed K|V cells on one side (planned plane by plane) or both (fused per layer)."""
+    case = data.draw(cases(packed))
     oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)

@@ -4,6 +4,8 @@ Everything here runs once per (local rank, remote engine). The result, one ``Gro
 per cache group, holds each side's block sizes and, per remote rank, the ``PlaneClass``es:
 sets of planes that share strides and head slices, so a request's byte ranges are computed
 once per class and broadcast over its planes by adding each plane's (region, offset).
+A layer whose planes are packed per cell on both sides (vLLM >= 0.33) is paired as one fused
+plane first (worker/planner_packed.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy.typing as npt
 
 from connector.layout import GroupKind, MemoryLayout, PlaneGeometry, RankLayout
 from worker.planner_checks import validate_pair
+from worker.planner_packed import fuse_packed_planes
 from worker.topology import ReadSource, read_sources
 
 Int64Array = npt.NDArray[np.int64]
@@ -145,11 +148,11 @@ def _plane_classes(
     """Bucket the group's planes by (remote rank, strides, head slice size), keeping plane order.
 
     The first head of each slice is folded into the plane offsets, so planes reading different
-    head slices with equal strides share a class.
+    head slices with equal strides share a class. Packed layers count as one fused plane.
     """
     lg, rg = local.groups[group], remote.groups[group]
     buckets: dict[_ClassKey, list[tuple[PlaneGeometry, PlaneGeometry, ReadSource]]] = {}
-    for lp, rp in zip(lg.planes, rg.planes, strict=True):
+    for lp, rp in fuse_packed_planes(lg.planes, rg.planes):
         for source in sources(lp):
             key = _ClassKey(
                 source.remote_rank,

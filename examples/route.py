@@ -1,0 +1,335 @@
+"""`nixl-pd route`: the toy router as a client of two `nixl-pd serve` engines, with an optional check.
+
+Each prompt goes to prefill with ``{"do_remote_decode": true}`` and ``max_tokens=1``; prompt +
+first token + the returned ``kv_transfer_params`` go to decode (``examples.router.ToyRouter``).
+``EngineClient`` is the router's handle to one server's request socket. With ``check`` the
+same prompts also run on a single local engine (the prefill server's model and seed) and the
+tokens must match; the prompt KV decode loaded must always equal what prefill computed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from contextlib import ExitStack
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+import zmq
+
+from connector.errors import UnsupportedConfiguration
+from connector.side_channel_client import zmq_endpoint
+from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from examples.engine_loop import (
+    Command,
+    Error,
+    Event,
+    GetInfo,
+    GetStats,
+    Info,
+    Output,
+    Stats,
+    Submit,
+    event_decoder,
+)
+from examples.model import MAX_POSITIONS, VOCAB_SIZE
+from examples.router import Completion, InProcessEngine, ToyRouter, run_local
+from examples.serve import MAX_REQUEST_BYTES
+
+Reply = TypeVar("Reply", Info, Stats)
+CONNECT_TIMEOUT_S = 5.0  # how long each server may take to answer GetInfo
+MAX_EVENTS_PER_POLL = 1024
+
+
+class EngineClient:
+    """An EngineHandle over one server's request socket (a ZMQ DEALER); every wait bounded."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = f"{host}:{port}"
+        self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self.socket.setsockopt(zmq.IPV6, 1)
+        self.socket.connect(zmq_endpoint(host, port))
+        self._outputs: list[RequestOutput] = []
+
+    def submit(self, request: EngineRequest) -> None:
+        self._send(Submit(request))
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        """Outputs received since the last poll (waits at most ``timeout_s`` for the first)."""
+        event = self._next_event(0.0 if self._outputs else timeout_s)
+        for _ in range(MAX_EVENTS_PER_POLL):
+            if event is None:
+                break
+            self._take(event)
+            event = self._next_event(0.0)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def info(self, timeout_s: float) -> Info:
+        return self._call(GetInfo(), Info, timeout_s)
+
+    def stats(self, timeout_s: float) -> Stats:
+        return self._call(GetStats(), Stats, timeout_s)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _send(self, command: Command) -> None:
+        self.socket.send(msgspec.json.encode(command))
+
+    def _call(self, command: Command, reply_type: type[Reply], timeout_s: float) -> Reply:
+        self._send(command)
+        deadline_s = time.monotonic() + timeout_s
+        while (remaining_s := deadline_s - time.monotonic()) > 0:
+            event = self._next_event(remaining_s)
+            if isinstance(event, reply_type):
+                return event
+            if event is not None:
+                self._take(event)
+        raise TimeoutError(
+            f"no engine answered on {self.address} within {timeout_s} s: is `nixl-pd serve` "
+            "running there?"
+        )
+
+    def _next_event(self, timeout_s: float) -> Event | None:
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return None
+        payload = self.socket.recv()
+        try:
+            return event_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise ConnectionError(f"{self.address} sent a message we cannot read: {exc}") from None
+
+    def _take(self, event: Event) -> None:
+        if isinstance(event, Output):
+            self._outputs.append(event.output)
+        elif isinstance(event, Error):
+            raise ConnectionError(f"{self.address} refused a command: {event.message}")
+
+
+class RouteOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prefill: str  # HOST:PORT of a `nixl-pd serve --role prefill`
+    decode: str  # HOST:PORT of a `nixl-pd serve --role decode`
+    prompt_len: int = 64
+    requests: int = 8
+    max_tokens: int = 8  # tokens decode generates after prefill's first token
+    seed: int = 0  # prompts' seed (the model's seed is the servers')
+    timeout_s: float = 60.0
+    check: bool = False
+
+
+class RequestResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    token_ids: list[int]  # prefill's first token, then decode's
+    num_external_tokens: int  # prompt tokens whose KV decode READ from prefill
+    num_cached_tokens: int  # prompt tokens decode found in its own prefix cache
+    ttft_ms: float | None  # submit -> prefill's first token
+    latency_ms: float | None  # submit -> decode done
+    kv_match: bool  # the prompt KV decode loaded hashes to what prefill computed
+    tokens_match: bool | None  # None without --check
+    error: str | None
+
+
+class RouteResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ok: bool
+    prefill_engine: str
+    decode_engine: str
+    requests: int
+    completed_requests: int
+    failed_requests: int
+    tokens_generated: int
+    kv_match: bool
+    tokens_match: bool | None  # None without --check
+    mean_ttft_ms: float | None
+    wall_s: float
+    results: list[RequestResult]
+    warnings: list[str]
+
+
+def parse_address(flag: str, value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) -> (host, port); UnsupportedConfiguration if not."""
+    host, _, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UnsupportedConfiguration(
+            f"{flag} {value!r}: expected HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:8100"
+        )
+    return host, int(port)
+
+
+def validate_options(options: RouteOptions) -> None:
+    """Raise UnsupportedConfiguration (flag, value, what to do) for bad options."""
+    parse_address("--prefill", options.prefill)
+    parse_address("--decode", options.decode)
+    limit = MAX_POSITIONS - options.max_tokens - 1
+    checks = (
+        (1 <= options.requests <= 1024, f"--requests {options.requests}: use 1..1024"),
+        (1 <= options.max_tokens <= 256, f"--max-tokens {options.max_tokens}: use 1..256"),
+        (1 <= options.prompt_len <= limit, f"--prompt-len {options.prompt_len}: use 1..{limit}"),
+        (options.timeout_s > 0, f"--timeout {options.timeout_s}: must be positive"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise UnsupportedConfiguration(message)
+
+
+def make_prompts(options: RouteOptions) -> dict[str, list[int]]:
+    """Seeded prompts under fresh ids (servers refuse an id that is still in flight)."""
+    rng = np.random.default_rng(options.seed)
+    run_id = uuid.uuid4().hex[:4]
+    return {
+        f"cmpl-{run_id}-{i}": [int(t) for t in rng.integers(0, VOCAB_SIZE, options.prompt_len)]
+        for i in range(options.requests)
+    }
+
+
+def run_route(options: RouteOptions) -> RouteResult:
+    """Route the batch through the two servers (and, with ``check``, a local engine)."""
+    validate_options(options)
+    with ExitStack() as stack:
+        prefill = stack.enter_context(EngineClient(*parse_address("--prefill", options.prefill)))
+        decode = stack.enter_context(EngineClient(*parse_address("--decode", options.decode)))
+        connect_timeout_s = min(CONNECT_TIMEOUT_S, options.timeout_s)
+        infos = (prefill.info(connect_timeout_s), decode.info(connect_timeout_s))
+        warnings = _check_pair(options, *infos)
+        prompts = make_prompts(options)
+        expected = _reference(options, infos[0].config, prompts) if options.check else None
+        start_s = time.monotonic()
+        completions = ToyRouter(prefill, decode).run(
+            prompts, options.max_tokens, timeout_s=options.timeout_s
+        )
+        wall_s = time.monotonic() - start_s
+    return _result(infos[0], infos[1], completions, expected, wall_s, warnings)
+
+
+def _check_pair(options: RouteOptions, prefill: Info, decode: Info) -> list[str]:
+    """Refuse swapped roles; warn about pairings whose tokens cannot match."""
+    for flag, info, role in (("--prefill", prefill, "prefill"), ("--decode", decode, "decode")):
+        if info.config.role != role:
+            address = getattr(options, flag.removeprefix("--"))
+            raise UnsupportedConfiguration(
+                f"{flag} {address} serves a {info.config.role} engine ({info.config.engine_id}); "
+                f"pass a `nixl-pd serve --role {role}` address"
+            )
+    p, d = prefill.config, decode.config
+    if (p.model, p.seed) != (d.model, d.seed):
+        return [
+            f"prefill serves model {p.model} seed {p.seed}, decode model {d.model} seed {d.seed}"
+        ]
+    return []
+
+
+def _reference(
+    options: RouteOptions, served: EngineConfig, prompts: Mapping[str, list[int]]
+) -> dict[str, RequestOutput]:
+    """The prompts on one local engine with the prefill server's model and seed."""
+    blocks_per_request = math.ceil((options.prompt_len + options.max_tokens + 1) / 16) + 1
+    config = EngineConfig(
+        "reference",
+        model=served.model,
+        seed=served.seed,
+        num_blocks=options.requests * blocks_per_request + 8,
+    )
+    engine = Engine(config)
+    return run_local(
+        InProcessEngine(engine), prompts, options.max_tokens + 1, timeout_s=options.timeout_s
+    )
+
+
+def _request_result(completion: Completion, expected: RequestOutput | None) -> RequestResult:
+    c = completion
+    kv_match = bool(c.prefill and c.decode and c.prefill.kv_digest == c.decode.kv_digest)
+    if expected is not None and c.decode is not None:
+        kv_match = kv_match and c.decode.kv_digest == expected.kv_digest
+    return RequestResult(
+        request_id=c.request_id,
+        token_ids=c.token_ids,
+        num_external_tokens=c.decode.num_external_tokens if c.decode else 0,
+        num_cached_tokens=c.decode.num_cached_tokens if c.decode else 0,
+        ttft_ms=_ms(c.first_token_s, c.submitted_s),
+        latency_ms=_ms(c.done_s, c.submitted_s),
+        kv_match=kv_match and not c.errors,
+        tokens_match=None if expected is None else c.token_ids == expected.token_ids,
+        error="; ".join(c.errors) or None,
+    )
+
+
+def _ms(end_s: float | None, start_s: float) -> float | None:
+    return None if end_s is None else round((end_s - start_s) * 1000, 2)
+
+
+def _result(
+    prefill: Info,
+    decode: Info,
+    completions: Mapping[str, Completion],
+    expected: Mapping[str, RequestOutput] | None,
+    wall_s: float,
+    warnings: list[str],
+) -> RouteResult:
+    results = [
+        _request_result(c, None if expected is None else expected[rid])
+        for rid, c in completions.items()
+    ]
+    failed = sum(r.error is not None for r in results)
+    kv_match = all(r.kv_match for r in results)
+    tokens_match = None if expected is None else all(r.tokens_match for r in results)
+    ttfts = [r.ttft_ms for r in results if r.ttft_ms is not None]
+    return RouteResult(
+        ok=failed == 0 and kv_match and tokens_match is not False,
+        prefill_engine=prefill.config.engine_id,
+        decode_engine=decode.config.engine_id,
+        requests=len(results),
+        completed_requests=len(results) - failed,
+        failed_requests=failed,
+        tokens_generated=sum(len(r.token_ids) for r in results),
+        kv_match=kv_match,
+        tokens_match=tokens_match,
+        mean_ttft_ms=round(sum(ttfts) / len(ttfts), 2) if ttfts else None,
+        wall_s=round(wall_s, 3),
+        results=results,
+        warnings=warnings,
+    )
+
+
+def report(result: RouteResult, options: RouteOptions) -> str:
+    """One line per request, then the summary."""
+    lines = [_request_line(r) for r in result.results]
+    match = "not checked (add --check)"
+    if result.tokens_match is not None:
+        match = "yes" if result.tokens_match else "NO"
+    lines += [
+        f"nixl-pd route: {'OK' if result.ok else 'FAILED'}  (prefill {result.prefill_engine} at "
+        f"{options.prefill} -> decode {result.decode_engine} at {options.decode})",
+        f"  requests      {result.completed_requests}/{result.requests} completed, "
+        f"{result.failed_requests} failed",
+        f"  tokens        {result.tokens_generated} generated, match single engine: {match}",
+        f"  KV            prompt KV identical on decode: {'yes' if result.kv_match else 'NO'}",
+        f"  latency       mean time to first token {result.mean_ttft_ms} ms",
+        f"  wall time     {result.wall_s:.2f} s",
+    ]
+    lines += [f"  warning: {warning}" for warning in result.warnings]
+    return "\n".join(lines)
+
+
+def _request_line(r: RequestResult) -> str:
+    if r.error is not None:
+        return f"{r.request_id}  FAILED: {r.error}"
+    first, rest = r.token_ids[:1], r.token_ids[1:]
+    tokens = " ".join(map(str, first)) + " | " + " ".join(map(str, rest))
+    match = "" if r.tokens_match is None else ("  match" if r.tokens_match else "  MISMATCH")
+    return (
+        f"{r.request_id}  {tokens}  (KV: {r.num_external_tokens} tokens READ from prefill, "
+        f"{r.num_cached_tokens} cached on decode; ttft {r.ttft_ms} ms, total {r.latency_ms} ms)"
+        f"{match}"
+    )

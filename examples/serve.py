@@ -1,0 +1,217 @@
+"""`nixl-pd serve`: one example engine as a long-running process on a loopback request socket.
+
+The socket is a ZMQ ROUTER: clients (``examples.route.EngineClient``, a DEALER; or a REQ socket)
+send one JSON command per message (``examples.engine_loop``: Submit, GetStats, GetInfo) and get
+events back: each request's Output when it finishes, Stats, Info, or Error for a command that
+does not decode. Messages are size-bounded (an oversized one drops that peer's connection) and
+decoded only through typed msgspec decoders; nothing a client sends stops the server. It runs
+``EngineLoop``, the loop the demo's child processes run, until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from connector.config import ENV_SIDE_CHANNEL_SECRET, ConnectorConfig
+from connector.errors import UnsupportedConfiguration
+from connector.side_channel_client import zmq_endpoint
+from examples.engine import Engine, EngineConfig
+from examples.engine_loop import (
+    Command,
+    EngineLoop,
+    Event,
+    GetInfo,
+    GetStats,
+    Peer,
+    Submit,
+)
+from examples.server import connector_config, real_agent_factory
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}  # request sockets, as in vLLM's P/D examples
+MAX_REQUEST_BYTES = 4 * 2**20  # a 4096-token prompt is ~25 KiB of JSON
+MAX_BATCH_MESSAGES = 256  # commands taken per loop turn, so steps keep running under load
+# Shutdown is not a socket command: whoever started the server stops it (Ctrl-C, SIGTERM).
+socket_command_decoder = msgspec.json.Decoder(Submit | GetStats | GetInfo)
+
+
+class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str  # "prefill" or "decode"
+    host: str = "127.0.0.1"  # the request socket and the side channel bind here
+    port: int | None = None  # request socket; None: DEFAULT_PORTS[role]; 0: a free port
+    side_channel_port: int = 0  # 0: a free port (decode learns it from kv_transfer_params)
+    engine_id: str | None = None  # None: "<role>-<6 hex>"
+    model: str = "dense"
+    tp_size: int = 1
+    block_size: int = 16
+    kernel_block_size: int | None = None
+    num_blocks: int = 256
+    layout: str = "nhd"
+    seed: int = 0
+
+
+class SocketTransport:
+    """The request socket: a bound ZMQ ROUTER used only by the engine loop's thread."""
+
+    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_REQUEST_BYTES) -> None:
+        self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.socket.setsockopt(zmq.IPV6, 1)
+        try:
+            self.socket.bind(zmq_endpoint(host, port or "*"))
+        except zmq.ZMQError as exc:
+            self.socket.close(linger=0)
+            raise UnsupportedConfiguration(
+                f"request socket cannot bind {host}:{port} ({exc}); another server may hold "
+                "the port: pass a free --port (0 picks one)"
+            ) from None
+        self.port = int(self.socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+    def receive(self, timeout_s: float) -> list[tuple[bytes, Peer]] | None:
+        messages: list[tuple[bytes, Peer]] = []
+        if not self.socket.poll(math.ceil(timeout_s * 1000)):  # 0.5 ms -> 1 ms, not a busy 0
+            return messages
+        while len(messages) < MAX_BATCH_MESSAGES:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            # ROUTER prepends the peer's identity; a REQ peer adds an empty delimiter frame.
+            messages.append((frames[len(frames) - 1], tuple(frames[: len(frames) - 1])))
+        return messages
+
+    def decode(self, payload: bytes) -> Command:
+        return socket_command_decoder.decode(payload)
+
+    def send(self, peer: Peer, event: Event) -> None:
+        try:  # a peer that is gone or not reading: ROUTER drops the reply
+            self.socket.send_multipart([*peer, msgspec.json.encode(event)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("reply to a peer dropped: %s", exc)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def engine_config(options: ServeOptions) -> EngineConfig:
+    """The engine ``options`` describe (its id generated unless given)."""
+    return EngineConfig(
+        options.engine_id or f"{options.role}-{uuid.uuid4().hex[:6]}",
+        role=options.role,
+        model=options.model,
+        tp_size=options.tp_size,
+        block_size=options.block_size,
+        kernel_block_size=options.kernel_block_size,
+        num_blocks=options.num_blocks,
+        layout=options.layout,
+        seed=options.seed,
+    )
+
+
+def serve_connector_config(options: ServeOptions, env: dict[str, str]) -> ConnectorConfig:
+    """The demo's connector settings on ``options``' side channel, with the secret from env."""
+    secret_env = {k: v for k, v in env.items() if k == ENV_SIDE_CHANNEL_SECRET}
+    secret = ConnectorConfig.from_sources({}, env=secret_env).side_channel_secret
+    return msgspec.structs.replace(
+        connector_config(),
+        side_channel_host=options.host,
+        side_channel_port=options.side_channel_port,
+        side_channel_secret=secret,
+    )
+
+
+def validate_options(options: ServeOptions) -> None:
+    """Raise UnsupportedConfiguration (flag, value, what to do) for flags no engine can take."""
+    if options.role not in DEFAULT_PORTS:
+        raise UnsupportedConfiguration(f"--role {options.role!r}: choose prefill or decode")
+    for flag, port in (
+        ("--port", options.port),
+        ("--side-channel-port", options.side_channel_port),
+    ):
+        if port is not None and not 0 <= port <= 65535:
+            raise UnsupportedConfiguration(f"{flag} {port}: use 1..65535, or 0 for a free port")
+    if options.num_blocks < 2:
+        raise UnsupportedConfiguration(f"--num-blocks {options.num_blocks}: use at least 2")
+    if not 1 <= options.tp_size <= 8:
+        raise UnsupportedConfiguration(f"--tp {options.tp_size}: use 1..8 ranks")
+    kernel = options.kernel_block_size or options.block_size
+    if options.block_size < 1 or kernel < 1 or options.block_size % kernel:
+        raise UnsupportedConfiguration(
+            f"--block-size {options.block_size}, --kernel-block-size {kernel}: both >= 1, and "
+            "the kernel block size must divide the block size"
+        )
+
+
+class Started(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    engine_id: str
+    request_port: int
+    side_channel_port: int
+    setup_s: float
+
+
+def run_server(
+    options: ServeOptions,
+    stop: threading.Event,
+    *,
+    env: dict[str, str],
+    on_ready: Callable[[Started], None],
+) -> None:
+    """Bind, start the engine (real NIXL), call ``on_ready``, serve until ``stop`` is set;
+    the engine and the socket are closed on return. Start-up problems raise ConnectorError."""
+    validate_options(options)
+    start_s = time.monotonic()
+    config = engine_config(options)
+    connector = serve_connector_config(options, env)
+    port = DEFAULT_PORTS[options.role] if options.port is None else options.port
+    transport = SocketTransport(options.host, port)
+    try:
+        engine = Engine(
+            config, connector_config=connector, agent_factory=real_agent_factory(connector)
+        )
+        try:
+            side_channel_port = engine.scheduler.side_channel_port
+            on_ready(
+                Started(
+                    config.engine_id, transport.port, side_channel_port, time.monotonic() - start_s
+                )
+            )
+            EngineLoop(engine, transport).serve(stop)
+        finally:
+            engine.shutdown()
+    finally:
+        transport.close()
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGINT and SIGTERM set ``stop`` (the loop notices within IDLE_POLL_S); a second one
+    gets the default behaviour, so a stuck shutdown can still be interrupted."""
+
+    def handle(signum: int, frame: object) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+
+
+def ready_line(options: ServeOptions, started: Started) -> str:
+    kernel = options.kernel_block_size or options.block_size
+    return (
+        f"nixl-pd serve: {options.role} engine {started.engine_id} ready: requests on "
+        f"{options.host}:{started.request_port}, side channel {options.host}:"
+        f"{started.side_channel_port} (model {options.model}, TP {options.tp_size}, block "
+        f"{options.block_size}/{kernel}, {options.layout}, {options.num_blocks} blocks, seed "
+        f"{options.seed}; up in {started.setup_s:.2f} s). Ctrl-C to stop."
+    )
