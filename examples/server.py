@@ -1,6 +1,6 @@
 """Run one example engine as a child process speaking JSON lines on stdin/stdout (loopback only).
 
-    python -m examples.server '<EngineConfig as JSON>'
+    python -m examples.server '<EngineConfig as JSON>' ['<ConnectorConfig as JSON>']
 
 stdin carries commands (``examples.engine_loop``: Submit, GetStats, GetInfo, Shutdown), one JSON
 object a line; stdout carries events (Ready, Output, Stats, Info, Error, Fatal). Closing stdin
@@ -22,6 +22,7 @@ from typing import IO, Any
 import msgspec
 
 from connector.config import ConnectorConfig
+from connector.errors import UnsupportedConfiguration
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from examples.engine_loop import (
     Command,
@@ -116,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     start_s = time.monotonic()
     try:
         config = msgspec.json.decode(args[0], type=EngineConfig)
-        connector = connector_config()
+        connector = (
+            msgspec.json.decode(args[1], type=ConnectorConfig)
+            if len(args) > 1
+            else connector_config()
+        )
         engine = Engine(
             config, connector_config=connector, agent_factory=real_agent_factory(connector)
         )
@@ -142,17 +147,34 @@ class ServerProcess:
 
     A reader thread turns the child's stdout lines into events; every wait is bounded. Use as
     a context manager, or call ``close()``: it asks the child to stop, then terminates and
-    finally kills it, so no process outlives the handle.
+    finally kills it, so no process outlives the handle. ``connector`` replaces the default
+    ``connector_config()`` (e.g. a short lease in tests); it travels on the command line, so
+    it must not carry a secret.
     """
 
-    def __init__(self, config: EngineConfig, *, env: dict[str, str], log_path: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        env: dict[str, str],
+        log_path: str,
+        connector: ConnectorConfig | None = None,
+    ) -> None:
         import subprocess
 
+        if connector is not None and connector.side_channel_secret is not None:
+            raise UnsupportedConfiguration(
+                "ServerProcess passes the connector config on the command line, where a "
+                "a side_channel_secret would be visible to every user; pass a config without one"
+            )
+        argv = [sys.executable, "-m", "examples.server", msgspec.json.encode(config).decode()]
+        if connector is not None:
+            argv.append(msgspec.json.encode(connector).decode())
         self.config = config
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "examples.server", msgspec.json.encode(config).decode()],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
