@@ -36,6 +36,7 @@ PROTOCOL_VERSION = 1
 NONCE_BYTES = 16
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 RequestIds = Annotated[tuple[RequestId, ...], msgspec.Meta(max_length=100_000)]
 
 
@@ -64,14 +65,20 @@ class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
 
 class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat"):
-    """Decode still wants these prefill requests' blocks: extend their leases."""
+    """Decode still wants these prefill requests' blocks: extend their leases.
 
+    ``engine_id`` names the prefill engine that holds them: request ids may repeat across a
+    restart on the same host:port, so the server refuses a message meant for another engine.
+    """
+
+    engine_id: EngineId
     remote_request_ids: RequestIds
 
 
 class Release(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="release"):
-    """Decode will never read these prefill requests' blocks: free them now."""
+    """Decode will never read these prefill requests' blocks on ``engine_id``: free them now."""
 
+    engine_id: EngineId
     remote_request_ids: RequestIds
 
 

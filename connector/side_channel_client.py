@@ -68,12 +68,17 @@ def send_heartbeat(
     port: int,
     remote_request_ids: Sequence[str],
     *,
+    engine_id: str,
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> int:
-    """Extend the leases of ``remote_request_ids``; returns how many the server still held."""
-    request = Heartbeat(tuple(remote_request_ids))
+    """Extend the leases of ``remote_request_ids`` on prefill engine ``engine_id``.
+
+    Returns how many the server still held; a server that is not ``engine_id`` (a restarted
+    engine on the same host:port) refuses, and this raises HandshakeError.
+    """
+    request = Heartbeat(engine_id, tuple(remote_request_ids))
     return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes)
 
 
@@ -82,12 +87,16 @@ def send_release(
     port: int,
     remote_request_ids: Sequence[str],
     *,
+    engine_id: str,
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> int:
-    """Tell the server decode will never read ``remote_request_ids``; returns how many it held."""
-    request = Release(tuple(remote_request_ids))
+    """Tell prefill engine ``engine_id`` decode will never read ``remote_request_ids``.
+
+    Returns how many it held; refused (HandshakeError) by a server that is not ``engine_id``.
+    """
+    request = Release(engine_id, tuple(remote_request_ids))
     return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes)
 
 

@@ -62,7 +62,7 @@ class SchedulerConnector:
         self._leases = LeaseTable(config.kv_lease_duration_s)
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
-            secret=config.side_channel_secret, timeout_s=config.handshake_timeout_s
+            secret=config.side_channel_secret, timeout_s=config.handshake_timeout_s, clock=clock
         )
         self._producer = (
             Producer(
@@ -111,6 +111,7 @@ class SchedulerConnector:
             self._config.side_channel_host,
             self._config.side_channel_port,
             by_rank,
+            engine_id=self._engine_id,
             on_heartbeat=lambda ids: self._leases.extend(ids, self._clock()),
             on_release=self._leases.release,
             secret=self._config.side_channel_secret,

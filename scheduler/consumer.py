@@ -185,7 +185,9 @@ class Consumer:
         # The ranks' free notifications need a NIXL handshake; when that is what failed (peer
         # unreachable or incompatible), only the side channel can still free prefill's blocks
         # before the lease ends. Releasing an already-freed request is a no-op there.
-        self._heartbeats.submit_release(source.host, source.port, [source.request_id])
+        self._heartbeats.submit_release(
+            source.host, source.port, [source.request_id], engine_id=source.engine_id
+        )
 
     def _fail_now(self, request_id: str, reason: str) -> None:
         load = self._loads.pop(request_id)
@@ -199,13 +201,15 @@ class Consumer:
         if now < self._next_heartbeat_s:
             return
         self._next_heartbeat_s = now + self._heartbeat_interval_s
-        by_peer: dict[tuple[str, int], list[str]] = {}
+        # One heartbeat per prefill engine; its side channel refuses ids meant for another.
+        by_engine: dict[tuple[str, int, str], list[str]] = {}
         for load in self._loads.values():
-            by_peer.setdefault((load.source.host, load.source.port), []).append(
-                load.source.request_id
+            source = load.source
+            by_engine.setdefault((source.host, source.port, source.engine_id), []).append(
+                source.request_id
             )
-        for (host, port), remote_request_ids in sorted(by_peer.items()):
-            self._heartbeats.submit(host, port, remote_request_ids)
+        for (host, port, engine_id), remote_request_ids in sorted(by_engine.items()):
+            self._heartbeats.submit(host, port, remote_request_ids, engine_id=engine_id)
 
     @property
     def has_pending_work(self) -> bool:

@@ -4,26 +4,125 @@ The engine thread only enqueues (never blocks); a full queue drops the message w
 (the next interval sends a fresh heartbeat). Failures are logged, never raised: a missed
 heartbeat at worst lets a lease expire, and a missed release leaves the prefill blocks to
 their lease.
+
+One thread serves every prefill engine, so a dead side channel must not hold up the live ones:
+each message waits at most MAX_MESSAGE_TIMEOUT_S for its reply, and after a failure further
+messages to that engine are skipped for a while (``Backoff``) instead of each waiting out its
+own timeout. A skipped message is lost like a failed one: at worst a lease runs out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from connector.errors import ConnectorError
 from connector.side_channel_client import send_heartbeat, send_release
 
 logger = logging.getLogger(__name__)
 
-SendFn = Callable[[str, int, Sequence[str]], object]  # (host, port, remote_request_ids)
 POLL_INTERVAL_S = 0.1
+MAX_MESSAGE_TIMEOUT_S = 2.0  # fire-and-forget: never wait the full handshake timeout
+MIN_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 10.0  # well under the default 30 s lease: a flaky prefill still gets heartbeats
+
+
+class SendFn(Protocol):
+    """Send one message to the side channel at host:port of prefill engine ``engine_id``."""
+
+    def __call__(
+        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+    ) -> object: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """One prefill engine's side channel. Keyed by engine too: a refusal from an engine that
+    restarted on the same host:port must not silence messages meant for the new engine."""
+
+    engine_id: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"engine {self.engine_id!r} at {self.host}:{self.port}"
+
+
+@dataclasses.dataclass
+class _Window:
+    """A destination that failed: skip it until ``until_s``."""
+
+    backoff_s: float
+    until_s: float
+    num_skipped: int = 0
+
+
+class Backoff:
+    """Which destinations to skip after a failure. ``now`` is seconds on the caller's clock.
+
+    A first failure skips the destination for ``initial_s``; a failure at the end of a window
+    doubles the window, up to ``max_s``; a success forgets the destination, and so does a quiet
+    ``max_s`` after its window (so dead engines do not pile up). Not thread-safe: only the
+    sender thread uses it.
+    """
+
+    def __init__(self, *, initial_s: float, max_s: float) -> None:
+        self._initial_s = initial_s
+        self._max_s = max(initial_s, max_s)
+        self._windows: dict[Destination, _Window] = {}  # failing destinations only
+
+    def should_skip(self, destination: Destination, now: float) -> bool:
+        """True (and counted) while ``destination`` is inside its backoff window."""
+        window = self._windows.get(destination)
+        if window is None or now >= window.until_s:
+            return False
+        window.num_skipped += 1
+        return True
+
+    def failed(self, destination: Destination, now: float) -> tuple[float, int]:
+        """Start the next window: (its length in seconds, messages skipped in the last one)."""
+        self._forget_stale(now)
+        previous = self._windows.get(destination)
+        backoff_s = (
+            self._initial_s if previous is None else min(2 * previous.backoff_s, self._max_s)
+        )
+        self._windows[destination] = _Window(backoff_s, now + backoff_s)
+        return backoff_s, 0 if previous is None else previous.num_skipped
+
+    def succeeded(self, destination: Destination) -> int | None:
+        """Forget ``destination``'s failures: the messages skipped in its last window, or None
+        if it was not failing."""
+        window = self._windows.pop(destination, None)
+        return None if window is None else window.num_skipped
+
+    def _forget_stale(self, now: float) -> None:
+        stale = [d for d, w in self._windows.items() if now >= w.until_s + self._max_s]
+        for destination in stale:
+            del self._windows[destination]
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Message:
+    send: SendFn
+    destination: Destination
+    remote_request_ids: tuple[str, ...]
 
 
 class HeartbeatSender:
-    """Start lazily on the first ``submit``; ``stop()`` joins the thread."""
+    """Start lazily on the first ``submit``; ``stop()`` joins the thread.
+
+    ``timeout_s`` is the configured side-channel timeout; messages use at most
+    MAX_MESSAGE_TIMEOUT_S of it. ``clock`` (seconds, monotonic) times the backoff windows.
+    ``send``/``send_release_fn`` replace the network calls (tests).
+    """
 
     def __init__(
         self,
@@ -33,31 +132,48 @@ class HeartbeatSender:
         max_queued: int = 64,
         send: SendFn | None = None,
         send_release_fn: SendFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        message_timeout_s = min(timeout_s, MAX_MESSAGE_TIMEOUT_S)
         self._send: SendFn = send or (
-            lambda host, port, ids: send_heartbeat(
-                host, port, ids, secret=secret, timeout_s=timeout_s
+            lambda host, port, ids, *, engine_id: send_heartbeat(
+                host, port, ids, engine_id=engine_id, secret=secret, timeout_s=message_timeout_s
             )
         )
         self._send_release: SendFn = send_release_fn or (
-            lambda host, port, ids: send_release(
-                host, port, ids, secret=secret, timeout_s=timeout_s
+            lambda host, port, ids, *, engine_id: send_release(
+                host, port, ids, engine_id=engine_id, secret=secret, timeout_s=message_timeout_s
             )
         )
-        self._queue: queue.Queue[tuple[SendFn, str, int, tuple[str, ...]]] = queue.Queue(max_queued)
+        self._clock = clock
+        self._backoff = Backoff(
+            initial_s=max(message_timeout_s, MIN_BACKOFF_S), max_s=MAX_BACKOFF_S
+        )
+        self._num_skipped = 0  # written by the sender thread only
+        self._queue: queue.Queue[_Message] = queue.Queue(max_queued)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def submit(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
-        """Queue one heartbeat; False (and a warning) if the queue is full or stopped."""
-        return self._enqueue(self._send, host, port, remote_request_ids)
+    @property
+    def num_skipped(self) -> int:
+        """Messages not sent because their destination was backing off after a failure."""
+        return self._num_skipped
 
-    def submit_release(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
+    def submit(
+        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+    ) -> bool:
+        """Queue one heartbeat to prefill ``engine_id``; False if full or stopped."""
+        return self._enqueue(self._send, Destination(engine_id, host, port), remote_request_ids)
+
+    def submit_release(
+        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+    ) -> bool:
         """Queue one release (decode will never read these); False if full or stopped."""
-        return self._enqueue(self._send_release, host, port, remote_request_ids)
+        destination = Destination(engine_id, host, port)
+        return self._enqueue(self._send_release, destination, remote_request_ids)
 
     def _enqueue(
-        self, send: SendFn, host: str, port: int, remote_request_ids: Sequence[str]
+        self, send: SendFn, destination: Destination, remote_request_ids: Sequence[str]
     ) -> bool:
         if self._stop.is_set():
             return False
@@ -67,9 +183,9 @@ class HeartbeatSender:
             )
             self._thread.start()
         try:
-            self._queue.put_nowait((send, host, port, tuple(remote_request_ids)))
+            self._queue.put_nowait(_Message(send, destination, tuple(remote_request_ids)))
         except queue.Full:
-            logger.warning("side-channel queue full; dropping a message to %s:%d", host, port)
+            logger.warning("side-channel queue full; dropping a message to %s", destination)
             return False
         return True
 
@@ -82,12 +198,44 @@ class HeartbeatSender:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                send, host, port, remote_request_ids = self._queue.get(timeout=POLL_INTERVAL_S)
+                message = self._queue.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
                 continue
-            try:
-                send(host, port, remote_request_ids)
-            except ConnectorError as exc:
-                logger.warning("side-channel message to %s:%d failed: %s", host, port, exc)
-            except Exception:  # the thread must outlive a bug in one send
-                logger.exception("side-channel message to %s:%d failed", host, port)
+            if self._backoff.should_skip(message.destination, self._clock()):
+                self._num_skipped += 1
+                continue
+            self._deliver(message)
+
+    def _deliver(self, message: _Message) -> None:
+        destination = message.destination
+        try:
+            message.send(
+                destination.host,
+                destination.port,
+                message.remote_request_ids,
+                engine_id=destination.engine_id,
+            )
+        except Exception as exc:  # the thread must outlive any failure, a bug included
+            backoff_s, num_skipped = self._backoff.failed(destination, self._clock())
+            log = logger.warning if isinstance(exc, ConnectorError) else logger.exception
+            log(
+                "side-channel message to %s failed: %s; skipping messages to it for %.1f s%s",
+                destination,
+                exc,
+                backoff_s,
+                _skipped_note(num_skipped),
+            )
+            return
+        recovered_after_skips = self._backoff.succeeded(destination)
+        if recovered_after_skips is not None:
+            logger.info(
+                "side channel of %s answers again%s",
+                destination,
+                _skipped_note(recovered_after_skips),
+            )
+
+
+def _skipped_note(num_skipped: int) -> str:
+    if not num_skipped:
+        return ""
+    return f" ({num_skipped} message(s) skipped while it was backing off)"

@@ -1,10 +1,13 @@
 """The side-channel server: a ZMQ ROUTER on a background thread answering handshakes and leases.
 
 It serves each TP rank's WorkerHandshake, and applies heartbeats and releases through two
-callbacks (which must be thread-safe: they run on this thread). It is a network service:
-inbound messages are size-bounded (zmq.MAXMSGSIZE drops the peer's connection), decoded only
-through typed msgspec decoders, optionally authenticated, and any bad input is answered with
-an ErrorReply. Nothing a peer sends stops the thread; only ``stop()`` does.
+callbacks (which must be thread-safe: they run on this thread). A heartbeat or release names
+the engine it is for; one meant for another engine (a late message to an engine that restarted
+on this host:port, whose request ids may repeat) is refused and never reaches the callbacks.
+It is a network service: inbound messages are size-bounded (zmq.MAXMSGSIZE drops the peer's
+connection), decoded only through typed msgspec decoders, optionally authenticated, and any bad
+input is answered with an ErrorReply. Nothing a peer sends stops the thread; only ``stop()``
+does.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class SideChannelServer:
     """Bind with ``start()``, serve on a daemon thread, ``stop()`` to close and join.
 
     ``port`` 0 binds a free ephemeral port; ``port`` then reports the bound one.
+    ``engine_id`` is this engine's id: heartbeats and releases naming another are refused.
     ``clock`` is wall-clock seconds, used only for the authentication replay window.
     """
 
@@ -53,6 +57,7 @@ class SideChannelServer:
         port: int,
         handshakes: Mapping[int, WorkerHandshake],
         *,
+        engine_id: str,
         on_heartbeat: LeaseCallback,
         on_release: LeaseCallback,
         secret: str | None = None,
@@ -60,7 +65,12 @@ class SideChannelServer:
         clock: Callable[[], float] = time.time,
         replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
     ) -> None:
+        if not engine_id:
+            raise UnsupportedConfiguration(
+                "the side channel needs this engine's non-empty engine_id, got ''"
+            )
         self._host = host
+        self._engine_id = engine_id
         self._port = port
         self._handshakes = dict(handshakes)
         self._on_heartbeat = on_heartbeat
@@ -172,11 +182,29 @@ class SideChannelServer:
     def _dispatch(self, request: Request) -> Reply:
         if isinstance(request, HandshakeRequest):
             return self._handshake(request.tp_rank)
+        if isinstance(request, Heartbeat | Release) and request.engine_id != self._engine_id:
+            return self._refuse_other_engine(request)
         if isinstance(request, Heartbeat):
             return Ack(self._on_heartbeat(request.remote_request_ids))
         if isinstance(request, Release):
             return Ack(self._on_release(request.remote_request_ids))
         raise ProtocolError(f"unexpected request {type(request).__name__}")
+
+    def _refuse_other_engine(self, request: Heartbeat | Release) -> ErrorReply:
+        """Touch no lease: the ids are another engine's, and may name this engine's requests."""
+        kind = type(request).__name__.lower()
+        logger.info(
+            "side channel refused a %s for engine %r: this is engine %r",
+            kind,
+            request.engine_id,
+            self._engine_id,
+        )
+        return ErrorReply(
+            f"{kind} for prefill engine {request.engine_id!r} reached engine "
+            f"{self._engine_id!r} at this host:port: that engine restarted (its KV is gone) or "
+            "the request's remote_host/remote_port name the wrong engine; nothing was "
+            "extended or released here"
+        )
 
     def _handshake(self, tp_rank: int) -> Reply:
         handshake = self._handshakes.get(tp_rank)

@@ -46,19 +46,24 @@ class FakeClock:
 
 
 class RecordingHeartbeats(HeartbeatSender):
-    """Records submitted heartbeats synchronously instead of sending them."""
+    """Records submitted messages synchronously, as (engine_id, host, port, remote_request_ids),
+    instead of sending them."""
 
     def __init__(self) -> None:
         super().__init__(secret=None, timeout_s=1.0)
-        self.sent: list[tuple[str, int, tuple[str, ...]]] = []
-        self.released: list[tuple[str, int, tuple[str, ...]]] = []
+        self.sent: list[tuple[str, str, int, tuple[str, ...]]] = []
+        self.released: list[tuple[str, str, int, tuple[str, ...]]] = []
 
-    def submit(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
-        self.sent.append((host, port, tuple(remote_request_ids)))
+    def submit(
+        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+    ) -> bool:
+        self.sent.append((engine_id, host, port, tuple(remote_request_ids)))
         return True
 
-    def submit_release(self, host: str, port: int, remote_request_ids: Sequence[str]) -> bool:
-        self.released.append((host, port, tuple(remote_request_ids)))
+    def submit_release(
+        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+    ) -> bool:
+        self.released.append((engine_id, host, port, tuple(remote_request_ids)))
         return True
 
 

@@ -114,7 +114,11 @@ def test_encode_free_notif_rejects_bad_input(request_id: str, consumers: int, me
 
 # ---- side-channel messages ----
 
-REQUESTS: list[Request] = [HandshakeRequest(3), Heartbeat(("a", "b")), Release(("c",))]
+REQUESTS: list[Request] = [
+    HandshakeRequest(3),
+    Heartbeat("prefill-0", ("a", "b")),
+    Release("prefill-0", ("c",)),
+]
 
 
 @pytest.mark.parametrize("request_msg", REQUESTS, ids=lambda r: type(r).__name__)
@@ -199,13 +203,38 @@ BAD_PAYLOADS = [
     ("a string tp_rank", encode({"type": "handshake", "tp_rank": "0"}), "got `str`"),
     (
         "a heartbeat with int ids",
-        encode({"type": "heartbeat", "remote_request_ids": [1]}),
+        encode({"type": "heartbeat", "engine_id": "e", "remote_request_ids": [1]}),
         "got `int`",
     ),
     (
         "a release with an empty id",
-        encode({"type": "release", "remote_request_ids": [""]}),
+        encode({"type": "release", "engine_id": "e", "remote_request_ids": [""]}),
         "length >= 1",
+    ),
+    (
+        "a heartbeat without an engine id",
+        encode({"type": "heartbeat", "remote_request_ids": ["a"]}),
+        "missing required field `engine_id`",
+    ),
+    (
+        "a release without an engine id",
+        encode({"type": "release", "remote_request_ids": ["a"]}),
+        "missing required field `engine_id`",
+    ),
+    (
+        "a heartbeat with an empty engine id",
+        encode({"type": "heartbeat", "engine_id": "", "remote_request_ids": ["a"]}),
+        r"length >= 1 - at `\$.engine_id`",
+    ),
+    (
+        "a release with an engine id too long",
+        encode({"type": "release", "engine_id": "e" * 4097, "remote_request_ids": ["a"]}),
+        r"length <= 4096 - at `\$.engine_id`",
+    ),
+    (
+        "a heartbeat with an engine id that is not a string",
+        encode({"type": "heartbeat", "engine_id": 7, "remote_request_ids": ["a"]}),
+        r"Expected `str`, got `int` - at `\$.engine_id`",
     ),
     ("a reply sent as a request", encode({"type": "ack", "num_known": 1}), "malformed"),
     ("a truncated payload", encode(HandshakeRequest(5))[:-1], "malformed"),

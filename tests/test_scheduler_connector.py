@@ -182,6 +182,10 @@ def test_the_side_channel_starts_once(served_prefill: SchedulerConnector) -> Non
         served_prefill.start_side_channel(handshakes())
 
 
+HOST = "127.0.0.1"
+AS_PREFILL_0: dict[str, Any] = {"engine_id": "prefill-0", "secret": None, "timeout_s": 2.0}
+
+
 def test_heartbeats_over_the_side_channel_extend_the_lease(
     served_prefill: SchedulerConnector, clock: FakeClock
 ) -> None:
@@ -190,7 +194,7 @@ def test_heartbeats_over_the_side_channel_extend_the_lease(
     served_prefill.build_connector_meta()
     for _ in range(3):  # 3 x 20 s, each within the 30 s lease
         clock.advance(20.0)
-        assert send_heartbeat("127.0.0.1", port, ["p1", "unknown"], secret=None, timeout_s=2.0) == 1
+        assert send_heartbeat(HOST, port, ["p1", "unknown"], **AS_PREFILL_0) == 1
         served_prefill.update_connector_output([])
         assert served_prefill.take_finished() == NO_FINISHED
     clock.advance(LEASE_S)
@@ -204,8 +208,8 @@ def test_a_release_over_the_side_channel_frees_at_the_next_step(
     served_prefill.request_finished(prefill_request(), ((1,),))
     served_prefill.build_connector_meta()
     port = served_prefill.side_channel_port
-    assert send_release("127.0.0.1", port, ["p1"], secret=None, timeout_s=2.0) == 1
-    assert send_release("127.0.0.1", port, ["p1"], secret=None, timeout_s=2.0) == 0
+    assert send_release(HOST, port, ["p1"], **AS_PREFILL_0) == 1
+    assert send_release(HOST, port, ["p1"], **AS_PREFILL_0) == 0
     assert served_prefill.build_connector_meta() == ConnectorMetadata(forgotten=("p1",))
     assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
 
@@ -315,6 +319,10 @@ def test_one_failing_rank_fails_the_request_with_its_reason(decode: SchedulerCon
     assert decode.get_num_new_matched_tokens(decode_request(), 16) == (0, False)
 
 
+# The side-channel release decode sends for REMOTE's request: (engine, host, port, ids).
+RELEASE_P1 = [(REMOTE.engine_id, REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+
+
 def test_a_failed_load_also_releases_prefill_over_the_side_channel(
     decode: SchedulerConnector, heartbeats: RecordingHeartbeats
 ) -> None:
@@ -323,7 +331,7 @@ def test_a_failed_load_also_releases_prefill_over_the_side_channel(
     assert heartbeats.released == []
     decode.update_connector_output(all_ranks(failed_recving={"d1": "handshake refused"}))
     assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "handshake refused"})
-    assert heartbeats.released == [(REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+    assert heartbeats.released == RELEASE_P1
 
 
 def test_a_successful_load_sends_no_release(
@@ -341,14 +349,14 @@ def test_an_abort_before_the_load_releases_over_the_side_channel_too(
     request = decode_request()
     decode.get_num_new_matched_tokens(request, 16)
     decode.request_finished(request, ((),))
-    assert heartbeats.released == [(REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+    assert heartbeats.released == RELEASE_P1
 
 
 def test_an_abort_before_the_engine_ever_asked_releases_prefill(
     decode: SchedulerConnector, heartbeats: RecordingHeartbeats
 ) -> None:
     assert decode.request_finished(decode_request(), ((),)) == (False, None)
-    assert heartbeats.released == [(REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+    assert heartbeats.released == RELEASE_P1
     assert decode.build_connector_meta() == ConnectorMetadata()
     assert not decode.has_pending_work()
 

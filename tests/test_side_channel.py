@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -26,9 +27,11 @@ from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
 
 HOST = "127.0.0.1"
+ENGINE_ID = "prefill-0"  # make_handshake's engine
 SECRET = "correct horse battery staple"
 MAX_MESSAGE_BYTES = 2**16
 TIMEOUT_S = 2.0
+OPEN: dict[str, Any] = {"secret": None, "timeout_s": TIMEOUT_S}
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,6 +62,7 @@ def start_server(
         HOST,
         port,
         {0: make_handshake(0), 1: make_handshake(1)},
+        engine_id=ENGINE_ID,
         on_heartbeat=leases.on_heartbeat,
         on_release=leases.on_release,
         secret=secret,
@@ -176,10 +180,51 @@ def test_unknown_tp_rank_is_refused_with_the_served_ranks(open_server: SideChann
 def test_heartbeat_and_release_reach_the_lease_callbacks(
     open_server: SideChannelServer, leases: Leases
 ) -> None:
-    assert send_heartbeat(HOST, open_server.port, ["a", "b"], secret=None, timeout_s=TIMEOUT_S) == 2
-    assert send_release(HOST, open_server.port, ["c"], secret=None, timeout_s=TIMEOUT_S) == 1
+    port = open_server.port
+    assert send_heartbeat(HOST, port, ["a", "b"], engine_id=ENGINE_ID, **OPEN) == 2
+    assert send_release(HOST, port, ["c"], engine_id=ENGINE_ID, **OPEN) == 1
     assert leases.heartbeats == [("a", "b")]
     assert leases.releases == [("c",)]
+
+
+@pytest.mark.parametrize(
+    ("send", "kind"),
+    [(send_heartbeat, "heartbeat"), (send_release, "release")],
+    ids=["heartbeat", "release"],
+)
+@pytest.mark.parametrize(
+    "engine_id",
+    ["prefill-old", "prefill-0-restarted", "PREFILL-0"],
+    ids=["an older engine", "a longer id", "another case"],
+)
+def test_a_message_for_another_engine_is_refused_and_touches_no_lease(
+    open_server: SideChannelServer,
+    leases: Leases,
+    send: Callable[..., int],
+    kind: str,
+    engine_id: str,
+) -> None:
+    with pytest.raises(
+        HandshakeError,
+        match=f"refused the request: {kind} for prefill engine '{engine_id}' reached engine "
+        f"'{ENGINE_ID}' at this host:port: that engine restarted .* nothing was extended or "
+        "released here",
+    ):
+        send(HOST, open_server.port, ["a"], engine_id=engine_id, **OPEN)
+    assert (leases.heartbeats, leases.releases) == ([], [])
+    assert send(HOST, open_server.port, ["a"], engine_id=ENGINE_ID, **OPEN) == 1  # still serving
+
+
+def test_a_server_without_an_engine_id_is_refused(leases: Leases) -> None:
+    with pytest.raises(UnsupportedConfiguration, match="non-empty engine_id, got ''"):
+        SideChannelServer(
+            HOST,
+            0,
+            {},
+            engine_id="",
+            on_heartbeat=leases.on_heartbeat,
+            on_release=leases.on_release,
+        )
 
 
 def test_a_failing_callback_is_an_error_reply_not_a_dead_thread(
@@ -187,7 +232,7 @@ def test_a_failing_callback_is_an_error_reply_not_a_dead_thread(
 ) -> None:
     leases.fail = True
     with pytest.raises(HandshakeError, match="internal error: RuntimeError: lease table exploded"):
-        send_heartbeat(HOST, open_server.port, ["a"], secret=None, timeout_s=TIMEOUT_S)
+        send_heartbeat(HOST, open_server.port, ["a"], engine_id=ENGINE_ID, **OPEN)
     assert_still_serving(open_server)
 
 
@@ -218,7 +263,7 @@ def test_a_client_with_a_secret_refuses_an_open_server(open_server: SideChannelS
 
 def test_a_replayed_request_is_refused(secret_server: SideChannelServer) -> None:
     frame = encode_request(
-        Heartbeat(("r",)), secret=SECRET, nonce=b"n" * 16, timestamp_s=time.time()
+        Heartbeat(ENGINE_ID, ("r",)), secret=SECRET, nonce=b"n" * 16, timestamp_s=time.time()
     )
     first = decode_reply(
         raw_exchange(secret_server.port, [frame]) or b"", secret=SECRET, request_nonce=b"n" * 16
