@@ -50,6 +50,11 @@ def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
     return fetch
 
 
+def handshake_wait_s(config: ConnectorConfig) -> float:
+    """How long a load may wait for its peer: every handshake attempt, then one lease more."""
+    return config.handshake_timeout_s * (config.handshake_retries + 1) + config.kv_lease_duration_s
+
+
 class WorkerConnector:
     """One TP rank's connector. Create the agent early (it is slow); the caller closes it."""
 
@@ -83,6 +88,7 @@ class WorkerConnector:
             local_layout=self._layout,
             local_fingerprint=self._fingerprint,
             enforce_compat=config.enforce_handshake_compat,
+            clock=clock,
         )
         self._notifications = NotificationCounter(
             clock=clock, early_ttl_s=config.kv_lease_duration_s
@@ -113,6 +119,7 @@ class WorkerConnector:
             local_region_addresses=self._region_addresses,
             clock=self._clock,
             transfer_timeout_s=self._config.kv_lease_duration_s,
+            handshake_wait_s=handshake_wait_s(self._config),
             on_peer_failure=self._peers.retire,
         )
 

@@ -37,6 +37,8 @@ class HandshakeJob:
     host: str
     port: int
     remote_ranks: tuple[int, ...]
+    job_id: int = 0  # unique per submitted job: two jobs to one address never collide
+    retries: int | None = None  # None: the client's setting; probes of a dead peer use 0
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,12 @@ class HandshakeClient:
 
     def _fetch_with_retries(self, job: HandshakeJob, remote_rank: int) -> WorkerHandshake:
         attempt = 0
+        retries = self._retries if job.retries is None else job.retries
         while True:
             try:
                 return self._fetch(job.host, job.port, remote_rank)
             except ConnectorError as error:
-                if attempt >= self._retries or self._stop.is_set():
+                if attempt >= retries or self._stop.is_set():
                     raise HandshakeError(
                         f"rank {remote_rank} at {job.host}:{job.port} failed after "
                         f"{attempt + 1} attempt(s): {error}"

@@ -82,12 +82,14 @@ class LoadTable:
         local_region_addresses: Sequence[int],
         clock: Callable[[], float],
         transfer_timeout_s: float,  # a request's READs are given up after this long on this rank
+        handshake_wait_s: float,  # a load waits at most this long for its peer's handshake
         on_peer_failure: Callable[[Peer], None],
     ) -> None:
         self._agent = agent
         self._local_addresses = tuple(local_region_addresses)
         self._clock = clock
         self._transfer_timeout_s = transfer_timeout_s
+        self._handshake_wait_s = handshake_wait_s
         self._on_peer_failure = on_peer_failure
         self._loads: dict[str, Load] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # ended ids, to spot late aborts
@@ -105,7 +107,7 @@ class LoadTable:
             )
             return
         self._recent.pop(spec.request_id, None)
-        self._loads[spec.request_id] = Load(spec.request_id, spec.remote, peer, spec, self._clock())
+        self._loads[spec.request_id] = self._new_load(spec.request_id, spec.remote, peer, spec)
 
     def abort(self, request_id: str, remote: RemoteSource, peer: Peer) -> None:
         """Abort a request; one never loaded here gets a record only to notify prefill.
@@ -118,8 +120,14 @@ class LoadTable:
             logger.info("request %s aborted after this rank reported it; nothing to do", request_id)
             return
         if load is None:
-            load = self._loads[request_id] = Load(request_id, remote, peer, None, self._clock())
+            load = self._loads[request_id] = self._new_load(request_id, remote, peer, None)
         load.aborted = True
+
+    def _new_load(
+        self, request_id: str, remote: RemoteSource, peer: Peer, spec: LoadSpec | None
+    ) -> Load:
+        peer.num_loads += 1  # the peer's agents stay loaded until this load ends
+        return Load(request_id, remote, peer, spec, self._clock())
 
     def advance(self) -> list[Outcome]:
         """Move every load as far as it can go; returns the loads that ended."""
@@ -140,6 +148,7 @@ class LoadTable:
         """Shutdown: release every live READ handle (best effort) and drop the records."""
         for load in self._loads.values():
             self._drop_handles(load)
+            load.peer.num_loads -= 1
         self._loads.clear()
 
     def _drop_handles(self, load: Load) -> None:
@@ -160,6 +169,14 @@ class LoadTable:
     def _start(self, load: Load) -> None:
         peer = load.peer
         if peer.state is PeerState.HANDSHAKING:
+            # Handshakes are bounded by their own timeouts; this bounds the wait for any other
+            # reason (a queue of handshakes to dead peers ahead of this one, a lost result).
+            if self._clock() - load.created_s > self._handshake_wait_s:
+                load.started = True
+                load.fail(
+                    f"handshake with prefill engine {peer.engine_id} at {peer.address} did not "
+                    f"finish within {self._handshake_wait_s} s"
+                )
             return
         load.started = True
         if peer.state is PeerState.FAILED:
@@ -242,6 +259,7 @@ class LoadTable:
 
     def _finish(self, load: Load) -> Outcome:
         del self._loads[load.request_id]
+        load.peer.num_loads -= 1
         self._recent[load.request_id] = None
         if len(self._recent) > MAX_RECENT_IDS:
             self._recent.popitem(last=False)

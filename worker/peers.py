@@ -1,10 +1,17 @@
-"""One record per remote engine: its handshakes, loaded NIXL agents, planner and state.
+"""One record per remote engine address: its handshakes, loaded NIXL agents, planner and state.
 
-A ``Peer`` is one generation of our knowledge of a remote engine: created when a request first
-needs it, READY once every remote rank this rank covers has handshaken, or FAILED with the
-reason. When a transfer to it fails (peer gone) the record is marked stale; the next request
-for that engine starts a fresh handshake, which picks up a restarted peer's new agent names.
-A stale record's agents are removed once no posted READ refers to them.
+A ``Peer`` is one generation of our knowledge of a remote engine at one address, keyed by
+(engine id, host, port, TP size) exactly as requests name it, so a request naming a wrong port
+gets its own record and its own failure, never another address's. It is created when a request
+first needs it, READY once every remote rank this rank covers has handshaken, or FAILED with
+the reason. When a transfer to it fails (peer gone) the record is marked stale; the next
+request for that key starts a fresh handshake, which picks up a restarted peer's new agent
+names. A stale record's agents are removed once no load and no posted READ refers to it.
+
+A failed handshake is remembered per key (a negative cache): later requests for that key fail
+at once with the reason instead of waiting for a handshake of their own, and one background
+probe (a single attempt) per ``probe_interval_s`` finds a prefill that came back under the same
+engine id. A restarted prefill normally has a new engine id: a new key, handshaken at once.
 
 Engine thread only: the table calls the NIXL agent (add/remove remote agents); the handshake
 threads behind ``HandshakeClient`` only fetch bytes.
@@ -13,7 +20,9 @@ threads behind ``HandshakeClient`` only fetch bytes.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from connector.errors import ConnectorError, HandshakeError, UnsupportedConfiguration
@@ -27,6 +36,14 @@ from worker.planner import TransferPlanner
 from worker.topology import head_shapes, notification_duty
 
 logger = logging.getLogger(__name__)
+
+PeerKey = tuple[str, str, int, int]  # (engine id, host, port, remote TP size)
+PROBE_INTERVAL_S = 1.0  # a failed peer key gets at most one background probe per interval
+MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
+
+
+def peer_key(source: RemoteSource) -> PeerKey:
+    return (source.engine_id, source.host, source.port, source.tp_size)
 
 
 class PeerState(enum.Enum):
@@ -50,16 +67,27 @@ class Peer:
     agent_names: dict[int, str] = field(default_factory=dict)  # remote rank -> loaded agent
     planner: TransferPlanner | None = None
     stale: bool = False  # superseded: no new requests; agents removed when idle
+    probe: bool = False  # a background re-check of a failed key: no request waits on it
     num_live_transfers: int = 0  # posted READs not yet released
+    num_loads: int = 0  # loads that hold this record (LoadTable counts them)
 
-    def serves(self, source: RemoteSource) -> bool:
-        """True if new requests from ``source`` may use (or wait for) this record."""
-        return (
-            not self.stale
-            and self.state is not PeerState.FAILED
-            and (self.host, self.port, self.remote_tp_size)
-            == (source.host, source.port, source.tp_size)
-        )
+    @property
+    def key(self) -> PeerKey:
+        return (self.engine_id, self.host, self.port, self.remote_tp_size)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass
+class _Failure:
+    """A key whose last handshake failed: why, when, and when it may be probed again."""
+
+    reason: str
+    failed_s: float
+    probe_after_s: float
+    probing: bool = False
 
 
 def validate_handshakes(
@@ -96,7 +124,7 @@ def validate_handshakes(
 
 
 class PeerTable:
-    """The current Peer per remote engine id, and the retired ones still draining."""
+    """The current Peer per key, the failed keys, and the retired peers still draining."""
 
     def __init__(
         self,
@@ -108,6 +136,8 @@ class PeerTable:
         local_layout: RankLayout,
         local_fingerprint: Fingerprint,
         enforce_compat: bool,
+        clock: Callable[[], float],
+        probe_interval_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self._agent = agent
         self._client = client
@@ -117,39 +147,42 @@ class PeerTable:
         self._local_fingerprint = local_fingerprint
         self._shapes = tuple(sorted(head_shapes(local_layout)))
         self._enforce_compat = enforce_compat
-        self._current: dict[str, Peer] = {}  # engine id -> newest generation
-        self._pending: dict[HandshakeJob, Peer] = {}  # handshakes in flight
+        self._clock = clock
+        self._probe_interval_s = probe_interval_s
+        self._current: dict[PeerKey, Peer] = {}  # HANDSHAKING or READY, never stale
+        self._failures: dict[PeerKey, _Failure] = {}  # the negative cache, oldest first
+        self._pending: dict[int, Peer] = {}  # job id -> the peer its handshake is for
+        self._job_ids = itertools.count(1)
         self._retired: list[Peer] = []  # stale generations whose agents are still loaded
         self._agent_refs: dict[str, int] = {}  # loaded remote agent -> peers using it
 
     def ensure(self, source: RemoteSource) -> Peer:
         """The peer serving ``source``, starting a handshake if none is usable.
 
-        A TP pairing that cannot work gives a FAILED peer at once, without a handshake.
+        A TP pairing that cannot work, or a key whose handshake failed recently, gives a
+        FAILED peer at once, without a handshake.
         """
-        peer = self._current.get(source.engine_id)
-        if peer is not None and peer.serves(source):
-            return peer
+        key = peer_key(source)
+        peer = self._current.get(key)
         if peer is not None:
-            self.retire(peer)
+            return peer
         try:
             duty = notification_duty(self._tp_rank, self._tp_size, source.tp_size, self._shapes)
         except UnsupportedConfiguration as error:
-            failed = Peer(source.engine_id, source.host, source.port, source.tp_size, {})
-            failed.state, failed.failure = PeerState.FAILED, str(error)
-            return failed
+            return _failed_peer(source, str(error))
+        failure = self._failures.get(key)
+        if failure is not None:
+            return self._fail_fast(source, duty, failure)
         peer = Peer(source.engine_id, source.host, source.port, source.tp_size, duty)
-        self._current[source.engine_id] = peer
-        job = HandshakeJob(source.engine_id, source.host, source.port, tuple(duty))
-        self._pending[job] = peer
-        self._client.submit(job)
+        self._current[key] = peer
+        self._submit(peer, retries=None)
         return peer
 
     def poll(self) -> list[Peer]:
         """Peers whose handshake finished since the last call (READY or FAILED)."""
         finished = []
         for result in self._client.poll():
-            peer = self._pending.pop(result.job, None)
+            peer = self._pending.pop(result.job.job_id, None)
             if peer is None:
                 logger.error("handshake result for unknown job %s dropped", result.job)
                 continue
@@ -159,19 +192,42 @@ class PeerTable:
         return finished
 
     def retire(self, peer: Peer) -> None:
-        """No new requests use ``peer``; its agents go once its posted READs are released."""
+        """No new requests use ``peer``; its agents go once no load or READ refers to it."""
         if peer.stale:
             return
         peer.stale = True
         self._retired.append(peer)
-        if self._current.get(peer.engine_id) is peer:
-            del self._current[peer.engine_id]
+        if self._current.get(peer.key) is peer:
+            del self._current[peer.key]
 
     def close(self) -> None:
         """Remove every loaded remote agent (engine thread, at shutdown)."""
         for name in list(self._agent_refs):
             self._remove_agent(name)
         self._agent_refs.clear()
+
+    def _submit(self, peer: Peer, *, retries: int | None) -> None:
+        job_id = next(self._job_ids)
+        self._pending[job_id] = peer
+        job = HandshakeJob(
+            peer.engine_id, peer.host, peer.port, tuple(peer.duty), job_id=job_id, retries=retries
+        )
+        self._client.submit(job)
+
+    def _fail_fast(self, source: RemoteSource, duty: dict[int, int], failure: _Failure) -> Peer:
+        """A FAILED peer for a key that failed recently; maybe start its background probe."""
+        now_s = self._clock()
+        if not failure.probing and now_s >= failure.probe_after_s:
+            failure.probing = True
+            probe = Peer(source.engine_id, source.host, source.port, source.tp_size, duty)
+            probe.probe = True
+            self._submit(probe, retries=0)
+        return _failed_peer(
+            source,
+            f"{failure.reason} (that was {now_s - failure.failed_s:.1f} s ago; until a "
+            f"background probe, at most one per {self._probe_interval_s} s, reaches it, "
+            "requests for it fail at once)",
+        )
 
     def _complete(self, peer: Peer, result: HandshakeResult) -> None:
         if result.error is not None:
@@ -188,8 +244,19 @@ class PeerTable:
             self._fail(peer, str(error))
             return
         peer.state = PeerState.READY
-        logger.info("handshake with engine %s at %s:%d done", peer.engine_id, peer.host, peer.port)
+        logger.info("handshake with engine %s at %s done", peer.engine_id, peer.address)
+        if peer.probe:
+            self._promote(peer)
         self._retire_replaced(peer)
+
+    def _promote(self, probe: Peer) -> None:
+        """A probe reached a failed key: it becomes that key's peer; the failure is forgotten."""
+        self._failures.pop(probe.key, None)
+        probe.probe = False
+        if probe.key in self._current:  # cannot happen while the key was failed; be safe
+            self.retire(probe)
+            return
+        self._current[probe.key] = probe
 
     def _load(self, peer: Peer, handshakes: dict[int, WorkerHandshake]) -> None:
         """Validate, build the planner, then load the agents (the step that has side effects)."""
@@ -225,28 +292,38 @@ class PeerTable:
 
     def _fail(self, peer: Peer, reason: str) -> None:
         logger.warning(
-            "handshake with engine %s at %s:%d failed: %s",
-            peer.engine_id, peer.host, peer.port, reason,
-        )  # fmt: skip
+            "handshake with engine %s at %s failed: %s", peer.engine_id, peer.address, reason
+        )
         peer.state = PeerState.FAILED
         peer.failure = reason
         for name in peer.agent_names.values():
             self._release_agent(name)
         peer.agent_names.clear()
-        if self._current.get(peer.engine_id) is peer:
-            del self._current[peer.engine_id]
+        if self._current.get(peer.key) is peer:
+            del self._current[peer.key]
+        if not peer.stale:
+            self._remember_failure(peer.key, reason)
+
+    def _remember_failure(self, key: PeerKey, reason: str) -> None:
+        now_s = self._clock()
+        self._failures.pop(key, None)  # re-insert: the dict stays ordered oldest first
+        while len(self._failures) >= MAX_FAILED_KEYS:
+            del self._failures[next(iter(self._failures))]
+        self._failures[key] = _Failure(reason, now_s, now_s + self._probe_interval_s)
 
     def _retire_replaced(self, ready: Peer) -> None:
         """Another engine id at the same address is gone: that engine restarted as ``ready``."""
         for peer in list(self._current.values()):
-            if peer is not ready and (peer.host, peer.port) == (ready.host, ready.port):
+            same_address = (peer.host, peer.port) == (ready.host, ready.port)
+            if same_address and peer.engine_id != ready.engine_id:
                 logger.info("engine %s was replaced by %s", peer.engine_id, ready.engine_id)
                 self.retire(peer)
 
     def _remove_idle_retired(self) -> None:
         draining = []
         for peer in self._retired:
-            if peer.num_live_transfers > 0 or peer.state is PeerState.HANDSHAKING:
+            busy = peer.num_live_transfers > 0 or peer.num_loads > 0
+            if busy or peer.state is PeerState.HANDSHAKING:
                 draining.append(peer)
                 continue
             for name in peer.agent_names.values():
@@ -267,3 +344,10 @@ class PeerTable:
             self._agent.remove_remote_agent(name)
         except ConnectorError as error:
             logger.warning("removing remote agent %s failed: %s", name, error)
+
+
+def _failed_peer(source: RemoteSource, reason: str) -> Peer:
+    """A FAILED record no table keeps: its loads end at once with ``reason``."""
+    peer = Peer(source.engine_id, source.host, source.port, source.tp_size, {})
+    peer.state, peer.failure = PeerState.FAILED, reason
+    return peer
