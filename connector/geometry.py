@@ -183,6 +183,7 @@ def build_rank_layout(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> RankLayo
                 num_blocks=group.num_blocks,
                 window=group.window,
                 planes=tuple(planes),
+                block_format=group.block_format,
             )
         )
     return RankLayout(

@@ -44,6 +44,25 @@ class MemoryLayout(enum.Enum):
     HND_PACKED = "hnd_packed"  # per layer: (kernel blocks, heads, tokens, planes * head_dim)
 
 
+class BlockFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What is known of the bytes inside one kernel block: a fact about the attention kernel.
+
+    Token-addressable blocks hold each (token, head) where the memory layout's formula says,
+    so any token range can be copied and peers may differ in block sizes and TP. Any other
+    format is opaque: the kernel keeps its own order inside a block (vLLM's CPU backend stores
+    K transposed per head), so blocks move whole, only between peers with the same ``name``,
+    block sizes and memory layout. ``head_chunks``: an opaque block is one independent,
+    contiguous chunk per head (head-major layouts), so TP head slices still work.
+    """
+
+    name: str = "tokens"  # compared between peers, e.g. "CPU_ATTN:vec"
+    token_addressable: bool = True
+    head_chunks: bool = False
+
+
+TOKEN_ADDRESSABLE = BlockFormat()
+
+
 class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One layer's cache shape, model-wide (before TP sharding).
 
@@ -69,6 +88,7 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: int  # logical blocks in the pool, from the engine's configuration
     layers: tuple[LayerSpec, ...]
     window: int | None = None  # SLIDING_WINDOW only: a position attends to the last `window` tokens
+    block_format: BlockFormat = TOKEN_ADDRESSABLE
 
     @property
     def ratio(self) -> int:
@@ -111,6 +131,7 @@ class GroupGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: int
     window: int | None
     planes: tuple[PlaneGeometry, ...]  # layer-major: (layer 0, K), (layer 0, V), (layer 1, K), ...
+    block_format: BlockFormat = TOKEN_ADDRESSABLE
 
     @property
     def ratio(self) -> int:

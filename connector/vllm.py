@@ -21,6 +21,7 @@ Who decides what (one request's journey through vLLM):
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -38,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
-from connector.layout import KVCacheSpec
+from connector.layout import BlockFormat, KVCacheSpec
+from connector.vllm_backends import block_formats_of
 from connector.vllm_layout import (
     dtype_name,
     kv_cache_spec_from_vllm,
@@ -68,7 +70,8 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     Keyword-only seams for tests and embedders: ``connector_config`` replaces the config read
     from kv_connector_extra_config + env, ``tp_rank`` the rank read from vLLM's parallel
-    state, ``agent`` the NIXL agent this worker rank would create.
+    state, ``agent`` the NIXL agent this worker rank would create, ``block_formats`` (one per
+    transfer group) what this worker would read off its attention layers.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         connector_config: ConnectorConfig | None = None,
         tp_rank: int | None = None,
         agent: NixlAgent | None = None,
+        block_formats: Sequence[BlockFormat] | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
@@ -118,7 +122,9 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=self._tp_size,
                 agent=agent or self._create_agent(rank),
                 kv_cache_config=kv_cache_config,
-                spec_for=self.kv_cache_spec,
+                spec_for=lambda kernels: self.kv_cache_spec(
+                    kernels, block_formats or block_formats_of(vllm_config, kv_cache_config)
+                ),
             )
 
     # ---- configuration shared by both roles --------------------------------------------
@@ -135,8 +141,12 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         attention backend may support only one. Block-outermost ones are refused at start."""
         return None
 
-    def kv_cache_spec(self, kernel_block_sizes: tuple[int, ...] | None = None) -> KVCacheSpec:
-        """Our KVCacheSpec for this engine (kernel block sizes known on workers only)."""
+    def kv_cache_spec(
+        self,
+        kernel_block_sizes: tuple[int, ...] | None = None,
+        block_formats: Sequence[BlockFormat] | None = None,
+    ) -> KVCacheSpec:
+        """Our KVCacheSpec for this engine (kernel block sizes and formats: workers only)."""
         model = self._vllm_config.model_config
         cache = self._vllm_config.cache_config
         dtype = dtype_name(model.dtype)
@@ -149,6 +159,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             tp_size=self._tp_size,
             memory_layout=memory_layout_of(self._kv_cache_config.kv_cache_layout),
             kernel_block_sizes=kernel_block_sizes,
+            block_formats=block_formats,
         )
 
     def _connector(self, config: ConnectorConfig, role: Role) -> SchedulerConnector:

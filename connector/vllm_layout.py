@@ -23,7 +23,16 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from connector.errors import UnsupportedConfiguration
-from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout, RankLayout
+from connector.layout import (
+    TOKEN_ADDRESSABLE,
+    BlockFormat,
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+    RankLayout,
+)
 
 # vLLM layout name -> ours. Block-outermost layouts (BLNHC...) interleave layers per block in
 # one tensor per group; they are not translated yet.
@@ -124,11 +133,14 @@ def kv_cache_spec_from_vllm(
     tp_size: int,
     memory_layout: MemoryLayout,
     kernel_block_sizes: Sequence[int] | None = None,
+    block_formats: Sequence[BlockFormat] | None = None,
 ) -> KVCacheSpec:
     """Our model-wide spec for vLLM's transferable cache groups (in ``transfer_groups`` order).
 
-    ``kernel_block_sizes`` (one per transfer group) come from the worker's tensors; without
-    them (the scheduler process) each group's kernel block is its logical block.
+    ``kernel_block_sizes`` and ``block_formats`` (one per transfer group) are known on workers
+    only, from their tensors and attention layers (connector/vllm_backends.py); without them
+    (the scheduler process, which plans nothing) each group's kernel block is its logical
+    block and its format token-addressable.
     """
     groups = []
     for index, group in enumerate(kv_cache_config.transfer_groups):
@@ -151,6 +163,7 @@ def kv_cache_spec_from_vllm(
                 num_blocks=kv_cache_config.num_blocks,
                 layers=layers,
                 window=window,
+                block_format=block_formats[index] if block_formats else TOKEN_ADDRESSABLE,
             )
         )
     if not groups:

@@ -102,7 +102,17 @@ def needed_tokens(layout: RankLayout, g: int, request: Request) -> list[int]:
     start = request.num_cached_tokens
     if group.kind is GroupKind.SLIDING_WINDOW:
         start = max(start, request.num_tokens - (group.window or 0))
-    return list(range(start, request.num_tokens))
+    if start >= request.num_tokens:
+        return []
+    return _whole_blocks_if_opaque(group, start, request.num_tokens)
+
+
+def _whole_blocks_if_opaque(group: GroupGeometry, start: int, end: int) -> list[int]:
+    """Token slots [start, end), or, for an opaque block format, every slot of their blocks."""
+    if group.block_format.token_addressable:
+        return list(range(start, end))
+    kernel = group.kernel_block_size
+    return list(range(start - start % kernel, -(-end // kernel) * kernel))
 
 
 def _write_all(
@@ -133,18 +143,19 @@ def _write_all(
 
 
 def fill_prefill(layout: RankLayout, request: Request, seed: int) -> Buffers:
-    """Prefill memory: noise, plus the true bytes of every token prefill's block ids hold."""
+    """Prefill memory: noise, plus the true bytes of every token prefill's block ids hold
+    (every slot of those blocks for an opaque block format)."""
     buffers = noise(layout, seed)
     tokens = []
     for group in layout.groups:
-        if group.kind is GroupKind.SLIDING_WINDOW:
-            tokens.append(
-                list(range(max(0, request.num_tokens - (group.window or 0)), request.num_tokens))
-            )
-        elif group.kind is GroupKind.SSM:
+        if group.kind is GroupKind.SSM:
             tokens.append([-1])
-        else:
-            tokens.append(list(range(request.num_tokens)))
+            continue
+        start = 0
+        if group.kind is GroupKind.SLIDING_WINDOW:
+            start = max(0, request.num_tokens - (group.window or 0))
+        # Opaque blocks: the slots past the prompt hold bytes too (whatever the kernel left).
+        tokens.append(_whole_blocks_if_opaque(group, start, request.num_tokens))
     _write_all(layout, buffers, request.remote_block_ids, [0] * len(layout.groups), tokens)
     return buffers
 

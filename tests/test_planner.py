@@ -11,7 +11,14 @@ import pytest
 
 from connector.errors import TransferPlanError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
-from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
+from connector.layout import (
+    BlockFormat,
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+)
 from tests import oracle
 from worker.planner import TransferPlan, TransferPlanner
 from worker.planner_pairing import CopyMode, pair_groups
@@ -257,6 +264,58 @@ def _planner(decode: KVCacheSpec, prefill: KVCacheSpec, decode_tp=1, prefill_tp=
 def test_pairing_rejects(decode, prefill, tps, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
         _planner(decode, prefill, *tps)
+
+
+CPU_VEC = BlockFormat("CPU_ATTN:vec", token_addressable=False, head_chunks=True)
+CPU_AMX = BlockFormat("CPU_ATTN:amx", token_addressable=False, head_chunks=True)
+UNKNOWN = BlockFormat("SOME_BACKEND", token_addressable=False)
+HND = MemoryLayout.HND
+
+
+def _opaque(block_format=CPU_VEC, block=16, kernel=None, layout=HND_PACKED):
+    group = msgspec.structs.replace(_group(block=block, kernel=kernel), block_format=block_format)
+    return _spec(group, memory_layout=layout)
+
+
+@pytest.mark.parametrize(
+    ("decode", "prefill", "tps", "message"),
+    [
+        (_opaque(CPU_VEC), _opaque(CPU_AMX), (1, 1), "decode's attention kernel stores blocks as 'CPU_ATTN:vec' but prefill's as 'CPU_ATTN:amx'; run both engines with the same attention backend"),
+        (_spec(_group()), _opaque(CPU_VEC, layout=MemoryLayout.NHD), (1, 1), "blocks as 'tokens' but prefill's as 'CPU_ATTN:vec'"),
+        (_opaque(block=16), _opaque(block=32), (1, 1), "are opaque .* decode's block size is 16 and prefill's 32; use the same block size"),
+        (_opaque(block=16, kernel=8), _opaque(block=16), (1, 1), "decode's kernel block size is 8 and prefill's 16"),
+        (_opaque(layout=HND_PACKED), _opaque(layout=HND), (1, 1), "decode's memory layout is 'hnd_packed' and prefill's 'hnd'"),
+        (_opaque(UNKNOWN, layout=HND), _opaque(UNKNOWN, layout=HND), (1, 2), "cannot be split by head, so decode TP 1 cannot read from prefill TP 2"),
+        (_opaque(CPU_VEC, layout=NHD_PACKED), _opaque(CPU_VEC, layout=NHD_PACKED), (2, 1), "cannot be split by head, so decode TP 2"),
+    ],
+    ids=["other-cpu-isa", "addressable-vs-opaque", "block-size", "kernel-block-size", "memory-layout", "unknown-format-other-tp", "token-major-chunks-other-tp"],
+)  # fmt: skip
+def test_pairing_refuses_opaque_blocks_between_unequal_engines(decode, prefill, tps, message):
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        _planner(decode, prefill, *tps)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "cached", "expected_blocks"),
+    [(5, 0, [0]), (16, 0, [0]), (17, 0, [0, 1]), (40, 16, [1, 2])],
+    ids=["one-partial-block", "one-full-block", "full-plus-one-token", "prefix-hit-then-partial"],
+)  # fmt: skip
+def test_opaque_blocks_are_read_whole(tokens, cached, expected_blocks):
+    """Every needed kernel block moves whole: one descriptor per (layer, head chunk run)."""
+    spec = _opaque(CPU_VEC, block=16, layout=HND_PACKED)
+    first = cached // 16
+    local = [list(range(first, -(-tokens // 16)))]
+    remote = [list(range(-(-tokens // 16)))]
+    plan = _planner(spec, spec).plan(local, remote, num_tokens=tokens, num_cached_tokens=cached)
+    (reads,) = plan.reads
+    planes = build_rank_layout(spec, 0, 1).groups[0].planes
+    block_bytes = {plane.region: plane.kernel_block_stride_bytes for plane in planes}
+    assert int(reads.lengths.sum()) == len(expected_blocks) * sum(block_bytes.values())
+    rows = zip(reads.remote_regions, reads.remote_offsets, reads.lengths, strict=True)
+    for region, offset, length in rows:
+        stride = block_bytes[int(region)]
+        assert offset % stride == 0 and length % stride == 0
+        assert list(range(offset // stride, (offset + length) // stride)) == expected_blocks
 
 
 def _with_plane(layout, **changes):

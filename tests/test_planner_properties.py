@@ -14,7 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
+from connector.layout import (
+    TOKEN_ADDRESSABLE,
+    BlockFormat,
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+)
 from tests import oracle
 
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]  # (prefill, decode)
@@ -22,12 +30,14 @@ KINDS = [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MLA, GroupKind.SSM]
 PLACEHOLDER = 0  # the null block: never a real block on either side
 ALL_LAYOUTS = list(MemoryLayout)  # includes the packed layouts
 PACKED = [MemoryLayout.NHD_PACKED, MemoryLayout.HND_PACKED]  # K and V share a (token, head) cell
+HEAD_MAJOR = (MemoryLayout.HND, MemoryLayout.HND_PACKED)
 
 
 @dataclass(frozen=True)
 class Side:
     memory_layout: MemoryLayout
     blocks: tuple[tuple[int, int], ...]  # per group: (block_size, kernel_block_size)
+    block_format: BlockFormat = TOKEN_ADDRESSABLE
 
 
 @st.composite
@@ -73,7 +83,7 @@ class Case:
 
 def _spec(side: Side, kinds, layers, windows, pools) -> KVCacheSpec:
     groups = tuple(
-        GroupSpec(kind=kind, block_size=block, kernel_block_size=kernel, num_blocks=pool, layers=layer, window=window)
+        GroupSpec(kind=kind, block_size=block, kernel_block_size=kernel, num_blocks=pool, layers=layer, window=window, block_format=side.block_format)
         for kind, (block, kernel), layer, window, pool in zip(kinds, side.blocks, layers, windows, pools, strict=True)
     )  # fmt: skip
     return KVCacheSpec(
@@ -110,14 +120,33 @@ def _memory_layouts(draw: st.DrawFn, packed: str) -> tuple[MemoryLayout, MemoryL
 
 
 @st.composite
-def cases(draw: st.DrawFn, packed: str = "any") -> Case:
-    prefill_tp, decode_tp = draw(st.sampled_from(TP_PAIRS))
+def _opaque_sides(draw: st.DrawFn, kinds: list[GroupKind]) -> tuple[Side, Side, int, int]:
+    """Equal sides with an opaque block format; TP may differ only where heads are chunks."""
+    block_format = BlockFormat(
+        "kernel-private", token_addressable=False, head_chunks=draw(st.booleans())
+    )
+    side = Side(
+        draw(st.sampled_from(ALL_LAYOUTS)),
+        tuple(draw(_block_sizes(k)) for k in kinds),
+        block_format,
+    )
+    head_slices = block_format.head_chunks and side.memory_layout in HEAD_MAJOR
+    prefill_tp, decode_tp = draw(st.sampled_from(TP_PAIRS if head_slices else [(1, 1), (2, 2)]))
+    return side, side, prefill_tp, decode_tp  # fmt: skip
+
+
+@st.composite
+def cases(draw: st.DrawFn, packed: str = "any", opaque: bool = False) -> Case:
     kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=3))
     layers = [draw(_layers(kind)) for kind in kinds]
     windows = [draw(st.integers(1, 24)) if k is GroupKind.SLIDING_WINDOW else None for k in kinds]
-    prefill_layout, decode_layout = draw(_memory_layouts(packed))
-    prefill = Side(prefill_layout, tuple(draw(_block_sizes(k)) for k in kinds))
-    decode = Side(decode_layout, tuple(draw(_block_sizes(k)) for k in kinds))
+    if opaque:
+        prefill, decode, prefill_tp, decode_tp = draw(_opaque_sides(kinds))
+    else:
+        prefill_tp, decode_tp = draw(st.sampled_from(TP_PAIRS))
+        prefill_layout, decode_layout = draw(_memory_layouts(packed))
+        prefill = Side(prefill_layout, tuple(draw(_block_sizes(k)) for k in kinds))
+        decode = Side(decode_layout, tuple(draw(_block_sizes(k)) for k in kinds))
     aligned = math.lcm(
         *[b for (b, _), k in zip(decode.blocks, kinds, strict=True) if k is not GroupKind.SSM]
         or [1]
@@ -161,4 +190,12 @@ def test_plans_are_byte_exact_merged_and_notify_every_prefill_rank(case: Case) -
 def test_packed_layouts_are_byte_exact_and_merged(packed: str, data: st.DataObject) -> None:
     """Packed K|V cells on one side (planned plane by plane) or both (fused per layer)."""
     case = data.draw(cases(packed))
+    oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)
+
+
+@settings(max_examples=150)
+@given(cases(opaque=True))
+def test_opaque_block_formats_move_whole_kernel_blocks(case: Case) -> None:
+    """A kernel-private block format: decode gets every byte of every block it needs, the
+    partial last block and the block holding the window start included, and nothing else."""
     oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)

@@ -49,6 +49,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
 from worker.fake import FakeNixl  # noqa: E402
 
@@ -279,8 +280,13 @@ def build_engine(
     *,
     port: int,
     env: Any,
+    block_format: BlockFormat = TOKEN_ADDRESSABLE,
 ) -> Engine:
-    """``env`` is pytest's monkeypatch: the side-channel port is read from the environment."""
+    """``env`` is pytest's monkeypatch: the side-channel port is read from the environment.
+
+    No model runs here, so no attention layer tells the workers their block format:
+    ``block_format`` says it (token-addressable, as vLLM's GPU backends keep their blocks).
+    """
     env.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(port))
     config.cache_config.num_gpu_blocks = cache_config.num_blocks
     scheduler = Scheduler(
@@ -294,7 +300,12 @@ def build_engine(
     for rank in range(tp_size):
         agent = RecordingFakeNixl(f"{name}-{config.kv_transfer_config.engine_id}-{rank}")
         worker = NixlPDConnector(
-            config, KVConnectorRole.WORKER, cache_config, tp_rank=rank, agent=agent
+            config,
+            KVConnectorRole.WORKER,
+            cache_config,
+            tp_rank=rank,
+            agent=agent,
+            block_formats=[block_format] * len(cache_config.transfer_groups),
         )
         agents.append(agent)
         tensors = allocate_kv_caches(cache_config)

@@ -10,6 +10,9 @@ Which tokens a group reads, given decode's prefix hit ``c`` and the prompt lengt
     FULL, MLA        [c, n)
     SLIDING_WINDOW   [max(c, n - window), n)   (ids of blocks outside it may be placeholders)
     SSM              no tokens: prefill's last block (its state) -> decode's last block
+
+A group whose block format is opaque (connector/layout.py BlockFormat) widens its range to
+whole kernel blocks: the bytes of a token inside such a block are the kernel's business.
 """
 
 from __future__ import annotations
@@ -165,6 +168,9 @@ class TransferPlanner:
             start = max(num_cached, num_tokens - g.window)
         if start >= num_tokens:
             return None
+        end = num_tokens
+        if g.whole_blocks:
+            start, end = _whole_kernel_blocks(start, num_tokens, g.local.kernel_block_size)
         local_first = num_cached // g.local.block_size
         local_lo, local_hi = start // g.local.block_size, (num_tokens - 1) // g.local.block_size + 1
         remote_lo, remote_hi = (
@@ -176,8 +182,20 @@ class TransferPlanner:
         )
         remote_used = _used_ids(g, "prefill", remote_ids, remote_lo, remote_hi, g.remote)
         return token_segments(
-            start, num_tokens, g.local, g.remote, local_used, local_lo, remote_used, remote_lo
+            start, end, g.local, g.remote, local_used, local_lo, remote_used, remote_lo
         )
+
+
+def _whole_kernel_blocks(start: int, end: int, kernel_block_size: int) -> tuple[int, int]:
+    """[start, end) widened to the kernel blocks holding it, for opaque block formats.
+
+    Kernel 4, tokens [6, 9) -> [4, 12): blocks 1 and 2 whole. The widening stays inside
+    blocks both sides already hold (a prefix hit and the window start stay block-aligned
+    below, the last partial block is allocated above), and the slots past the prompt hold
+    nothing decode reads before it writes them itself.
+    """
+    first = start // kernel_block_size * kernel_block_size
+    return first, _ceil_div(end, kernel_block_size) * kernel_block_size
 
 
 def _check_counts(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from connector.errors import UnsupportedConfiguration
 from connector.geometry import heads_per_rank
-from connector.layout import GroupGeometry, GroupKind, PlaneGeometry, RankLayout
+from connector.layout import GroupGeometry, GroupKind, MemoryLayout, PlaneGeometry, RankLayout
 from worker.topology import tp_ratio
 
 
@@ -76,6 +76,43 @@ def _check_heads(side: str, layout: RankLayout, plane: PlaneGeometry) -> None:
         )
 
 
+_HEAD_MAJOR = (MemoryLayout.HND, MemoryLayout.HND_PACKED)
+
+
+def _check_block_format(
+    index: int, local: RankLayout, remote: RankLayout, lg: GroupGeometry, rg: GroupGeometry
+) -> None:
+    """Opaque blocks (a kernel-private order inside each block) only move whole, between equals."""
+    local_format, remote_format = lg.block_format, rg.block_format
+    if local_format != remote_format:
+        raise _reject(
+            f"cache group {index}: decode's attention kernel stores blocks as "
+            f"{local_format.name!r} but prefill's as {remote_format.name!r}; run both engines "
+            "with the same attention backend (and, on CPUs, the same instruction set)"
+        )
+    if local_format.token_addressable or lg.kind is GroupKind.SSM:
+        return
+    for what, ours, theirs in (
+        ("block size", lg.block_size, rg.block_size),
+        ("kernel block size", lg.kernel_block_size, rg.kernel_block_size),
+        ("memory layout", local.memory_layout.value, remote.memory_layout.value),
+    ):
+        if ours != theirs:
+            raise _reject(
+                f"cache group {index}: blocks in format {local_format.name!r} are opaque (the "
+                f"kernel orders bytes inside a block its own way) and move whole only between "
+                f"equal engines, but decode's {what} is {ours!r} and prefill's {theirs!r}; "
+                f"use the same {what} on both sides"
+            )
+    slices_heads = local.tp_size != remote.tp_size
+    if slices_heads and not (local_format.head_chunks and local.memory_layout in _HEAD_MAJOR):
+        raise _reject(
+            f"cache group {index}: blocks in format {local_format.name!r} are opaque and cannot "
+            f"be split by head, so decode TP {local.tp_size} cannot read from prefill TP "
+            f"{remote.tp_size}; use the same tensor-parallel size on both sides"
+        )
+
+
 def _check_planes(index: int, local: GroupGeometry, remote: GroupGeometry) -> None:
     _check_same(index, "planes", len(local.planes), len(remote.planes))
     for lp, rp in zip(local.planes, remote.planes, strict=True):
@@ -105,6 +142,7 @@ def validate_pair(local: RankLayout, remote: RankLayout) -> None:
             )
         _check_group_blocks("decode", index, lg)
         _check_group_blocks("prefill", index, rg)
+        _check_block_format(index, local, remote, lg, rg)
         _check_planes(index, lg, rg)
         for side, layout, group in (("decode", local, lg), ("prefill", remote, rg)):
             for plane in group.planes:

@@ -80,6 +80,9 @@ class GroupPairing:
     local: SideBlocks
     remote: SideBlocks
     classes: dict[int, tuple[PlaneClass, ...]]  # remote rank -> its plane classes
+    whole_blocks: bool = (
+        False  # opaque block format: copy whole kernel blocks (equal on both sides)
+    )
 
 
 def _mode(local: Strides, remote: Strides, head_bytes: int, num_heads: int, ssm: bool) -> CopyMode:
@@ -191,6 +194,7 @@ def pair_groups(local: RankLayout, remote: RankLayout) -> tuple[GroupPairing, ..
             local=SideBlocks(lg.block_size, lg.kernel_block_size, lg.num_blocks),
             remote=SideBlocks(rg.block_size, rg.kernel_block_size, rg.num_blocks),
             classes=_plane_classes(index, local, remote, sources),
+            whole_blocks=not lg.block_format.token_addressable,
         )
         for index, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=True))
     )
