@@ -48,6 +48,7 @@ from connector.vllm_layout import (
 )
 from connector.vllm_messages import NixlPDMetadata, NixlPDStats
 from connector.vllm_scheduler import SchedulerSide
+from connector.vllm_semantics import prefill_backoff_tokens, truncate_for_prefill
 from connector.vllm_worker import WorkerSide
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import Role
@@ -93,6 +94,12 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
                 f"pipeline_parallel_size={parallel.pipeline_parallel_size}: NixlPDConnector "
                 "supports tensor parallelism only; use pipeline_parallel_size 1"
             )
+        dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+        if dcp_size > 1:
+            raise UnsupportedConfiguration(
+                f"decode_context_parallel_size={dcp_size}: NixlPDConnector does not split a "
+                "request's KV across context-parallel ranks; use decode_context_parallel_size 1"
+            )
         if transfer.kv_role not in _ROLES:
             raise UnsupportedConfiguration(
                 f"kv_role {transfer.kv_role!r} is not accepted; expected one of {sorted(_ROLES)}"
@@ -107,11 +114,14 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._config = config
         self._engine_id = str(transfer.engine_id)
         self._tp_size = parallel.tensor_parallel_size
+        self._backoff = prefill_backoff_tokens(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self._connector(config, _ROLES[transfer.kv_role]), kv_cache_config
+                self._connector(config, _ROLES[transfer.kv_role]),
+                kv_cache_config,
+                backoff_tokens=self._backoff,
             )
         else:
             rank = _tp_rank(self._tp_size) if tp_rank is None else tp_rank
@@ -196,6 +206,11 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        """Prefill side: stop ``backoff`` tokens short where decode must compute them (SSM)."""
+        self._require_scheduler()
+        truncate_for_prefill(request, self._backoff)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -8,7 +8,7 @@ metadata, and queues every decision for the ranks to echo back to vLLM's schedul
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -24,6 +24,7 @@ from connector.vllm_messages import (
     NixlPDWorkerMeta,
     merge,
 )
+from connector.vllm_semantics import clip_ssm_groups, loads_from_remote, ssm_scratch_blocks
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import FinishedRequests, RequestInfo
 
@@ -40,10 +41,21 @@ _COMPLETE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPE
 _handshake_decoder = msgspec.msgpack.Decoder(WorkerHandshake)
 
 
-def _request_info(request: Request, *, aborted: bool = False) -> RequestInfo:
+def _request_info(request: Request, *, aborted: bool = False, backoff: int = 0) -> RequestInfo:
     return RequestInfo(
-        request.request_id, request.num_prompt_tokens, request.kv_transfer_params, aborted
+        request.request_id,
+        _num_loadable_tokens(request, backoff),
+        request.kv_transfer_params,
+        aborted,
     )
+
+
+def _num_loadable_tokens(request: Request, backoff: int) -> int:
+    """Prompt tokens a decode load covers: prefill stopped ``backoff`` short (vllm_semantics)."""
+    num_tokens = int(request.num_prompt_tokens)
+    if loads_from_remote(request.kv_transfer_params) and num_tokens > backoff:
+        return num_tokens - backoff
+    return num_tokens
 
 
 def _block_ids(groups: Iterable[Iterable[int]]) -> BlockIds:
@@ -59,9 +71,17 @@ class SchedulerSide:
     offered a load again (``_settled``) so "recompute" computes them locally.
     """
 
-    def __init__(self, connector: SchedulerConnector, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self,
+        connector: SchedulerConnector,
+        kv_cache_config: KVCacheConfig,
+        *,
+        backoff_tokens: int = 0,
+    ) -> None:
         self.connector = connector
         self._kv_cache_config = kv_cache_config
+        self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (vllm_semantics)
+        self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
         self._announce = FinishedRequests()  # decided, not yet sent to the ranks to echo
         self._invalid: dict[str, str] = {}  # request id -> why its params were refused
         self._to_announce: dict[str, str] = {}
@@ -88,14 +108,14 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         request_id = request.request_id
-        num_tokens = request.num_prompt_tokens - num_computed_tokens
+        num_tokens = _num_loadable_tokens(request, self._backoff) - num_computed_tokens
         if request_id in self._settled:
             return 0, False
         if request_id in self._invalid:  # claimed before, not parked yet: claim again
             return (num_tokens, True) if num_tokens > 0 else (0, False)
         try:
             return self.connector.get_num_new_matched_tokens(
-                _request_info(request), num_computed_tokens
+                _request_info(request, backoff=self._backoff), num_computed_tokens
             )
         except InvalidTransferParams as exc:
             logger.warning("request %s: %s", request_id, exc)
@@ -118,9 +138,10 @@ class SchedulerSide:
             return
         if request_id in self._settled:
             return
-        groups = self._kv_cache_config.select_transfer_block_ids(blocks.get_block_ids())
         self.connector.update_state_after_alloc(
-            _request_info(request), _block_ids(groups), num_external_tokens
+            _request_info(request, backoff=self._backoff),
+            self._transfer_block_ids(blocks.get_block_ids()),
+            num_external_tokens,
         )
 
     def build_connector_meta(self) -> NixlPDMetadata:
@@ -147,6 +168,10 @@ class SchedulerSide:
             self._settled.discard(request_id)
             return False, None
         self._settled.discard(request_id)
-        groups = self._kv_cache_config.select_transfer_block_ids(block_ids)
         info = _request_info(request, aborted=request.status not in _COMPLETE)
-        return self.connector.request_finished(info, _block_ids(groups))
+        return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
+
+    def _transfer_block_ids(self, block_ids: Sequence[list[int]]) -> BlockIds:
+        """The transfer groups' ids, each SSM group clipped to its running state."""
+        groups = self._kv_cache_config.select_transfer_block_ids(block_ids)
+        return clip_ssm_groups(_block_ids(groups), self._ssm_scratch)
