@@ -252,21 +252,28 @@ class Engine:
                     still_waiting.append(request)
             except ConnectorError as exc:
                 outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+            except Exception as exc:  # a bug on one request's path must not stop the engine
+                logger.exception("request %s: scheduling failed", request.request_id)
+                outputs.append(self._fail(request, f"internal error: {type(exc).__name__}"))
         self.waiting = still_waiting
         return outputs
 
     def _schedule_one(self, request: _Request) -> bool:
-        """Allocate and start ``request``; False if the pools are too full (retry next step)."""
-        num_tokens = len(request.token_ids) + request.spec.max_tokens
-        if self.blocks.blocks_for(num_tokens) > self.config.num_blocks - 1:
+        """Allocate and start ``request``; False if the pools are too full (retry next step).
+
+        Admission reserves every block the request can grow to (prompt + max_tokens), so a
+        running request never finds the pool empty; the rest wait for blocks to come back.
+        """
+        max_num_tokens = len(request.token_ids) + request.spec.max_tokens
+        if self.blocks.blocks_for(max_num_tokens) > self.config.num_blocks - 1:
             raise UnsupportedConfiguration(
-                f"request {request.request_id} needs {self.blocks.blocks_for(num_tokens)} blocks "
-                f"for {num_tokens} tokens; the pool has {self.config.num_blocks - 1}: raise "
-                "num_blocks or shorten the request"
+                f"request {request.request_id} needs {self.blocks.blocks_for(max_num_tokens)} "
+                f"blocks for {max_num_tokens} tokens; the pool has {self.config.num_blocks - 1}: "
+                "raise num_blocks or shorten the request"
             )
-        if not self.blocks.can_allocate(len(request.token_ids) + 1):
-            return False
         num_cached = self.blocks.find_prefix_hit(request.token_ids, len(request.token_ids) - 1)
+        if not self.blocks.can_admit(request.token_ids, num_cached, max_num_tokens=max_num_tokens):
+            return False
         num_external, load_async = 0, False
         if self.scheduler is not None:
             num_external, load_async = self.scheduler.get_num_new_matched_tokens(
@@ -283,6 +290,7 @@ class Engine:
             num_cached,
             num_tokens,
             remote_tokens=num_external,
+            max_num_tokens=max_num_tokens,
         )
         if self.scheduler is not None:
             self.scheduler.update_state_after_alloc(request.info, block_ids, num_external)
@@ -309,7 +317,12 @@ class Engine:
     def _run_model(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for request in list(self.running):
-            self._compute(request)
+            try:
+                self._compute(request)
+            except ConnectorError as exc:  # e.g. PoolExhausted: this request fails, not the engine
+                self.running.remove(request)
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+                continue
             if len(request.output) >= request.spec.max_tokens:
                 self.running.remove(request)
                 outputs.append(self._finish(request))

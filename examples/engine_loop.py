@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Protocol
+import time
+from typing import Any, Protocol
 
 import msgspec
 
+from connector.errors import ProtocolError
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from examples.metering import StatsSnapshot
 from examples.model import MAX_POSITIONS, VOCAB_SIZE
@@ -23,6 +25,12 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.0005  # how long an engine with only transfers in flight waits for input
 IDLE_POLL_S = 0.1  # how long an idle engine waits for input (also bounds reaction to a stop)
 MAX_IN_FLIGHT_REQUESTS = 4096  # submitted, output not yet sent: beyond this, refuse new ones
+MAX_PARAMS_DEPTH = 8  # kv_transfer_params nest 2 deep; deeper is refused before anyone walks it
+BAD_INPUT_LOG_INTERVAL_S = 10.0  # at most one log line per interval for refused commands
+
+
+class BadCommand(ProtocolError):
+    """A command on the request socket or stdin that does not decode; the loop replies Error."""
 
 
 class Submit(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="submit"):
@@ -94,10 +102,48 @@ class Transport(Protocol):
         ...
 
     def decode(self, payload: bytes) -> Command:
-        """One command (raises msgspec.DecodeError for anything else)."""
+        """One command (raises BadCommand for anything else: see ``decode_command``)."""
         ...
 
     def send(self, peer: Peer, event: Event) -> None: ...
+
+
+def decode_command(decoder: msgspec.json.Decoder[Any], payload: bytes) -> Command:
+    """Decode one command; any malformed input raises BadCommand, never anything else.
+
+    msgspec raises DecodeError for most garbage but RecursionError for deep nesting (1,000
+    levels in 2 KB), and an ``Any`` field (kv_transfer_params) decodes to arbitrarily deep
+    values that later code would walk recursively: both become BadCommand here.
+    """
+    try:
+        command: Command = decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise BadCommand(str(exc)) from None
+    except RecursionError:
+        raise BadCommand("JSON nested too deeply to decode") from None
+    except (ValueError, TypeError) as exc:  # not seen from msgspec; kept typed all the same
+        raise BadCommand(f"{type(exc).__name__}: {exc}") from None
+    if isinstance(command, Submit):
+        _check_params_depth(command.request.kv_transfer_params)
+    return command
+
+
+def _check_params_depth(params: object) -> None:
+    """Iterative (a recursive walk is what fails): containers at most MAX_PARAMS_DEPTH levels
+    below kv_transfer_params itself."""
+    level: list[Any] = [params] if isinstance(params, dict | list) else []
+    for _ in range(MAX_PARAMS_DEPTH):
+        children: list[Any] = []
+        for value in level:
+            items = value.values() if isinstance(value, dict) else value
+            children.extend(child for child in items if isinstance(child, dict | list))
+        if not children:
+            return
+        level = children
+    raise BadCommand(
+        f"kv_transfer_params are nested deeper than {MAX_PARAMS_DEPTH} levels; send the flat "
+        "keys a router forwards (do_remote_prefill, remote_block_ids, ...)"
+    )
 
 
 def stats_of(engine: Engine) -> Stats:
@@ -119,6 +165,28 @@ def request_error(request: EngineRequest) -> str | None:
     return None
 
 
+class RateLimitedWarning:
+    """One warning per interval, then how many were suppressed: a peer sending garbage in a
+    loop must not fill the log (engine loop thread only)."""
+
+    def __init__(self, interval_s: float, clock: Any = time.monotonic) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next_s = float("-inf")
+        self._num_suppressed = 0
+
+    def note(self, message: str) -> None:
+        now_s = self._clock()
+        if now_s < self._next_s:
+            self._num_suppressed += 1
+            return
+        suffix = (
+            f" ({self._num_suppressed} more since the last line)" if self._num_suppressed else ""
+        )
+        logger.warning("%s%s", message[:500], suffix)
+        self._next_s, self._num_suppressed = now_s + self._interval_s, 0
+
+
 class EngineLoop:
     """Serve one engine over a transport: apply commands, step while there is work, and send
     each request's output to the peer that submitted it. Nothing a peer sends stops the loop."""
@@ -127,6 +195,7 @@ class EngineLoop:
         self.engine = engine
         self.transport = transport
         self.owners: dict[str, Peer] = {}  # request id -> who submitted it, until its output
+        self._bad_input = RateLimitedWarning(BAD_INPUT_LOG_INTERVAL_S)
 
     def serve(self, stop: threading.Event) -> None:
         """Step while there is work; wait for commands otherwise. Returns on ``stop``, a
@@ -147,13 +216,21 @@ class EngineLoop:
                     self._deliver(output)
 
     def _handle(self, payload: bytes, peer: Peer) -> bool:
-        """Apply one command; False on Shutdown."""
+        """Apply one command; False on Shutdown. Nothing a peer sends raises out of here."""
         try:
             command = self.transport.decode(payload)
-        except msgspec.DecodeError as exc:
-            logger.warning("bad command (%d bytes): %s", len(payload), exc)
+        except BadCommand as exc:
+            self._bad_input.note(f"bad command ({len(payload)} bytes): {exc}")
             self.transport.send(peer, Error(f"bad command: {exc}; {COMMAND_HELP}"))
             return True
+        try:
+            return self._apply(command, peer)
+        except Exception as exc:  # a bug must cost one command, not the server
+            logger.exception("command %s failed", type(command).__name__)
+            self.transport.send(peer, Error(f"command failed: {type(exc).__name__}: {exc}"))
+            return True
+
+    def _apply(self, command: Command, peer: Peer) -> bool:
         if isinstance(command, Shutdown):
             return False
         if isinstance(command, GetStats):

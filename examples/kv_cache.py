@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from connector.errors import UnsupportedConfiguration
+from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import (
     GroupKind,
@@ -37,6 +37,10 @@ from examples.model import CACHE_DTYPE_BYTES, ModelKind, layer_plans
 
 NULL_BLOCK = 0
 Array = npt.NDArray[np.float64]
+
+
+class PoolExhausted(ConnectorError):
+    """A request needs a block and its group's pool has none left for it: fail that request."""
 
 
 def build_spec(
@@ -175,6 +179,8 @@ class BlockPool:
         self.free = OrderedDict((block, None) for block in range(1, self.num_blocks))
 
     def allocate(self) -> int:
+        if not self.free:
+            raise PoolExhausted(f"the pool of {self.num_blocks - 1} blocks has none free")
         block, _ = self.free.popitem(last=False)
         old_hash = self.hash_of.pop(block, None)
         if old_hash is not None:
@@ -216,7 +222,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
 
 
 class BlockManager:
-    """Block tables per request and group, with hash-based prefix caching across requests."""
+    """Block tables per request and group, with hash-based prefix caching across requests.
+
+    Admission reserves growth: a request admitted with ``max_num_tokens`` may later ``grow``
+    to that many tokens without failing, because free blocks promised to admitted requests are
+    not offered to new ones (``can_admit``). Invariant, per pool: free blocks >= reserved.
+    """
 
     def __init__(self, spec: KVCacheSpec) -> None:
         self.block_size = spec.groups[0].block_size
@@ -225,6 +236,8 @@ class BlockManager:
         self.kinds = [group.kind for group in spec.groups]
         self.pools = [BlockPool(group.num_blocks) for group in spec.groups]
         self.tables: dict[str, list[list[int]]] = {}
+        self.reserved: dict[str, list[int]] = {}  # request id -> blocks per pool still promised
+        self.num_reserved = [0] * len(self.pools)  # per pool: sum over requests
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -254,8 +267,28 @@ class BlockManager:
                 return k * self.block_size
         return 0
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return all(len(pool.free) >= self.blocks_for(num_tokens) for pool in self.pools)
+    def can_admit(
+        self, token_ids: Sequence[int], num_hit_tokens: int, *, max_num_tokens: int
+    ) -> bool:
+        """True if a request with this prefix hit can grow to ``max_num_tokens`` tokens in
+        every group without touching blocks promised to requests already admitted."""
+        num_hit_blocks = num_hit_tokens // self.block_size
+        hashes = block_hashes(token_ids, self.block_size)[:num_hit_blocks]
+        for index, pool in enumerate(self.pools):
+            hits = self._hit_blocks(index, hashes)
+            # Touching a hit block that sits in the free queue takes it out of the queue.
+            num_free_hits = sum(1 for block in hits if block in pool.free)
+            available = len(pool.free) - num_free_hits - self.num_reserved[index]
+            if available < self.blocks_for(max_num_tokens) - num_hit_blocks:
+                return False
+        return True
+
+    def _hit_blocks(self, index: int, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks pool ``index`` touches for these hit hashes (SSM: the last only)."""
+        pool = self.pools[index]
+        if self.kinds[index] is GroupKind.SSM:
+            hashes = hashes[len(hashes) - 1 :] if hashes else []
+        return [pool.by_hash[block_hash] for block_hash in hashes]
 
     def allocate(
         self,
@@ -265,8 +298,10 @@ class BlockManager:
         num_tokens: int,
         *,
         remote_tokens: int = 0,
+        max_num_tokens: int | None = None,
     ) -> BlockIds:
-        """Create the request's block tables for ``num_tokens`` tokens: hits first, then fresh.
+        """Create the request's block tables for ``num_tokens`` tokens: hits first, then fresh;
+        reserve blocks for growth up to ``max_num_tokens`` (call ``can_admit`` first).
 
         SSM groups get the null block as placeholder for hit blocks before the last one and,
         when ``remote_tokens`` will be loaded, for every loaded block except the one holding
@@ -290,13 +325,32 @@ class BlockManager:
                 table.append(NULL_BLOCK if placeholder else pool.allocate())
             tables.append(table)
         self.tables[request_id] = tables
+        num_max_blocks = self.blocks_for(max(num_tokens, max_num_tokens or 0))
+        self.reserved[request_id] = [num_max_blocks - len(table) for table in tables]
+        for index, num_blocks in enumerate(self.reserved[request_id]):
+            self.num_reserved[index] += num_blocks
         return self.block_ids(request_id)
 
     def grow(self, request_id: str, num_tokens: int) -> None:
-        """Make room for ``num_tokens`` tokens in every group."""
-        for pool, table in zip(self.pools, self.tables[request_id], strict=True):
+        """Make room for ``num_tokens`` tokens in every group: reserved blocks first, then
+        unpromised free ones; PoolExhausted (nothing changed for other requests) if none."""
+        reserved = self.reserved[request_id]
+        for index, table in enumerate(self.tables[request_id]):
             while len(table) < self.blocks_for(num_tokens):
-                table.append(pool.allocate())
+                table.append(self._take_block(request_id, index, num_tokens, reserved))
+
+    def _take_block(self, request_id: str, index: int, num_tokens: int, reserved: list[int]) -> int:
+        pool = self.pools[index]
+        if reserved[index] > 0:
+            reserved[index] -= 1
+            self.num_reserved[index] -= 1
+        elif len(pool.free) <= self.num_reserved[index]:
+            raise PoolExhausted(
+                f"request {request_id} needs a block of group {index} for {num_tokens} tokens "
+                f"beyond what it reserved, and the pool's {len(pool.free)} free blocks are "
+                "promised to other requests: admit it with a larger max_num_tokens"
+            )
+        return pool.allocate()
 
     def block_ids(self, request_id: str) -> BlockIds:
         return tuple(tuple(table) for table in self.tables[request_id])
@@ -311,7 +365,10 @@ class BlockManager:
                 pool.cache(block, block_hash)
 
     def free(self, request_id: str) -> None:
-        """Drop the request's references, tail first (tail blocks are evicted first)."""
+        """Drop the request's references, tail first (tail blocks are evicted first), and
+        its unused reservation."""
+        for index, num_blocks in enumerate(self.reserved.pop(request_id, [])):
+            self.num_reserved[index] -= num_blocks
         for pool, table in zip(self.pools, self.tables.pop(request_id), strict=True):
             for block in reversed(table):
                 pool.release(block)

@@ -33,6 +33,7 @@ from examples.engine_loop import (
     GetStats,
     Peer,
     Submit,
+    decode_command,
 )
 from examples.server import connector_config, real_agent_factory
 
@@ -92,7 +93,7 @@ class SocketTransport:
         return messages
 
     def decode(self, payload: bytes) -> Command:
-        return socket_command_decoder.decode(payload)
+        return decode_command(socket_command_decoder, payload)
 
     def send(self, peer: Peer, event: Event) -> None:
         try:  # a peer that is gone or not reading: ROUTER drops the reply

@@ -38,6 +38,7 @@ from examples.engine_loop import (
     Stats,
     Submit,
     command_decoder,
+    decode_command,
     event_decoder,
 )
 
@@ -96,7 +97,7 @@ class StdioTransport:
         return messages
 
     def decode(self, payload: bytes) -> Command:
-        return command_decoder.decode(payload)
+        return decode_command(command_decoder, payload)
 
     def send(self, peer: Peer, event: Event) -> None:
         self.out.write(msgspec.json.encode(event).decode() + "\n")

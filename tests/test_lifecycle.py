@@ -371,6 +371,32 @@ def test_abort_during_load_waits_for_the_load(
     assert_accounted(prefill, decode)
 
 
+def test_engine_failing_requests_mid_load_under_load_leaks_nothing(
+    engines: Callable[..., Engine],
+) -> None:
+    """Issue 11: an engine that runs out of blocks fails some requests in every state while
+    others load; the connector reports each once, the rest finish, and no block leaks."""
+    prefill = engines(Role.PRODUCER, make_spec(), 1)
+    decode = engines(Role.CONSUMER, make_spec(), 1)
+    decode.agents[0].faults.stall_polls = 3  # READs stay in flight for a few steps
+    infos = [decode.receive(f"d-{i}", prefill.prefill(f"p-{i}", 5), 5) for i in range(6)]
+    unallocated = decode.receive("d-x", prefill.prefill("p-x", 5), 5, allocate=False)
+    decode.step()  # loads go out; handshake on its thread
+    run_until([decode], lambda: decode.agents[0].num_posted >= 1)
+    for info in (*infos[::2], unallocated):  # the engine gives up on these mid-load
+        decode.finish(info, aborted=True)
+    run_until(
+        [prefill, decode],
+        lambda: len(decode.outcomes) == 6 and len(prefill.outcomes) == 7,
+    )
+    # A load whose READ already finished is reported received; decode then frees at once.
+    assert {decode.outcomes[info.request_id] for info in infos[::2]} <= {"aborted", None}
+    assert {decode.outcomes[info.request_id] for info in infos[1::2]} == {None}
+    for info in infos[1::2]:
+        decode.finish(info)
+    assert_accounted(prefill, decode)
+
+
 def test_abort_after_receive_frees_at_once(engines: Callable[..., Engine]) -> None:
     prefill = engines(Role.PRODUCER, make_spec(), 1)
     decode = engines(Role.CONSUMER, make_spec(), 1)
