@@ -280,13 +280,19 @@ def build_engine(
     *,
     port: int,
     env: Any,
-    block_format: BlockFormat = TOKEN_ADDRESSABLE,
+    block_format: BlockFormat | Sequence[BlockFormat] = TOKEN_ADDRESSABLE,
 ) -> Engine:
     """``env`` is pytest's monkeypatch: the side-channel port is read from the environment.
 
     No model runs here, so no attention layer tells the workers their block format:
-    ``block_format`` says it (token-addressable, as vLLM's GPU backends keep their blocks).
+    ``block_format`` says it (token-addressable, as vLLM's GPU backends keep their blocks),
+    for every transfer group or one per group.
     """
+    formats = (
+        [block_format] * len(cache_config.transfer_groups)
+        if isinstance(block_format, BlockFormat)
+        else list(block_format)
+    )
     env.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(port))
     config.cache_config.num_gpu_blocks = cache_config.num_blocks
     scheduler = Scheduler(
@@ -305,7 +311,7 @@ def build_engine(
             cache_config,
             tp_rank=rank,
             agent=agent,
-            block_formats=[block_format] * len(cache_config.transfer_groups),
+            block_formats=formats,
         )
         agents.append(agent)
         tensors = allocate_kv_caches(cache_config)

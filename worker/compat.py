@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from connector.errors import HandshakeError, UnsupportedConfiguration
-from connector.layout import GroupSpec, KVCacheSpec
+from connector.layout import GroupKind, GroupSpec, KVCacheSpec
 from connector.protocol import PROTOCOL_VERSION
 
 PROTOCOL_FACT = "protocol_version"
@@ -37,7 +37,7 @@ def _per_layer(values: Sequence[int]) -> str:
 def _group_facts(index: int, group: GroupSpec) -> dict[str, str]:
     layers = group.layers
     prefix = f"group{index}"
-    return {
+    facts = {
         f"{prefix}.kind": group.kind.value,
         f"{prefix}.window": str(group.window),
         f"{prefix}.num_layers": str(len(layers)),
@@ -46,6 +46,11 @@ def _group_facts(index: int, group: GroupSpec) -> dict[str, str]:
         f"{prefix}.dtype_bytes": _per_layer([layer.dtype_bytes for layer in layers] or [0]),
         f"{prefix}.num_planes": _per_layer([layer.num_planes for layer in layers] or [0]),
     }
+    if group.kind is GroupKind.SSM and not group.block_format.token_addressable:
+        # An opaque state page is described per rank (its size follows TP): the pairing
+        # compares it with both TP sizes in view and says so, instead of "models differ".
+        del facts[f"{prefix}.num_kv_heads"], facts[f"{prefix}.head_dim"]
+    return facts
 
 
 def digest_of(facts: Mapping[str, str]) -> str:

@@ -90,7 +90,16 @@ def _check_block_format(
             f"{local_format.name!r} but prefill's as {remote_format.name!r}; run both engines "
             "with the same attention backend (and, on CPUs, the same instruction set)"
         )
-    if local_format.token_addressable or lg.kind is GroupKind.SSM:
+    if local_format.token_addressable:
+        return
+    if lg.kind is GroupKind.SSM:
+        if local.tp_size != remote.tp_size:
+            raise _reject(
+                f"cache group {index} holds recurrent (SSM/Mamba) state in format "
+                f"{local_format.name!r}, which each rank keeps for its own shard and which "
+                f"cannot be re-sharded: decode TP {local.tp_size} cannot read from prefill TP "
+                f"{remote.tp_size}; run both engines with the same tensor-parallel size"
+            )
         return
     for what, ours, theirs in (
         ("block size", lg.block_size, rg.block_size),

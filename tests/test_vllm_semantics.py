@@ -1,0 +1,184 @@
+"""vLLM's decode semantics in the adapter: SSM prefill backoff, scratch-slot clipping, refusals.
+
+Driven through vLLM 0.33's real Scheduler with a hybrid model (a full-attention group and a
+Mamba state group), FakeNixl moving the bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQUIRE_VLLM"):
+    pytest.skip(
+        "vllm is not installed (scripts/install_vllm.sh); CI sets NIXL_PD_REQUIRE_VLLM",
+        allow_module_level=True,
+    )
+
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from connector.errors import UnsupportedConfiguration  # noqa: E402
+from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
+from connector.vllm import NixlPDConnector  # noqa: E402
+from connector.vllm_semantics import clip_ssm_groups, truncate_for_prefill  # noqa: E402
+from tests import vllm_harness as h  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK_SIZE = 16
+MAMBA_STATE = BlockFormat("MAMBA_STATE", token_addressable=False)
+FORMATS = [TOKEN_ADDRESSABLE, MAMBA_STATE]  # attention group, Mamba group
+
+
+@pytest.mark.parametrize(
+    ("groups", "scratch", "expected"),
+    [
+        (((1, 2), (0, 0, 7)), (None, 0), ((1, 2), (7,))),
+        (((1, 2), (0, 7, 8, 9)), (None, 2), ((1, 2), (7,))),
+        (((1,), (7,)), (None, 2), ((1,), (7,))),
+        (((1,), ()), (None, 2), ((1,), ())),
+    ],
+    ids=["placeholders-dropped", "scratch-slots-dropped", "state-kept-before-scratch-exists", "full-hit-empty"],
+)  # fmt: skip
+def test_ssm_groups_clip_to_the_running_state(groups: Any, scratch: Any, expected: Any) -> None:
+    assert clip_ssm_groups(groups, scratch) == expected
+
+
+def hybrid_cache(tp_size: int = 1, scratch: int = 0) -> KVCacheConfig:
+    full = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=max(h.MODEL_KV_HEADS // tp_size, 1),
+        head_size=h.HEAD_SIZE,
+        dtype=torch.float32,
+    )
+    mamba = MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=((3, 4), (5,)),
+        dtypes=(torch.float32, torch.float32),
+        num_speculative_blocks=scratch,
+    )
+    groups = [KVCacheGroupSpec(["layers.0"], full), KVCacheGroupSpec(["layers.1"], mamba)]
+    return KVCacheConfig(
+        num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups, kv_cache_layout="LBNHC"
+    )
+
+
+@pytest.fixture
+def hybrid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    model = h.model_config(h.write_tiny_model(tmp_path))
+    built: list[h.Engine] = []
+
+    def make(tp_sizes: tuple[int, int] = (1, 1), scratch: int = 0) -> list[h.Engine]:
+        for role, tp_size in zip(("kv_producer", "kv_consumer"), tp_sizes, strict=True):
+            config = h.vllm_config(model, kv_role=role, tp_size=tp_size, block_size=BLOCK_SIZE)
+            config.scheduler_config.disable_hybrid_kv_cache_manager = False
+            config.cache_config.enable_prefix_caching = False  # Mamba caching needs 'align'
+            cache = hybrid_cache(tp_size, scratch)
+            built.append(
+                h.build_engine(role, config, cache, port=h.free_port(), env=monkeypatch, block_format=FORMATS)
+            )  # fmt: skip
+        return built[-2:]
+
+    yield make
+    for engine in built:
+        engine.shutdown()
+
+
+def _prefill(prefill: h.Engine, num_tokens: int) -> tuple[Any, dict[str, Any]]:
+    request = h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=4,
+                             kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+    prefill.add(request)
+    prefill.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
+    return request, dict(prefill.finished("r").kv_transfer_params)
+
+
+def _received(request_id: str, loaded: list[Any]) -> Any:
+    def check(engine: h.Engine) -> bool:
+        request = engine.scheduler.requests.get(request_id)
+        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids(request_id))
+        return True
+
+    return check
+
+
+def test_with_mamba_prefill_stops_one_token_short_and_decode_derives_the_last_state(
+    hybrid: Any,
+) -> None:
+    """33 tokens: prefill computes 32 (two whole blocks) and offers one state block; decode
+    loads exactly those 32 (a 33-token load would need a third prefill block and fail) and the
+    running state arrives byte for byte, for decode to apply token 33 once."""
+    prefill, decode = hybrid()
+    request, params = _prefill(prefill, 2 * BLOCK_SIZE + 1)
+    assert (request.num_prompt_tokens, request.max_tokens) == (2 * BLOCK_SIZE, 1)
+    attention_blocks, state_blocks = params["remote_block_ids"]
+    assert (len(attention_blocks), len(state_blocks)) == (2, 1)
+    h.fill_blocks(prefill, params["remote_block_ids"], seed=5)
+    expected_state = h.block_bytes(prefill, 0, 1, state_blocks)
+
+    decode.add(h.make_request("r", 2 * BLOCK_SIZE + 1, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
+    loaded: list[Any] = []
+    decode.run_until(_received("r", loaded), timeout_s=30)
+    assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
+    (decode_state,) = loaded[1][-1:]
+    assert h.block_bytes(decode, 0, 1, [decode_state]) == expected_state
+    assert h.block_bytes(decode, 0, 0, loaded[0][:2]) == h.block_bytes(prefill, 0, 0, attention_blocks)  # fmt: skip
+
+
+def test_speculative_scratch_slots_never_travel(hybrid: Any) -> None:
+    prefill, decode = hybrid(scratch=2)
+    _, params = _prefill(prefill, BLOCK_SIZE + 3)
+    _, state_blocks = params["remote_block_ids"]
+    assert len(state_blocks) == 1, "prefill offered scratch slots as state"
+    h.fill_blocks(prefill, params["remote_block_ids"], seed=9)
+    expected_state = h.block_bytes(prefill, 0, 1, state_blocks)
+    decode.add(h.make_request("r", BLOCK_SIZE + 3, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
+    loaded: list[Any] = []
+    decode.run_until(_received("r", loaded), timeout_s=30)
+    assert decode.stats["loads_failed"] == 0
+    running_state = clip_ssm_groups(tuple(map(tuple, loaded)), (None, 2))[1]
+    assert h.block_bytes(decode, 0, 1, running_state) == expected_state
+
+
+def test_mamba_across_tp_sizes_is_refused_saying_why(
+    hybrid: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefill, decode = hybrid(tp_sizes=(2, 1))
+    _, params = _prefill(prefill, BLOCK_SIZE + 3)
+    decode.add(h.make_request("r", BLOCK_SIZE + 3, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
+    decode.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
+    assert decode.stats["loads_failed"] == 1
+    assert "holds recurrent (SSM/Mamba) state in format 'MAMBA_STATE'" in caplog.text
+    assert "decode TP 1 cannot read from prefill TP 2" in caplog.text
+    assert "models" not in caplog.text.split("holds recurrent")[1].split("\n")[0]
+
+
+def test_a_plain_request_is_not_truncated(hybrid: Any) -> None:
+    prefill, _ = hybrid()
+    request = h.make_request("plain", 20, block_size=BLOCK_SIZE)
+    assert not truncate_for_prefill(request, 1)
+    assert request.num_prompt_tokens == 20
+
+
+def test_decode_context_parallel_is_refused_at_start(tmp_path: Path) -> None:
+    model = h.model_config(h.write_tiny_model(tmp_path))
+    config = h.vllm_config(model, kv_role="kv_consumer", block_size=BLOCK_SIZE)
+    config.parallel_config.decode_context_parallel_size = 2
+    cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=8)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(UnsupportedConfiguration, match="decode_context_parallel_size=2: .* use decode_context_parallel_size 1"):  # fmt: skip
+        NixlPDConnector(config, KVConnectorRole.SCHEDULER, cache)
