@@ -29,6 +29,10 @@ class HandshakeError(ConnectorError):
     """The side-channel handshake with a remote engine failed (timeout, garbage, mismatch)."""
 
 
+class PeerRestarted(HandshakeError):
+    """The remote side channel is a later boot than the one a message was meant for."""
+
+
 class TransferFailed(ConnectorError):
     """A NIXL transfer or notification failed (peer gone, bad descriptor, backend error)."""
 

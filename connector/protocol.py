@@ -9,7 +9,8 @@ client nonce + timestamp rather than a server-issued challenge: one round trip p
 handshake is on a request's critical path and heartbeats are frequent), and the server keeps
 no per-client state beyond the nonces it saw within the replay window. The client sends
 
-    mac = HMAC-SHA256(secret, b"nixl-pd request" | version | nonce | timestamp_s | payload)
+    mac = HMAC-SHA256(secret, b"nixl-pd request" | version | timestamp_s | len(boot_id) |
+                      boot_id | nonce | payload)
 
 so the MAC also covers the message itself. The server (scheduler/auth.py) accepts a request
 only if the MAC matches (constant-time compare), the timestamp is within the replay window of
@@ -17,6 +18,19 @@ its own clock, and the nonce was not seen within that window. Replies are authen
 bound to the request they answer: HMAC-SHA256(secret, b"nixl-pd reply" | version | request
 nonce | payload), so a client never trusts a handshake from a party that lacks the secret.
 The scheme needs clocks synchronised to within the replay window (NTP is plenty).
+
+The nonce table dies with the server process, so replay protection across a restart comes
+from the boot id: a random id each side-channel server draws when it starts. Every request
+but ``Hello`` names the boot id it is meant for (``Envelope.boot_id``, covered by the MAC);
+a server refuses any other boot id with ``ErrorReply(code=STALE_BOOT)``. A client learns the
+boot id from ``Hello`` (whose reply is signed and bound to the client's nonce); a frame
+captured before a restart names the old boot id and is refused by the restarted engine even
+when it reuses the engine id and port. ``Hello`` itself is harmless to replay: it changes
+nothing and its reply says only the engine id and boot id.
+
+Decoders never raise anything but ProtocolError (InvalidNotification for free notifications):
+msgspec also raises UnicodeDecodeError for bad UTF-8 and RecursionError for deep nesting, and
+a peer must not be able to turn either into a traceback.
 """
 
 from __future__ import annotations
@@ -25,15 +39,17 @@ import hashlib
 import hmac
 import re
 import struct
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
 from connector.errors import InvalidNotification, ProtocolError
 from connector.layout import RankLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 NONCE_BYTES = 16
+BOOT_ID_CHARS = 32  # a server's boot id: 16 random bytes in hex
+STALE_BOOT = "stale_boot"  # ErrorReply.code: the request named another boot of this server
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
@@ -56,6 +72,10 @@ class WorkerHandshake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # Requests: client -> server.
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="hello"):
+    """Ask the server who it is: its engine id and boot id (the only request without one)."""
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="handshake"):
@@ -82,10 +102,17 @@ class Release(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="rele
     remote_request_ids: RequestIds
 
 
-Request = HandshakeRequest | Heartbeat | Release
+Request = Hello | HandshakeRequest | Heartbeat | Release
 
 
 # Replies: server -> client.
+
+
+class HelloReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="hello_reply"):
+    """Who answers at this host:port: send ``boot_id`` in every later request to it."""
+
+    engine_id: str
+    boot_id: str
 
 
 class HandshakeReply(
@@ -102,9 +129,10 @@ class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
 
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
     reason: str
+    code: str = ""  # machine-readable kind where the client acts on it (STALE_BOOT), else ""
 
 
-Reply = HandshakeReply | Ack | ErrorReply
+Reply = HelloReply | HandshakeReply | Ack | ErrorReply
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -115,6 +143,7 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nonce: bytes = b""  # request: fresh random bytes; reply: empty
     timestamp_s: float = 0.0  # request: sender's wall clock (seconds since the epoch)
     mac: bytes = b""
+    boot_id: str = ""  # request: the server boot it is meant for ("" only in Hello); reply: ""
 
 
 class _VersionProbe(msgspec.Struct):
@@ -130,9 +159,12 @@ _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def request_mac(secret: str, nonce: bytes, timestamp_s: float, payload: bytes) -> bytes:
-    header = b"nixl-pd request" + struct.pack(">Id", PROTOCOL_VERSION, timestamp_s)
-    return _mac(secret, header + nonce + payload)
+def request_mac(
+    secret: str, nonce: bytes, timestamp_s: float, payload: bytes, boot_id: str = ""
+) -> bytes:
+    boot = boot_id.encode()
+    header = b"nixl-pd request" + struct.pack(">IdI", PROTOCOL_VERSION, timestamp_s, len(boot))
+    return _mac(secret, header + boot + nonce + payload)
 
 
 def reply_mac(secret: str, request_nonce: bytes, payload: bytes) -> bytes:
@@ -149,14 +181,17 @@ def _mac(secret: str, message: bytes) -> bytes:
 
 
 def encode_request(
-    request: Request, *, secret: str | None, nonce: bytes, timestamp_s: float
+    request: Request, *, secret: str | None, nonce: bytes, timestamp_s: float, boot_id: str = ""
 ) -> bytes:
-    """One request frame; signed when ``secret`` is given (``nonce``: NONCE_BYTES random bytes)."""
+    """One request frame for server boot ``boot_id`` (from its HelloReply; "" for a Hello).
+
+    Signed when ``secret`` is given (``nonce``: NONCE_BYTES random bytes).
+    """
     payload = _encoder.encode(request)
     if secret is None:
-        return _encoder.encode(Envelope(PROTOCOL_VERSION, payload))
-    mac = request_mac(secret, nonce, timestamp_s, payload)
-    return _encoder.encode(Envelope(PROTOCOL_VERSION, payload, nonce, timestamp_s, mac))
+        return _encoder.encode(Envelope(PROTOCOL_VERSION, payload, boot_id=boot_id))
+    mac = request_mac(secret, nonce, timestamp_s, payload, boot_id)
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, payload, nonce, timestamp_s, mac, boot_id))
 
 
 def encode_reply(reply: Reply, *, secret: str | None, request_nonce: bytes) -> bytes:
@@ -167,49 +202,58 @@ def encode_reply(reply: Reply, *, secret: str | None, request_nonce: bytes) -> b
 
 def decode_envelope(frame: bytes) -> Envelope:
     """Decode a frame's envelope; raises ProtocolError for garbage or another protocol version."""
-    try:
-        version = _probe_decoder.decode(frame).protocol_version
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"not a nixl-pd side-channel message ({_short(exc)})") from None
+    version = _decode(_probe_decoder, frame, "not a nixl-pd side-channel message").protocol_version
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"peer speaks side-channel protocol version {version}, this side speaks "
             f"{PROTOCOL_VERSION}: run the same nixl-pd-connector version on both engines"
         )
-    try:
-        return _envelope_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed side-channel envelope ({_short(exc)})") from None
+    return _decode(_envelope_decoder, frame, "malformed side-channel envelope")
 
 
 def decode_request_payload(payload: bytes) -> Request:
-    try:
-        return _request_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed side-channel request ({_short(exc)})") from None
+    """Decode an envelope's payload into a Request; raises ProtocolError for anything else."""
+    return _decode(_request_decoder, payload, "malformed side-channel request")
 
 
 def decode_reply(frame: bytes, *, secret: str | None, request_nonce: bytes) -> Reply:
     """Decode and (with a secret) authenticate the reply to the request sent with ``request_nonce``."""
     envelope = decode_envelope(frame)
-    try:
-        reply = _reply_decoder.decode(envelope.payload)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed side-channel reply ({_short(exc)})") from None
+    reply = _decode(_reply_decoder, envelope.payload, "malformed side-channel reply")
     if secret is None or macs_equal(
         reply_mac(secret, request_nonce, envelope.payload), envelope.mac
     ):
         return reply
     # Never trust an unauthenticated reply; an error's reason is still worth showing.
-    said = f": it said {reply.reason!r}" if isinstance(reply, ErrorReply) else ""
+    said = f": it said {_short_text(reply.reason)!r}" if isinstance(reply, ErrorReply) else ""
     raise ProtocolError(
         "reply failed authentication: the server does not hold our side_channel_secret "
         f"(configure the same secret on both engines){said}"
     )
 
 
+_T = TypeVar("_T")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, what: str) -> _T:
+    """``decoder.decode(data)``, with every failure on untrusted bytes as ProtocolError."""
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"{what} ({_short(exc)})") from None
+    except RecursionError:
+        raise ProtocolError(f"{what} (nested too deeply)") from None
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{what} (a string is not valid UTF-8)") from None
+    except Exception as exc:  # any other failure on a peer's bytes is still malformed input
+        raise ProtocolError(f"{what} ({type(exc).__name__}: {_short(exc)})") from None
+
+
 def _short(exc: Exception) -> str:
-    text = str(exc)
+    return _short_text(str(exc))
+
+
+def _short_text(text: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 

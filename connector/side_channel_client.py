@@ -1,9 +1,12 @@
 """Blocking side-channel client calls: fetch a rank's handshake, send heartbeats and releases.
 
-Each call opens a fresh ZMQ REQ socket (linger 0, receive timeout, bounded reply size), sends
-one request and waits for one reply, then closes the socket. Every failure (timeout, refused
-authentication, error reply, garbage, zmq error) raises HandshakeError with the reason. Calls
-are safe from any thread.
+Each exchange opens a fresh ZMQ REQ socket (linger 0, receive timeout, bounded reply size),
+sends one request and waits for one reply, then closes the socket. Every request but Hello
+names the server's boot id (see connector/protocol.py): ``fetch_boot_id`` asks for it, and a
+call given no boot id asks first (one more round trip). Every failure (timeout, refused
+authentication, error reply, garbage, zmq error) raises HandshakeError with the reason;
+a server that restarted since ``boot_id`` was learned raises its subclass PeerRestarted.
+Calls are safe from any thread.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from collections.abc import Sequence
 
 import zmq
 
-from connector.errors import HandshakeError, ProtocolError
+from connector.errors import HandshakeError, PeerRestarted, ProtocolError
 from connector.protocol import (
     NONCE_BYTES,
+    STALE_BOOT,
     Ack,
     ErrorReply,
     HandshakeReply,
     HandshakeRequest,
     Heartbeat,
+    Hello,
+    HelloReply,
     Release,
     Reply,
     Request,
@@ -40,6 +46,33 @@ def zmq_endpoint(host: str, port: int | str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def fetch_boot_id(
+    host: str,
+    port: int,
+    *,
+    engine_id: str | None,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> str:
+    """The boot id of the side channel at host:port (Hello).
+
+    With ``engine_id``, a server that is another engine raises HandshakeError.
+    """
+    reply = _call(host, port, Hello(), secret, timeout_s, max_message_bytes, boot_id="")
+    if not isinstance(reply, HelloReply):
+        raise HandshakeError(
+            f"side channel {host}:{port} answered Hello with {type(reply).__name__}"
+        )
+    if engine_id is not None and reply.engine_id != engine_id:
+        raise HandshakeError(
+            f"side channel {host}:{port} is engine {reply.engine_id[:80]!r}, not {engine_id!r}: "
+            "that engine restarted under another id (its KV is gone) or the request's "
+            "remote_host/remote_port name the wrong engine"
+        )
+    return reply.boot_id
+
+
 def fetch_handshake(
     host: str,
     port: int,
@@ -49,8 +82,20 @@ def fetch_handshake(
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> WorkerHandshake:
-    """The WorkerHandshake of ``tp_rank`` of the engine whose side channel is host:port."""
-    reply = _call(host, port, HandshakeRequest(tp_rank), secret, timeout_s, max_message_bytes)
+    """The WorkerHandshake of ``tp_rank`` of the engine whose side channel is host:port.
+
+    Two exchanges: Hello for the boot id, then the handshake request naming it.
+    """
+    boot_id = fetch_boot_id(
+        host,
+        port,
+        engine_id=None,
+        secret=secret,
+        timeout_s=timeout_s,
+        max_message_bytes=max_message_bytes,
+    )
+    request = HandshakeRequest(tp_rank)
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
     if not isinstance(reply, HandshakeReply):
         raise HandshakeError(
             f"side channel {host}:{port} answered a handshake request with {type(reply).__name__}"
@@ -72,14 +117,16 @@ def send_heartbeat(
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    boot_id: str | None = None,
 ) -> int:
     """Extend the leases of ``remote_request_ids`` on prefill engine ``engine_id``.
 
     Returns how many the server still held; a server that is not ``engine_id`` (a restarted
-    engine on the same host:port) refuses, and this raises HandshakeError.
+    engine on the same host:port) refuses, and this raises HandshakeError; one that is not
+    boot ``boot_id`` raises PeerRestarted. ``boot_id`` None: ask the server for it first.
     """
     request = Heartbeat(engine_id, tuple(remote_request_ids))
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes)
+    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
 
 
 def send_release(
@@ -91,24 +138,37 @@ def send_release(
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    boot_id: str | None = None,
 ) -> int:
     """Tell prefill engine ``engine_id`` decode will never read ``remote_request_ids``.
 
-    Returns how many it held; refused (HandshakeError) by a server that is not ``engine_id``.
+    Returns how many it held; refused (HandshakeError) by a server that is not ``engine_id``,
+    or (PeerRestarted) not boot ``boot_id``. ``boot_id`` None: ask the server for it first.
     """
     request = Release(engine_id, tuple(remote_request_ids))
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes)
+    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
 
 
 def _expect_ack(
     host: str,
     port: int,
-    request: Request,
+    request: Heartbeat | Release,
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int,
+    boot_id: str | None,
 ) -> int:
-    reply = _call(host, port, request, secret, timeout_s, max_message_bytes)
+    if boot_id is None:
+        # The server, not Hello, checks the engine id: one refusal, naming both engines.
+        boot_id = fetch_boot_id(
+            host,
+            port,
+            engine_id=None,
+            secret=secret,
+            timeout_s=timeout_s,
+            max_message_bytes=max_message_bytes,
+        )
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
     if not isinstance(reply, Ack):
         raise HandshakeError(
             f"side channel {host}:{port} answered a {type(request).__name__} with "
@@ -124,16 +184,21 @@ def _call(
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int,
+    *,
+    boot_id: str,
 ) -> Reply:
     nonce = os.urandom(NONCE_BYTES)
-    frame = encode_request(request, secret=secret, nonce=nonce, timestamp_s=time.time())
+    frame = encode_request(
+        request, secret=secret, nonce=nonce, timestamp_s=time.time(), boot_id=boot_id
+    )
     raw_reply = _exchange(host, port, frame, timeout_s, max_message_bytes)
     try:
         reply = decode_reply(raw_reply, secret=secret, request_nonce=nonce)
     except ProtocolError as exc:
         raise HandshakeError(f"side channel {host}:{port}: {exc}") from None
     if isinstance(reply, ErrorReply):
-        raise HandshakeError(f"side channel {host}:{port} refused the request: {reply.reason}")
+        error = PeerRestarted if reply.code == STALE_BOOT else HandshakeError
+        raise error(f"side channel {host}:{port} refused the request: {_short(reply.reason)}")
     return reply
 
 
@@ -161,3 +226,8 @@ def _exchange(
         raise HandshakeError(f"side channel {host}:{port}: zmq error: {exc}") from None
     finally:
         socket.close(linger=0)
+
+
+def _short(text: str) -> str:
+    """A peer's text, bounded: it goes into our error messages and logs."""
+    return text if len(text) <= 500 else text[:497] + "..."

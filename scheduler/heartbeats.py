@@ -9,6 +9,12 @@ One thread serves every prefill engine, so a dead side channel must not hold up 
 each message waits at most MAX_MESSAGE_TIMEOUT_S for its reply, and after a failure further
 messages to that engine are skipped for a while (``Backoff``) instead of each waiting out its
 own timeout. A skipped message is lost like a failed one: at worst a lease runs out.
+
+Every message names the prefill side channel's boot id (connector/protocol.py), learned with a
+Hello on the first message to a destination and remembered (``BootIds``). When the server says
+it is another boot (it restarted: PeerRestarted), the remembered id is dropped, so the next
+message asks again; the refused message itself is not retried, because the leases it named
+died with the old boot.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from connector.errors import ConnectorError
-from connector.side_channel_client import send_heartbeat, send_release
+from connector.errors import ConnectorError, PeerRestarted
+from connector.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +36,7 @@ POLL_INTERVAL_S = 0.1
 MAX_MESSAGE_TIMEOUT_S = 2.0  # fire-and-forget: never wait the full handshake timeout
 MIN_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 10.0  # well under the default 30 s lease: a flaky prefill still gets heartbeats
+MAX_BOOT_IDS = 4096  # remembered destinations; the oldest is forgotten (and asked again)
 
 
 class SendFn(Protocol):
@@ -109,6 +116,29 @@ class Backoff:
         return len(self._windows)
 
 
+class BootIds:
+    """The boot id last learned per destination. Not thread-safe: the sender thread only."""
+
+    def __init__(self, *, max_destinations: int = MAX_BOOT_IDS) -> None:
+        self._max_destinations = max_destinations
+        self._boot_ids: dict[Destination, str] = {}  # insertion order: oldest first
+
+    def get(self, destination: Destination) -> str | None:
+        return self._boot_ids.get(destination)
+
+    def learned(self, destination: Destination, boot_id: str) -> None:
+        self._boot_ids.pop(destination, None)
+        self._boot_ids[destination] = boot_id
+        if len(self._boot_ids) > self._max_destinations:
+            del self._boot_ids[next(iter(self._boot_ids))]
+
+    def forget(self, destination: Destination) -> None:
+        self._boot_ids.pop(destination, None)
+
+    def __len__(self) -> int:
+        return len(self._boot_ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Message:
     send: SendFn
@@ -135,21 +165,17 @@ class HeartbeatSender:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         message_timeout_s = min(timeout_s, MAX_MESSAGE_TIMEOUT_S)
-        self._send: SendFn = send or (
-            lambda host, port, ids, *, engine_id: send_heartbeat(
-                host, port, ids, engine_id=engine_id, secret=secret, timeout_s=message_timeout_s
-            )
-        )
-        self._send_release: SendFn = send_release_fn or (
-            lambda host, port, ids, *, engine_id: send_release(
-                host, port, ids, engine_id=engine_id, secret=secret, timeout_s=message_timeout_s
-            )
-        )
+        self._secret = secret
+        self._message_timeout_s = message_timeout_s
+        self._boot_ids = BootIds()
+        self._send: SendFn = send or self._network_heartbeat
+        self._send_release: SendFn = send_release_fn or self._network_release
         self._clock = clock
         self._backoff = Backoff(
             initial_s=max(message_timeout_s, MIN_BACKOFF_S), max_s=MAX_BACKOFF_S
         )
         self._num_skipped = 0  # written by the sender thread only
+        self._num_stale = 0  # messages a restarted engine refused; sender thread only
         self._queue: queue.Queue[_Message] = queue.Queue(max_queued)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,6 +184,11 @@ class HeartbeatSender:
     def num_skipped(self) -> int:
         """Messages not sent because their destination was backing off after a failure."""
         return self._num_skipped
+
+    @property
+    def num_stale(self) -> int:
+        """Messages refused because their engine restarted since its boot id was learned."""
+        return self._num_stale
 
     def submit(
         self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
@@ -189,6 +220,45 @@ class HeartbeatSender:
             return False
         return True
 
+    def _network_heartbeat(
+        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+    ) -> int:
+        destination = Destination(engine_id, host, port)
+        return self._with_boot_id(send_heartbeat, destination, remote_request_ids)
+
+    def _network_release(
+        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+    ) -> int:
+        destination = Destination(engine_id, host, port)
+        return self._with_boot_id(send_release, destination, remote_request_ids)
+
+    def _with_boot_id(
+        self,
+        send: Callable[..., int],
+        destination: Destination,
+        remote_request_ids: Sequence[str],
+    ) -> int:
+        """Send naming the destination's boot id (asked for once); forget it on PeerRestarted."""
+        host, port, engine_id = destination.host, destination.port, destination.engine_id
+        secret, timeout_s = self._secret, self._message_timeout_s
+        boot_id = self._boot_ids.get(destination)
+        if boot_id is None:
+            boot_id = fetch_boot_id(host, port, engine_id=None, secret=secret, timeout_s=timeout_s)
+            self._boot_ids.learned(destination, boot_id)
+        try:
+            return send(
+                host,
+                port,
+                remote_request_ids,
+                engine_id=engine_id,
+                boot_id=boot_id,
+                secret=secret,
+                timeout_s=timeout_s,
+            )
+        except PeerRestarted:
+            self._boot_ids.forget(destination)
+            raise
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -215,6 +285,15 @@ class HeartbeatSender:
                 message.remote_request_ids,
                 engine_id=destination.engine_id,
             )
+        except PeerRestarted as exc:
+            # The engine answers, as a new boot: no backoff, the next message asks its boot id.
+            self._num_stale += 1
+            logger.info(
+                "side-channel message to %s refused: %s; the leases it named are gone",
+                destination,
+                exc,
+            )
+            return
         except Exception as exc:  # the thread must outlive any failure, a bug included
             backoff_s, num_skipped = self._backoff.failed(destination, self._clock())
             log = logger.warning if isinstance(exc, ConnectorError) else logger.exception

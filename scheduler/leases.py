@@ -4,12 +4,28 @@ A lease starts when prefill finishes a do_remote_decode request. Decode heartbea
 a release (decode will never read) or expiry ends it early; ``complete`` drops it once every
 rank saw its free notifications. Time is passed in (``now``, seconds on the caller's clock) so
 tests drive it explicitly. The engine thread and the side-channel thread share one table.
+
+A heartbeat or release can only touch the lease it names: ids with no held lease (never
+leased here, or already ended) are *stray*: counted in ``stats``, and nothing else happens.
+Recently ended ids are remembered (bounded) to tell "already ended" from "never leased".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
+
+MAX_ENDED_IDS = 4096  # ended lease ids remembered to classify late messages
+
+
+@dataclasses.dataclass
+class LeaseStats:
+    """Ids named by heartbeats and releases that had no held lease."""
+
+    stray_never_leased: int = 0  # this engine never leased the id (or forgot it long ago)
+    stray_already_ended: int = 0  # the lease had already completed, expired or been released
 
 
 class LeaseTable:
@@ -17,10 +33,18 @@ class LeaseTable:
 
     def __init__(self, duration_s: float) -> None:
         self._duration_s = duration_s
-        # Guards _expiry_s and _released: every method reads or writes both under it.
+        # Guards _expiry_s, _released, _ended and stats: every method uses them under it.
         self._lock = threading.Lock()
         self._expiry_s: dict[str, float] = {}  # held leases: request id -> expiry time
         self._released: list[str] = []  # released over the side channel, not yet taken
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended ids, oldest first
+        self._stats = LeaseStats()
+
+    @property
+    def stats(self) -> LeaseStats:
+        """A snapshot of the stray counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
 
     @property
     def duration_s(self) -> float:
@@ -30,11 +54,12 @@ class LeaseTable:
         """Hold ``request_id``'s blocks until ``now + duration_s`` (or until extended)."""
         with self._lock:
             self._expiry_s[request_id] = now + self._duration_s
+            self._ended.pop(request_id, None)
 
     def extend(self, request_ids: Iterable[str], now: float) -> int:
         """Push held leases out to ``now + duration_s``; returns how many were held."""
         with self._lock:
-            held = [rid for rid in request_ids if rid in self._expiry_s]
+            held = self._split_stray(request_ids)
             for request_id in held:
                 self._expiry_s[request_id] = max(self._expiry_s[request_id], now + self._duration_s)
         return len(held)
@@ -45,21 +70,26 @@ class LeaseTable:
         The ids come back from ``take_released`` so the engine thread can free their blocks.
         """
         with self._lock:
-            held = [rid for rid in request_ids if self._expiry_s.pop(rid, None) is not None]
+            held = self._split_stray(request_ids)
+            for request_id in held:
+                self._end(request_id)
             self._released.extend(held)
         return len(held)
 
     def complete(self, request_id: str) -> bool:
         """Drop ``request_id``'s lease (all ranks reported); True if it was still held."""
         with self._lock:
-            return self._expiry_s.pop(request_id, None) is not None
+            if request_id not in self._expiry_s:
+                return False
+            self._end(request_id)
+            return True
 
     def expired(self, now: float) -> tuple[str, ...]:
         """Remove and return the leases whose expiry time is at or before ``now``."""
         with self._lock:
             ended = tuple(rid for rid, expiry_s in self._expiry_s.items() if expiry_s <= now)
             for request_id in ended:
-                del self._expiry_s[request_id]
+                self._end(request_id)
         return ended
 
     def take_released(self) -> tuple[str, ...]:
@@ -75,3 +105,22 @@ class LeaseTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._expiry_s)
+
+    def _split_stray(self, request_ids: Iterable[str]) -> list[str]:
+        """The distinct held ids among ``request_ids``; count the rest as stray. Lock held."""
+        held: list[str] = []
+        for request_id in dict.fromkeys(request_ids):
+            if request_id in self._expiry_s:
+                held.append(request_id)
+            elif request_id in self._ended:
+                self._stats.stray_already_ended += 1
+            else:
+                self._stats.stray_never_leased += 1
+        return held
+
+    def _end(self, request_id: str) -> None:
+        """Drop a held lease and remember that it ended. Lock held."""
+        del self._expiry_s[request_id]
+        self._ended[request_id] = None
+        if len(self._ended) > MAX_ENDED_IDS:
+            self._ended.popitem(last=False)

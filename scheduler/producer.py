@@ -40,6 +40,7 @@ class Producer:
         self._pending_sends: list[str] = []  # not yet in any metadata
         self._pending_forgotten: list[str] = []
         self._finished: list[str] = []
+        self.num_stray_reports = 0  # finished_sending for ids with no live lease here
 
     def request_finished(
         self, request_id: str, block_ids: BlockIds
@@ -81,7 +82,8 @@ class Producer:
             for request_id in report.finished_sending:
                 ranks = self._sending.get(request_id)
                 if ranks is None:
-                    continue  # already ended (expired or released) or not ours
+                    self.num_stray_reports += 1  # already ended (expired, released) or not ours
+                    continue
                 ranks.add(report.tp_rank)
                 if len(ranks) == self._tp_size:
                     self._leases.complete(request_id)

@@ -4,15 +4,19 @@ It serves each TP rank's WorkerHandshake, and applies heartbeats and releases th
 callbacks (which must be thread-safe: they run on this thread). A heartbeat or release names
 the engine it is for; one meant for another engine (a late message to an engine that restarted
 on this host:port, whose request ids may repeat) is refused and never reaches the callbacks.
+Every request but Hello also names this server's boot id, drawn at random when it is made:
+a frame captured before a restart (same engine id, same port) is refused as stale.
 It is a network service: inbound messages are size-bounded (zmq.MAXMSGSIZE drops the peer's
 connection), decoded only through typed msgspec decoders, optionally authenticated, and any bad
-input is answered with an ErrorReply. Nothing a peer sends stops the thread; only ``stop()``
-does.
+input is answered with an ErrorReply. Refusals are logged through a rate-limited log (one line
+per kind of refusal per interval), so a flood of garbage cannot flood the log. Nothing a peer
+sends stops the thread; only ``stop()`` does.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -21,11 +25,15 @@ import zmq
 
 from connector.errors import ProtocolError, UnsupportedConfiguration
 from connector.protocol import (
+    STALE_BOOT,
     Ack,
+    Envelope,
     ErrorReply,
     HandshakeReply,
     HandshakeRequest,
     Heartbeat,
+    Hello,
+    HelloReply,
     Release,
     Reply,
     Request,
@@ -34,6 +42,7 @@ from connector.protocol import (
     decode_request_payload,
     encode_reply,
 )
+from connector.ratelimit import DEFAULT_INTERVAL_S, RateLimitedLog
 from connector.side_channel_client import zmq_endpoint
 from scheduler.auth import DEFAULT_REPLAY_WINDOW_S, RequestAuthenticator
 
@@ -48,7 +57,10 @@ class SideChannelServer:
 
     ``port`` 0 binds a free ephemeral port; ``port`` then reports the bound one.
     ``engine_id`` is this engine's id: heartbeats and releases naming another are refused.
-    ``clock`` is wall-clock seconds, used only for the authentication replay window.
+    ``boot_id`` (default: random) is this server's incarnation; requests naming another are
+    refused. ``clock`` is wall-clock seconds, used only for the authentication replay window;
+    ``log_clock`` (monotonic seconds) paces the rate-limited log, at most one line per kind of
+    refusal per ``log_interval_s``.
     """
 
     def __init__(
@@ -64,6 +76,9 @@ class SideChannelServer:
         max_message_bytes: int = 16 * 2**20,
         clock: Callable[[], float] = time.time,
         replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
+        boot_id: str | None = None,
+        log_interval_s: float = DEFAULT_INTERVAL_S,
+        log_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engine_id:
             raise UnsupportedConfiguration(
@@ -79,6 +94,9 @@ class SideChannelServer:
         self._max_message_bytes = max_message_bytes
         self._clock = clock
         self._auth = RequestAuthenticator(secret, replay_window_s=replay_window_s)
+        self._boot_id = boot_id or secrets.token_hex(16)
+        self._log = RateLimitedLog(logger, interval_s=log_interval_s, clock=log_clock)
+        self.num_refused = 0  # requests answered with an ErrorReply; side-channel thread writes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._socket: zmq.Socket | None = None
@@ -90,6 +108,10 @@ class SideChannelServer:
     @property
     def host(self) -> str:
         return self._host
+
+    @property
+    def boot_id(self) -> str:
+        return self._boot_id
 
     def start(self) -> None:
         """Bind (raising UnsupportedConfiguration naming host:port on failure), then serve."""
@@ -151,56 +173,92 @@ class SideChannelServer:
         try:
             identity, *frames = socket.recv_multipart(zmq.NOBLOCK)
         except (zmq.ZMQError, ValueError) as exc:  # EAGAIN after a dropped oversized message
-            logger.debug("side channel receive: %s", exc)
+            self._log.log(logging.DEBUG, "receive", "side channel receive: %s", exc)
             return
         # A REQ peer sends [b"", message] and expects the empty delimiter back; DEALER: [message].
         delimiter = [b""] if frames and frames[0] == b"" else []
-        reply_frame = self._answer(frames[len(delimiter) :])
+        reply_frame = self.answer(frames[len(delimiter) :])
         try:
             socket.send_multipart([identity, *delimiter, reply_frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            logger.warning("side channel could not reply to a peer: %s", exc)
+            self._log.warning("reply", "side channel could not reply to a peer: %s", exc)
 
-    def _answer(self, frames: list[bytes]) -> bytes:
-        """Always returns a reply frame; bad input becomes an ErrorReply."""
+    def answer(self, frames: list[bytes]) -> bytes:
+        """The reply frame to one request's message frames; bad input becomes an ErrorReply.
+
+        Never raises. The serving thread calls it; tests may call it on a server that was
+        never started (it touches no socket).
+        """
         nonce = b""
+        stage = "malformed"  # the kind of refusal, for the rate-limited log
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected one message frame, got {len(frames)}")
             envelope = decode_envelope(frames[0])
             nonce = envelope.nonce
+            stage = "unauthenticated"
             self._auth.check(envelope, self._clock())
-            reply = self._dispatch(decode_request_payload(envelope.payload))
+            stage = "malformed"
+            reply = self._dispatch(decode_request_payload(envelope.payload), envelope)
         except ProtocolError as exc:
-            logger.warning("side channel rejected a request: %s", exc)
+            self._log.warning(stage, "side channel refused a request (%s): %s", stage, exc)
             reply = ErrorReply(str(exc))
         except Exception as exc:  # a bug must not kill the listener; the peer gets the reason
-            logger.exception("side channel failed to answer a request")
+            self._log.error("internal", "side channel failed to answer a request", exc_info=True)
             reply = ErrorReply(f"internal error: {type(exc).__name__}: {exc}")
+        if isinstance(reply, ErrorReply):
+            self.num_refused += 1
         return encode_reply(reply, secret=self._secret, request_nonce=nonce)
 
-    def _dispatch(self, request: Request) -> Reply:
+    def _dispatch(self, request: Request, envelope: Envelope) -> Reply:
+        if isinstance(request, Hello):
+            return HelloReply(self._engine_id, self._boot_id)
+        if envelope.boot_id != self._boot_id:
+            return self._refuse_stale_boot(request, envelope.boot_id)
         if isinstance(request, HandshakeRequest):
             return self._handshake(request.tp_rank)
-        if isinstance(request, Heartbeat | Release) and request.engine_id != self._engine_id:
+        if request.engine_id != self._engine_id:
             return self._refuse_other_engine(request)
         if isinstance(request, Heartbeat):
-            return Ack(self._on_heartbeat(request.remote_request_ids))
-        if isinstance(request, Release):
-            return Ack(self._on_release(request.remote_request_ids))
-        raise ProtocolError(f"unexpected request {type(request).__name__}")
+            return self._ack(request, self._on_heartbeat(request.remote_request_ids))
+        return self._ack(request, self._on_release(request.remote_request_ids))
+
+    def _ack(self, request: Heartbeat | Release, num_known: int) -> Ack:
+        """Acknowledge, noting ids with no lease here (never leased, or already ended)."""
+        num_stray = len(set(request.remote_request_ids)) - num_known
+        if num_stray > 0:
+            kind = type(request).__name__.lower()
+            self._log.info(
+                f"stray_{kind}", "side channel: a %s named %d request id(s) with no lease here "
+                "(never leased by this engine, or already freed); they were ignored",
+                kind, num_stray,
+            )  # fmt: skip
+        return Ack(num_known)
+
+    def _refuse_stale_boot(self, request: Request, boot_id: str) -> ErrorReply:
+        """A request for another boot of this server (or none): replayed, late or from old code."""
+        kind = type(request).__name__
+        self._log.info(
+            "stale_boot", "side channel refused a %s for boot %r: this is boot %r",
+            kind, boot_id[:40], self._boot_id,
+        )  # fmt: skip
+        return ErrorReply(
+            f"{kind} names side-channel boot {boot_id[:40]!r} but engine {self._engine_id!r} "
+            f"at this host:port is boot {self._boot_id!r}: the engine restarted since the "
+            "sender learned its boot id (its leases are gone) or the request is a replay; "
+            "nothing was done here. Send Hello to learn the current boot id",
+            code=STALE_BOOT,
+        )
 
     def _refuse_other_engine(self, request: Heartbeat | Release) -> ErrorReply:
         """Touch no lease: the ids are another engine's, and may name this engine's requests."""
         kind = type(request).__name__.lower()
-        logger.info(
-            "side channel refused a %s for engine %r: this is engine %r",
-            kind,
-            request.engine_id,
-            self._engine_id,
-        )
+        self._log.info(
+            "other_engine", "side channel refused a %s for engine %r: this is engine %r",
+            kind, request.engine_id[:80], self._engine_id,
+        )  # fmt: skip
         return ErrorReply(
-            f"{kind} for prefill engine {request.engine_id!r} reached engine "
+            f"{kind} for prefill engine {request.engine_id[:80]!r} reached engine "
             f"{self._engine_id!r} at this host:port: that engine restarted (its KV is gone) or "
             "the request's remote_host/remote_port name the wrong engine; nothing was "
             "extended or released here"

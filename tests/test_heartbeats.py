@@ -340,3 +340,79 @@ def test_a_dead_side_channel_delays_a_live_one_by_one_short_timeout_at_most(
     assert MAX_MESSAGE_TIMEOUT_S <= elapsed_s < MAX_MESSAGE_TIMEOUT_S + 1.5
     assert sender.num_skipped == 2
     assert f"did not answer within {MAX_MESSAGE_TIMEOUT_S} s" in caplog.text
+
+
+# ---- boot ids: a restarted prefill refuses what was meant for its previous boot ----
+
+SECRET = "correct horse battery staple"
+
+
+class Recorded:
+    """Lease callbacks of one side-channel server; ``arrived`` is set on each heartbeat."""
+
+    def __init__(self) -> None:
+        self.heartbeats: list[tuple[str, ...]] = []
+        self.arrived = threading.Event()
+
+    def on_heartbeat(self, ids: tuple[str, ...]) -> int:
+        self.heartbeats.append(ids)
+        self.arrived.set()
+        return len(ids)
+
+
+def start_prefill_side_channel(recorded: Recorded, port: int = 0) -> SideChannelServer:
+    server = SideChannelServer(
+        "127.0.0.1",
+        port,
+        {handshake.tp_rank: handshake for handshake in handshakes()},
+        engine_id="prefill-0",
+        on_heartbeat=recorded.on_heartbeat,
+        on_release=lambda ids: 0,
+        secret=SECRET,
+    )
+    server.start()
+    return server
+
+
+def test_the_sender_learns_a_boot_id_and_a_restarted_engine_refuses_the_old_one() -> None:
+    before, after = Recorded(), Recorded()
+    server = start_prefill_side_channel(before)
+    port = server.port
+    sender = HeartbeatSender(secret=SECRET, timeout_s=2.0)
+    try:
+        assert sender.submit("127.0.0.1", port, ["p1"], engine_id="prefill-0")
+        assert before.arrived.wait(5.0)
+        server.stop()
+        server = start_prefill_side_channel(after, port=port)  # same engine id and port
+        # p1 was leased by the previous boot: refused, and not backed off; p2 (asked after
+        # the sender relearned the boot id) goes through at once.
+        assert sender.submit("127.0.0.1", port, ["p1"], engine_id="prefill-0")
+        assert sender.submit("127.0.0.1", port, ["p2"], engine_id="prefill-0")
+        assert after.arrived.wait(5.0)
+        assert (before.heartbeats, after.heartbeats) == ([("p1",)], [("p2",)])
+        assert (server.num_refused, sender.num_stale, sender.num_skipped) == (1, 1, 0)
+    finally:
+        sender.stop()
+        server.stop()
+
+
+def test_releases_of_ids_never_leased_or_already_freed_are_stray_over_the_wire(
+    served_prefill: SchedulerConnector, clock: FakeClock
+) -> None:
+    """Issue 11: a release naming a request id prefill never leased, or already released,
+    frees nothing; another lease keeps its blocks."""
+    served_prefill.request_finished(prefill_request("p1"), ((1,),))
+    served_prefill.request_finished(prefill_request("p2"), ((2,),))
+    port = served_prefill.side_channel_port
+    open_call: dict[str, object] = {"engine_id": "prefill-0", "secret": None, "timeout_s": 2.0}
+    assert send_release("127.0.0.1", port, ["p2"], **open_call) == 1  # type: ignore[arg-type]
+    assert send_release("127.0.0.1", port, ["p2", "never"], **open_call) == 0  # type: ignore[arg-type]
+    assert send_heartbeat("127.0.0.1", port, ["p2", "never"], **open_call) == 0  # type: ignore[arg-type]
+    served_prefill.update_connector_output([])
+    assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p2",))
+    clock.advance(LEASE_S - 1.0)  # p1 still held, until its own lease ends
+    served_prefill.update_connector_output([])
+    assert served_prefill.take_finished() == NO_FINISHED
+    clock.advance(1.0)
+    served_prefill.update_connector_output([])
+    assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p1",))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from connector.errors import TransferPlanError
 from connector.metadata import RemoteSource, WorkerReport
 from scheduler.consumer import Consumer
-from scheduler.leases import LeaseTable
+from scheduler.leases import LeaseStats, LeaseTable
 from scheduler.producer import Producer
 from scheduler.suffix import uncached_suffix_blocks
 from tests.scheduler_helpers import FULL_16, SSM_64, FakeClock, RecordingHeartbeats
@@ -56,6 +58,42 @@ def test_complete_drops_the_lease() -> None:
     assert table.complete("a") is True
     assert table.complete("a") is False
     assert len(table) == 0
+
+
+ENDINGS: dict[str, Callable[[LeaseTable], object]] = {
+    "released": lambda table: table.release(["a"]),
+    "completed": lambda table: table.complete("a"),
+    "expired": lambda table: table.expired(30.0),  # a's lease ends at 30, b's at 50
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+@pytest.mark.parametrize("message", ["heartbeat", "release"])
+def test_messages_naming_an_ended_or_unknown_lease_are_stray_and_touch_no_other_lease(
+    ending: str, message: str
+) -> None:
+    """Issue 11: heartbeats and releases naming an id prefill never leased, or already freed,
+    are counted as stray and never affect another lease."""
+    table = LeaseTable(30.0)
+    table.lease("a", now=0.0)
+    table.lease("b", now=20.0)
+    ENDINGS[ending](table)
+    table.take_released()
+    ids = ["a", "never-leased", "a"]
+    held = table.extend(ids, now=40.0) if message == "heartbeat" else table.release(ids)
+    assert held == 0
+    assert table.stats == LeaseStats(stray_never_leased=1, stray_already_ended=1)
+    assert table.take_released() == ()
+    assert table.expired(49.9) == () and table.expired(50.0) == ("b",)  # b untouched
+
+
+def test_a_lease_taken_again_is_no_longer_ended() -> None:
+    table = LeaseTable(30.0)
+    table.lease("a", now=0.0)
+    table.complete("a")
+    table.lease("a", now=1.0)  # the same id leased again (an engine that reuses ids)
+    assert table.extend(["a"], now=2.0) == 1
+    assert table.stats == LeaseStats()
 
 
 # ---------------------------------------------------------------- uncached suffix

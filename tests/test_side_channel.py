@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 import time
@@ -12,17 +14,26 @@ import msgspec
 import pytest
 import zmq
 
-from connector.errors import HandshakeError, UnsupportedConfiguration
+from connector.errors import HandshakeError, PeerRestarted, UnsupportedConfiguration
 from connector.protocol import (
     PROTOCOL_VERSION,
+    STALE_BOOT,
+    Ack,
     ErrorReply,
     HandshakeRequest,
     Heartbeat,
+    Release,
     Reply,
+    Request,
     decode_reply,
     encode_request,
 )
-from connector.side_channel_client import fetch_handshake, send_heartbeat, send_release
+from connector.side_channel_client import (
+    fetch_boot_id,
+    fetch_handshake,
+    send_heartbeat,
+    send_release,
+)
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
 
@@ -263,7 +274,11 @@ def test_a_client_with_a_secret_refuses_an_open_server(open_server: SideChannelS
 
 def test_a_replayed_request_is_refused(secret_server: SideChannelServer) -> None:
     frame = encode_request(
-        Heartbeat(ENGINE_ID, ("r",)), secret=SECRET, nonce=b"n" * 16, timestamp_s=time.time()
+        Heartbeat(ENGINE_ID, ("r",)),
+        secret=SECRET,
+        nonce=b"n" * 16,
+        timestamp_s=time.time(),
+        boot_id=secret_server.boot_id,
     )
     first = decode_reply(
         raw_exchange(secret_server.port, [frame]) or b"", secret=SECRET, request_nonce=b"n" * 16
@@ -316,3 +331,102 @@ def test_stop_joins_the_thread_and_frees_the_port(leases: Leases) -> None:
     assert not [t for t in threading.enumerate() if t.name == f"nixl-pd-side-channel-{port}"]
     again = start_server(leases, secret=None, port=port)
     again.stop()
+
+
+def signed_exchange(server: SideChannelServer, request: Request, *, boot_id: str) -> Reply:
+    """One signed request, as a client that already learned ``boot_id`` would send it."""
+    nonce = os.urandom(16)
+    frame = encode_request(
+        request, secret=SECRET, nonce=nonce, timestamp_s=time.time(), boot_id=boot_id
+    )
+    return decode_reply(
+        raw_exchange(server.port, [frame]) or b"", secret=SECRET, request_nonce=nonce
+    )
+
+
+def test_a_release_captured_before_a_restart_is_refused_by_the_restarted_engine(
+    leases: Leases,
+) -> None:
+    """Issue 11: a captured Release replayed 17 s later against a prefill restarted with the
+    same engine id and port freed a new lease's blocks (the nonce table died with the process)."""
+    before = start_server(leases, secret=SECRET)
+    port = before.port
+    nonce = os.urandom(16)
+    captured = encode_request(
+        Release(ENGINE_ID, ("r1",)),
+        secret=SECRET,
+        nonce=nonce,
+        timestamp_s=time.time(),
+        boot_id=fetch_boot_id(HOST, port, engine_id=ENGINE_ID, secret=SECRET, timeout_s=TIMEOUT_S),
+    )
+    assert decode_reply(
+        raw_exchange(port, [captured]) or b"", secret=SECRET, request_nonce=nonce
+    ) == Ack(1)
+    before.stop()
+    after = start_server(leases, secret=SECRET, port=port)  # same engine id, same port
+    try:
+        replayed = decode_reply(
+            raw_exchange(port, [captured]) or b"", secret=SECRET, request_nonce=nonce
+        )
+        assert isinstance(replayed, ErrorReply) and replayed.code == STALE_BOOT
+        assert "the engine restarted since the sender learned its boot id" in replayed.reason
+        assert leases.releases == [("r1",)]  # only the original: the replay freed nothing
+        assert after.boot_id != before.boot_id
+        assert_still_serving(after, SECRET)
+    finally:
+        after.stop()
+
+
+STALE_REQUESTS = [
+    pytest.param(Release(ENGINE_ID, ("r1",)), id="release"),
+    pytest.param(Heartbeat(ENGINE_ID, ("r1",)), id="heartbeat"),
+    pytest.param(HandshakeRequest(0), id="handshake"),
+]
+
+
+@pytest.mark.parametrize("request_msg", STALE_REQUESTS)
+@pytest.mark.parametrize("boot_id", ["", "0" * 32], ids=["no boot id", "another boot id"])
+def test_a_request_for_another_boot_is_refused_and_touches_nothing(
+    secret_server: SideChannelServer, leases: Leases, request_msg: Request, boot_id: str
+) -> None:
+    reply = signed_exchange(secret_server, request_msg, boot_id=boot_id)
+    assert isinstance(reply, ErrorReply) and reply.code == STALE_BOOT
+    assert f"names side-channel boot {boot_id!r} but engine 'prefill-0'" in reply.reason
+    assert (leases.heartbeats, leases.releases) == ([], [])
+    assert secret_server.num_refused == 1
+
+
+@pytest.mark.parametrize("send", [send_heartbeat, send_release], ids=["heartbeat", "release"])
+def test_the_client_raises_peer_restarted_for_a_stale_boot_id(
+    open_server: SideChannelServer, send: Callable[..., int]
+) -> None:
+    with pytest.raises(PeerRestarted, match="the engine restarted since the sender learned"):
+        send(HOST, open_server.port, ["a"], engine_id=ENGINE_ID, boot_id="0" * 32, **OPEN)
+    assert send(HOST, open_server.port, ["a"], engine_id=ENGINE_ID, **OPEN) == 1  # asks Hello
+
+
+def test_hello_names_the_engine_and_its_boot(open_server: SideChannelServer) -> None:
+    boot_id = fetch_boot_id(HOST, open_server.port, engine_id=ENGINE_ID, **OPEN)
+    assert boot_id == open_server.boot_id and len(boot_id) == 32
+    with pytest.raises(HandshakeError, match="is engine 'prefill-0', not 'prefill-1'"):
+        fetch_boot_id(HOST, open_server.port, engine_id="prefill-1", **OPEN)
+
+
+def test_refusals_are_logged_once_per_kind_per_interval(
+    open_server: SideChannelServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 11: every refused frame logged a line (a traceback for RecursionError and
+    UnicodeDecodeError), so one connection flooded the log at ~1.7 MB/s."""
+    # An unknown field nested 60,000 deep: msgspec raises RecursionError skipping it.
+    deep = b"\x83" + envelope(b"")[1:] + b"\xa1x" + b"\x91" * 60_000 + b"\x00"
+    bad_utf8 = envelope(msgspec.msgpack.encode({"type": "release", "engine_id": "\xff"}))
+    bad_utf8 = bad_utf8.replace("\xff".encode(), b"\xff\xfe")  # UnicodeDecodeError
+    with caplog.at_level(logging.DEBUG, logger="scheduler.side_channel"):
+        cases = [(b"garbage", "not a nixl-pd"), (deep, "too deeply"), (bad_utf8, "not valid UTF-8")]
+        for frame, message in cases * 100:
+            assert message in error_reason(raw_exchange(open_server.port, [frame]))
+    assert open_server.num_refused == 300
+    lines = [r for r in caplog.records if r.name == "scheduler.side_channel"]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert "side channel refused a request (malformed)" in lines[0].getMessage()
+    assert not any(r.exc_info for r in lines)
