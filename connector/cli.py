@@ -127,6 +127,22 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--num-blocks", type=int, default=256, metavar="N", help="KV blocks per group (256)"
     )
     serve.add_argument("--seed", type=int, default=0, help="model weights' seed (0)")
+    serve.add_argument(
+        "--lease", type=float, default=30.0, metavar="SECONDS",
+        help="prefill: how long finished KV waits for decode to read it (30)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--heartbeat", type=float, default=5.0, metavar="SECONDS",
+        help="decode: how often it extends the leases it waits on; below --lease (5)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--handshake-timeout", type=float, default=5.0, metavar="SECONDS",
+        help="decode: per side-channel handshake attempt (5)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--handshake-retries", type=int, default=2, metavar="N",
+        help="decode: attempts after the first, with backoff (2)",
+    )  # fmt: skip
 
 
 def _add_route_parser(commands: argparse._SubParsersAction) -> None:
@@ -234,7 +250,16 @@ def _serve(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         layout=args.layout,
         seed=args.seed,
+        kv_lease_duration_s=args.lease,
+        heartbeat_interval_s=args.heartbeat,
+        handshake_timeout_s=args.handshake_timeout,
+        handshake_retries=args.handshake_retries,
     )
+    try:
+        serve.validate_options(options)  # before the signal handlers: a bad flag changes nothing
+    except ConnectorError as exc:
+        print(f"nixl-pd serve: error: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     serve.stop_on_signals(stop)
     try:

@@ -2,7 +2,9 @@
 
 Each prompt goes to prefill with ``{"do_remote_decode": true}`` and ``max_tokens=1``; prompt +
 first token + the returned ``kv_transfer_params`` go to decode (``examples.router.ToyRouter``).
-``EngineClient`` is the router's handle to one server's request socket. With ``check`` the
+``examples.engine_client.EngineClient`` is the router's handle to one server's request
+socket; a server that dies or stops answering fails its pending requests with that reason
+(and a warning in the summary) instead of a timeout. With ``check`` the
 same prompts also run on a single local engine (the prefill server's model and seed) and the
 tokens must match; the prompt KV decode loaded must always equal what prefill computed.
 """
@@ -14,108 +16,20 @@ import time
 import uuid
 from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import TypeVar
 
 import msgspec
 import numpy as np
-import zmq
 
 from connector.errors import UnsupportedConfiguration
-from connector.side_channel_client import zmq_endpoint
-from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
-from examples.engine_loop import (
-    Command,
-    Error,
-    Event,
-    GetInfo,
-    GetStats,
-    Info,
-    Output,
-    Stats,
-    Submit,
-    event_decoder,
-)
+from examples.engine import Engine, EngineConfig, RequestOutput
+from examples.engine_client import EngineClient
+from examples.engine_loop import Info
 from examples.model import MAX_POSITIONS, VOCAB_SIZE
 from examples.router import Completion, InProcessEngine, ToyRouter, run_local
-from examples.serve import MAX_REQUEST_BYTES
 
-Reply = TypeVar("Reply", Info, Stats)
+__all__ = ["EngineClient", "RouteOptions", "RouteResult", "report", "run_route"]
+
 CONNECT_TIMEOUT_S = 5.0  # how long each server may take to answer GetInfo
-MAX_EVENTS_PER_POLL = 1024
-
-
-class EngineClient:
-    """An EngineHandle over one server's request socket (a ZMQ DEALER); every wait bounded."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.address = f"{host}:{port}"
-        self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self.socket.setsockopt(zmq.IPV6, 1)
-        self.socket.connect(zmq_endpoint(host, port))
-        self._outputs: list[RequestOutput] = []
-
-    def submit(self, request: EngineRequest) -> None:
-        self._send(Submit(request))
-
-    def poll(self, timeout_s: float) -> list[RequestOutput]:
-        """Outputs received since the last poll (waits at most ``timeout_s`` for the first)."""
-        event = self._next_event(0.0 if self._outputs else timeout_s)
-        for _ in range(MAX_EVENTS_PER_POLL):
-            if event is None:
-                break
-            self._take(event)
-            event = self._next_event(0.0)
-        outputs, self._outputs = self._outputs, []
-        return outputs
-
-    def info(self, timeout_s: float) -> Info:
-        return self._call(GetInfo(), Info, timeout_s)
-
-    def stats(self, timeout_s: float) -> Stats:
-        return self._call(GetStats(), Stats, timeout_s)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-    def __enter__(self) -> EngineClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _send(self, command: Command) -> None:
-        self.socket.send(msgspec.json.encode(command))
-
-    def _call(self, command: Command, reply_type: type[Reply], timeout_s: float) -> Reply:
-        self._send(command)
-        deadline_s = time.monotonic() + timeout_s
-        while (remaining_s := deadline_s - time.monotonic()) > 0:
-            event = self._next_event(remaining_s)
-            if isinstance(event, reply_type):
-                return event
-            if event is not None:
-                self._take(event)
-        raise TimeoutError(
-            f"no engine answered on {self.address} within {timeout_s} s: is `nixl-pd serve` "
-            "running there?"
-        )
-
-    def _next_event(self, timeout_s: float) -> Event | None:
-        if not self.socket.poll(int(timeout_s * 1000)):
-            return None
-        payload = self.socket.recv()
-        try:
-            return event_decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise ConnectionError(f"{self.address} sent a message we cannot read: {exc}") from None
-
-    def _take(self, event: Event) -> None:
-        if isinstance(event, Output):
-            self._outputs.append(event.output)
-        elif isinstance(event, Error):
-            raise ConnectionError(f"{self.address} refused a command: {event.message}")
 
 
 class RouteOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -206,10 +120,10 @@ def run_route(options: RouteOptions) -> RouteResult:
         prompts = make_prompts(options)
         expected = _reference(options, infos[0].config, prompts) if options.check else None
         start_s = time.monotonic()
-        completions = ToyRouter(prefill, decode).run(
-            prompts, options.max_tokens, timeout_s=options.timeout_s
-        )
+        router = ToyRouter(prefill, decode)
+        completions = router.run(prompts, options.max_tokens, timeout_s=options.timeout_s)
         wall_s = time.monotonic() - start_s
+    warnings += [f"{role}: {problem}" for role, problem in router.problems.items()]
     return _result(infos[0], infos[1], completions, expected, wall_s, warnings)
 
 

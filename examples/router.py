@@ -19,7 +19,12 @@ POLL_S = 0.002  # each engine's poll wait while the router has requests in fligh
 
 
 class EngineHandle(Protocol):
-    """One engine the router can talk to."""
+    """One engine the router can talk to.
+
+    A handle may also have ``problem(num_pending: int) -> str | None``: why the engine cannot
+    finish its pending requests (it died, it stopped answering), or None. Once it gives a
+    reason the router ends those requests with it instead of waiting for its timeout.
+    """
 
     def submit(self, request: EngineRequest) -> None: ...
 
@@ -73,6 +78,7 @@ class ToyRouter:
         self.prefill = prefill
         self.decode = decode
         self.clock = clock
+        self.problems: dict[str, str] = {}  # "prefill"/"decode" -> why it cannot finish
 
     def run(
         self,
@@ -112,6 +118,7 @@ class ToyRouter:
                     if output.error:
                         decoded.errors.append(f"decode: {output.error}")
                     pending -= self._finish(decoded, on_done)
+            pending -= self._fail_on_dead_engines(completions, on_done)
         for completion in completions.values():
             if not completion.done:
                 completion.errors.append(f"timed out after {timeout_s} s")
@@ -136,11 +143,38 @@ class ToyRouter:
         )
         return False
 
+    def _fail_on_dead_engines(
+        self, completions: Mapping[str, Completion], on_done: Callable[[Completion], None] | None
+    ) -> int:
+        """End, with the reason, the requests an engine that died can no longer finish:
+        prefill's not yet prefilled ones; decode's every one (they all end there)."""
+        open_ = [c for c in completions.values() if not c.done]
+        at_prefill = [c for c in open_ if c.prefill is None]
+        num_ended = 0
+        for role, engine, stuck in (
+            ("prefill", self.prefill, at_prefill),
+            ("decode", self.decode, open_),
+        ):
+            problem = self.problems.get(role) or _problem_of(engine, len(stuck))
+            if problem is None or not stuck:
+                continue
+            self.problems[role] = problem
+            for completion in stuck:
+                if not completion.done:
+                    completion.errors.append(f"{role}: {problem}")
+                    num_ended += self._finish(completion, on_done)
+        return num_ended
+
     def _finish(self, completion: Completion, on_done: Callable[[Completion], None] | None) -> int:
         completion.done_s = self.clock()
         if on_done is not None:
             on_done(completion)
         return 1
+
+
+def _problem_of(engine: EngineHandle, num_pending: int) -> str | None:
+    problem: Callable[[int], str | None] | None = getattr(engine, "problem", None)
+    return problem(num_pending) if problem is not None else None
 
 
 def run_local(
@@ -182,3 +216,6 @@ class InProcessEngine:
         if self.engine.has_work():
             outputs += self.engine.step()
         return outputs
+
+    def problem(self, num_pending: int) -> str | None:
+        return None  # it lives in this process

@@ -59,6 +59,11 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: int = 256
     layout: str = "nhd"
     seed: int = 0
+    # The connector's timeouts (flags --lease, --heartbeat, --handshake-timeout, ...).
+    kv_lease_duration_s: float = 30.0  # prefill keeps finished KV this long for decode
+    heartbeat_interval_s: float = 5.0  # decode extends leases this often while it waits
+    handshake_timeout_s: float = 5.0  # per side-channel attempt
+    handshake_retries: int = 2  # more attempts after the first, with backoff
 
 
 class SocketTransport:
@@ -129,6 +134,10 @@ def serve_connector_config(options: ServeOptions, env: dict[str, str]) -> Connec
         side_channel_host=options.host,
         side_channel_port=options.side_channel_port,
         side_channel_secret=secret,
+        kv_lease_duration_s=options.kv_lease_duration_s,
+        heartbeat_interval_s=options.heartbeat_interval_s,
+        handshake_timeout_s=options.handshake_timeout_s,
+        handshake_retries=options.handshake_retries,
     )
 
 
@@ -146,11 +155,31 @@ def validate_options(options: ServeOptions) -> None:
         raise UnsupportedConfiguration(f"--num-blocks {options.num_blocks}: use at least 2")
     if not 1 <= options.tp_size <= 8:
         raise UnsupportedConfiguration(f"--tp {options.tp_size}: use 1..8 ranks")
+    _validate_timeouts(options)
     kernel = options.kernel_block_size or options.block_size
     if options.block_size < 1 or kernel < 1 or options.block_size % kernel:
         raise UnsupportedConfiguration(
             f"--block-size {options.block_size}, --kernel-block-size {kernel}: both >= 1, and "
             "the kernel block size must divide the block size"
+        )
+
+
+def _validate_timeouts(options: ServeOptions) -> None:
+    for flag, seconds in (
+        ("--lease", options.kv_lease_duration_s),
+        ("--heartbeat", options.heartbeat_interval_s),
+        ("--handshake-timeout", options.handshake_timeout_s),
+    ):
+        if not 0 < seconds <= 3600:
+            raise UnsupportedConfiguration(f"{flag} {seconds}: use seconds in (0, 3600]")
+    if options.heartbeat_interval_s >= options.kv_lease_duration_s:
+        raise UnsupportedConfiguration(
+            f"--heartbeat {options.heartbeat_interval_s} must be below --lease "
+            f"{options.kv_lease_duration_s}, or leases expire between heartbeats"
+        )
+    if not 0 <= options.handshake_retries <= 100:
+        raise UnsupportedConfiguration(
+            f"--handshake-retries {options.handshake_retries}: use 0..100"
         )
 
 

@@ -240,6 +240,12 @@ class ServerProcess:
         outputs, self._outputs = self._outputs, []
         return outputs
 
+    def problem(self, num_pending: int) -> str | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        return f"{self.config.engine_id} exited with code {code}: {self.log_tail(300)}"
+
     def stats(self, timeout_s: float) -> Stats:
         self._send(GetStats())
         deadline_s = time.monotonic() + timeout_s

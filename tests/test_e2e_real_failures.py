@@ -86,6 +86,9 @@ class Server:
         self.outputs += outputs
         return outputs
 
+    def problem(self, num_pending: int) -> str | None:
+        return self.process.problem(num_pending)
+
     def wait_for(self, request_id: str, timeout_s: float = OUTPUT_TIMEOUT_S) -> RequestOutput:
         """The first output for ``request_id``, polled or already recorded."""
         deadline_s = time.monotonic() + timeout_s
