@@ -58,16 +58,21 @@ class RateLimitedLog:
             return self._num_suppressed_total
 
     def warning(self, reason: str, msg: str, *args: object) -> bool:
-        return self.log(logging.WARNING, reason, msg, *args)
+        return self._log(logging.WARNING, reason, msg, args, exc_info=False)
 
     def info(self, reason: str, msg: str, *args: object) -> bool:
-        return self.log(logging.INFO, reason, msg, *args)
+        return self._log(logging.INFO, reason, msg, args, exc_info=False)
 
     def error(self, reason: str, msg: str, *args: object, exc_info: bool = False) -> bool:
-        return self.log(logging.ERROR, reason, msg, *args, exc_info=exc_info)
+        return self._log(logging.ERROR, reason, msg, args, exc_info=exc_info)
 
     def log(self, level: int, reason: str, msg: str, *args: object, exc_info: bool = False) -> bool:
         """Write the line unless ``reason`` was logged within the interval; True if written."""
+        return self._log(level, reason, msg, args, exc_info=exc_info)
+
+    def _log(
+        self, level: int, reason: str, msg: str, args: tuple[object, ...], *, exc_info: bool
+    ) -> bool:
         if not self._logger.isEnabledFor(level):
             return False
         num_suppressed = self._admit(reason)
@@ -75,7 +80,8 @@ class RateLimitedLog:
             return False
         if num_suppressed:
             msg = f"{msg} [{num_suppressed} more like this suppressed since the previous one]"
-        self._logger.log(level, msg, *args, exc_info=exc_info)
+        # stacklevel 3: the record names our caller's line, not this module's.
+        self._logger.log(level, msg, *args, exc_info=exc_info, stacklevel=3)
         return True
 
     def _admit(self, reason: str) -> int | None:

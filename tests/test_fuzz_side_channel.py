@@ -9,7 +9,8 @@ few seconds) and only typed results or typed errors may come out:
   boot id, request payload), with and without a secret, including correctly signed garbage;
 - the client's reply decoder (``decode_reply``), with and without a secret;
 - the free notification decoder (``decode_free_notif``);
-- the authenticated envelope (``decode_envelope`` + ``RequestAuthenticator.check``).
+- the authenticated envelope (``decode_envelope`` + ``RequestAuthenticator.check``);
+- the prefill rank's NotificationCounter, which must log a garbage flood in a few lines.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from connector.protocol import (
 from scheduler.auth import RequestAuthenticator
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
+from worker.notifications import NotificationCounter
 
 SECRET = "correct horse battery staple"
 ENGINE_ID = "prefill-0"
@@ -340,3 +342,26 @@ def test_the_fuzz_inputs_include_what_used_to_escape() -> None:
         reply = decode_reply(server.answer([frame]), secret=None, request_nonce=b"")
         assert isinstance(reply, ErrorReply) and message in reply.reason
     assert time.perf_counter() - started_s < 1.0
+
+
+def test_the_notification_counter_survives_a_garbage_flood_with_a_short_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The free-notification path as a prefill rank runs it: typed errors become counters,
+    and however many arrive, each kind is logged once per interval."""
+    counter = NotificationCounter(clock=lambda: 0.0, early_ttl_s=5.0)
+    counter.expect(["r1"])
+    num_garbage = [0]
+
+    def check(msg: bytes) -> None:
+        try:
+            decode_free_notif(msg)
+        except InvalidNotification:
+            num_garbage[0] += 1
+        counter.receive({"decode-agent": [msg]})
+
+    with caplog.at_level(logging.DEBUG, logger="worker.notifications"):
+        assert fuzz(_notifications, check) >= MIN_INPUTS
+    assert counter.stats.garbage == num_garbage[0] > 0
+    lines = [r for r in caplog.records if r.name == "worker.notifications"]
+    assert len(lines) <= 4, [r.getMessage() for r in lines]  # garbage, duplicate, stray, count

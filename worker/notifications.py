@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from connector.errors import InvalidNotification
 from connector.protocol import decode_free_notif
+from connector.ratelimit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class NotificationCounter:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._finished: list[str] = []
         self.stats = NotificationStats()
+        self._log = RateLimitedLog(logger, clock=clock)  # peers' input: bounded log lines
 
     @property
     def num_expected(self) -> int:
@@ -96,7 +98,7 @@ class NotificationCounter:
             request_id, consumers = decode_free_notif(message)
         except InvalidNotification as error:
             self.stats.garbage += 1
-            logger.warning("ignoring garbage notification from %s: %s", sender, error)
+            self._log.warning("garbage", "ignoring garbage notification from %s: %s", sender, error)
             return
         tally = self._expected.get(request_id)
         if tally is None:
@@ -109,7 +111,9 @@ class NotificationCounter:
     def _add(self, tally: _Tally, sender: str, request_id: str, consumers: int) -> bool:
         if sender in tally.senders:
             self.stats.duplicate += 1
-            logger.warning("duplicate free notification for %s from %s", request_id, sender)
+            self._log.warning(
+                "duplicate", "duplicate free notification for %s from %s", request_id, sender
+            )
             return False
         if tally.consumers and consumers != tally.consumers:
             # Freeing too late only costs memory; freeing under a live read corrupts it.
@@ -127,13 +131,17 @@ class NotificationCounter:
     def _hold_early(self, sender: str, request_id: str, consumers: int) -> None:
         if request_id in self._recent:
             self.stats.duplicate += 1
-            logger.warning("free notification for finished request %s from %s", request_id, sender)
+            self._log.warning(
+                "duplicate", "free notification for finished request %s from %s", request_id, sender
+            )
             return
         tally = self._early.get(request_id)
         if tally is None:
             if len(self._early) >= MAX_EARLY_IDS:
                 self.stats.stray += 1
-                logger.warning("dropping notification for unknown request %s", request_id)
+                self._log.warning(
+                    "stray", "dropping notification for unknown request %s", request_id
+                )
                 return
             tally = self._early[request_id] = _Tally(first_seen_s=self._clock())
         self._add(tally, sender, request_id, consumers)
@@ -157,7 +165,8 @@ class NotificationCounter:
         for request_id in expired:
             tally = self._early.pop(request_id)
             self.stats.stray += len(tally.senders)
-            logger.warning(
+            self._log.warning(
+                "stray",
                 "free notification for unknown request %s from %s: no such lease; ignored",
                 request_id,
                 sorted(tally.senders),
