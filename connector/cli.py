@@ -91,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     _add_serve_parser(commands)
     _add_route_parser(commands)
+    _add_doctor_parser(commands)
     return parser
 
 
@@ -173,6 +174,43 @@ def _add_route_parser(commands: argparse._SubParsersAction) -> None:
     route.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
+    doctor = commands.add_parser(
+        "doctor",
+        help="check NIXL, the UCX transport, side channels and the environment",
+        description="Check that NIXL loads with a UCX backend, run a short real READ between "
+        "two processes and name the UCX transport that moved the bytes (TCP is the slow "
+        "path), handshake with the given side channels and compare their engines, and "
+        "point out environment mistakes, each with its fix. Exits 1 when something a "
+        "deployment needs is missing or incompatible.",
+    )
+    doctor.add_argument(
+        "--side-channel", action="append", default=[], metavar="HOST:PORT",
+        help="an engine's side channel to handshake with (repeat; two or more are compared)",
+    )  # fmt: skip
+    doctor.add_argument(
+        "--timeout", type=float, default=3.0, metavar="SECONDS",
+        help="per side-channel exchange (3)",
+    )  # fmt: skip
+    doctor.add_argument(
+        "--no-transfer", action="store_true", help="skip the loopback READ (faster)"
+    )
+    doctor.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from connector import doctor
+
+    return doctor.main(
+        args.side_channel,
+        timeout_s=args.timeout,
+        transfer=not args.no_transfer,
+        strict=args.strict,
+        as_json=args.json,
+    )
+
+
 def _raise_interrupt(signum: int, frame: object) -> NoReturn:
     raise KeyboardInterrupt
 
@@ -183,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exit_request:  # --help, or a bad flag already explained on stderr
         return int(exit_request.code or 0)
-    commands = {"demo": _demo, "serve": _serve, "route": _route}
+    commands = {"demo": _demo, "serve": _serve, "route": _route, "doctor": _doctor}
     return commands[args.command](args)
 
 
