@@ -37,6 +37,7 @@ from tests.scheduler_helpers import (
     prefill_request,
     start_load,
 )
+from tests.test_side_channel import restart_on_port
 
 
 @pytest.fixture
@@ -383,7 +384,7 @@ def test_the_sender_learns_a_boot_id_and_a_restarted_engine_refuses_the_old_one(
         assert sender.submit("127.0.0.1", port, ["p1"], engine_id="prefill-0")
         assert before.arrived.wait(5.0)
         server.stop()
-        server = start_prefill_side_channel(after, port=port)  # same engine id and port
+        server = restart_on_port(lambda port: start_prefill_side_channel(after, port), port)
         # p1 was leased by the previous boot: refused, and not backed off; p2 (asked after
         # the sender relearned the boot id) goes through at once.
         assert sender.submit("127.0.0.1", port, ["p1"], engine_id="prefill-0")

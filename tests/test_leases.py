@@ -87,6 +87,22 @@ def test_messages_naming_an_ended_or_unknown_lease_are_stray_and_touch_no_other_
     assert table.expired(49.9) == () and table.expired(50.0) == ("b",)  # b untouched
 
 
+def test_rank_reports_for_ids_with_no_live_lease_are_counted_and_free_nothing() -> None:
+    clock = FakeClock()
+    leases = LeaseTable(30.0)
+    producer = Producer(
+        engine_id="p", tp_size=1, leases=leases, clock=clock, address=lambda: ("h", 1)
+    )
+    producer.request_finished("held", ((1,),))
+    producer.request_finished("released", ((2,),))
+    leases.release(["released"])
+    producer.take_step()
+    producer.on_reports([WorkerReport(tp_rank=0, finished_sending=("never", "released"))])
+    assert producer.num_stray_reports == 2
+    assert producer.take_finished() == ("released",)  # by its release, not by the report
+    assert "held" in leases
+
+
 def test_a_lease_taken_again_is_no_longer_ended() -> None:
     table = LeaseTable(30.0)
     table.lease("a", now=0.0)

@@ -84,6 +84,18 @@ def start_server(
     return server
 
 
+def restart_on_port(start: Callable[[int], SideChannelServer], port: int) -> SideChannelServer:
+    """``start(port)`` again right after a stop: zmq unbinds asynchronously after close, so
+    the port can be busy for a moment; retry for up to 2 s (an engine restart is a new
+    process, whose old sockets the kernel already closed)."""
+    for _ in range(40):
+        try:
+            return start(port)
+        except UnsupportedConfiguration:
+            threading.Event().wait(0.05)
+    return start(port)
+
+
 @pytest.fixture
 def leases() -> Leases:
     return Leases()
@@ -329,7 +341,7 @@ def test_stop_joins_the_thread_and_frees_the_port(leases: Leases) -> None:
     port = server.port
     server.stop()
     assert not [t for t in threading.enumerate() if t.name == f"nixl-pd-side-channel-{port}"]
-    again = start_server(leases, secret=None, port=port)
+    again = restart_on_port(lambda port: start_server(leases, secret=None, port=port), port)
     again.stop()
 
 
@@ -363,7 +375,8 @@ def test_a_release_captured_before_a_restart_is_refused_by_the_restarted_engine(
         raw_exchange(port, [captured]) or b"", secret=SECRET, request_nonce=nonce
     ) == Ack(1)
     before.stop()
-    after = start_server(leases, secret=SECRET, port=port)  # same engine id, same port
+    # Same engine id, same port.
+    after = restart_on_port(lambda port: start_server(leases, secret=SECRET, port=port), port)
     try:
         replayed = decode_reply(
             raw_exchange(port, [captured]) or b"", secret=SECRET, request_nonce=nonce
