@@ -9,18 +9,24 @@ Keys (the same ones vLLM's NixlConnector uses, so existing routers work):
     remote_block_ids   list   prefill's logical block ids per cache group: a list of lists of
                               non-negative ints, or a flat list of ints meaning one group
     remote_host        str    prefill side channel host (non-empty)
-    remote_port        int    prefill side channel port, 1..65535
-    tp_size            int    prefill tensor-parallel size, >= 1
+    remote_port        int    prefill side channel port, 1..65535 (a decimal string is accepted)
+    tp_size            int    prefill tensor-parallel size, >= 1 (absent: 1, as vLLM assumes)
+    remote_num_tokens  int    tokens whose KV prefill holds, >= 0 (informational)
+    transfer_mode      str    "pull": decode reads from prefill (the only mode served here)
 
 A key whose value is null counts as absent (routers such as vLLM's toy proxy send
 ``"remote_engine_id": null`` alongside ``do_remote_decode``). With ``do_remote_prefill`` every
-remote_* key and ``tp_size`` is required. Unknown keys are tolerated (routers add their own)
-and listed in ``KVTransferParams.ignored_keys`` so the caller can log them; they never fail a
-request. Anything else raises InvalidTransferParams naming the key and the value seen.
+remote_* key except remote_num_tokens is required. Unknown keys are tolerated (routers add
+their own) and listed in ``KVTransferParams.ignored_keys`` so the caller can log them. The
+whole dict, unknown keys included, must be JSON-like data that can travel on: nested at most
+MAX_DEPTH deep, and every string (keys too) UTF-8 encodable (``json.loads`` turns ``"\ud800"``
+into a lone surrogate, which no encoder accepts). Anything else raises InvalidTransferParams
+naming the key and the value seen; nothing else escapes.
 """
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -30,6 +36,8 @@ from connector.errors import InvalidTransferParams
 from connector.metadata import BlockIds, RemoteSource
 
 MAX_BLOCK_ID = 2**31 - 1
+MAX_DEPTH = 32  # nesting levels below the params dict; ours need 2 (remote_block_ids groups)
+TRANSFER_MODE = "pull"
 
 _NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
@@ -46,6 +54,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_host: str | None = None
     remote_port: int | None = None
     tp_size: int | None = None
+    remote_num_tokens: int | None = None
+    transfer_mode: str | None = None
     ignored_keys: tuple[str, ...] = ()  # unknown keys seen in the dict (tolerated, for logging)
 
     def remote_source(self) -> RemoteSource:
@@ -57,7 +67,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             engine_id=_required(self.remote_engine_id, "remote_engine_id"),
             host=_required(self.remote_host, "remote_host"),
             port=_required(self.remote_port, "remote_port"),
-            tp_size=_required(self.tp_size, "tp_size"),
+            tp_size=1 if self.tp_size is None else self.tp_size,
             request_id=_required(self.remote_request_id, "remote_request_id"),
             block_ids=_required(self.remote_block_ids, "remote_block_ids"),
         )
@@ -76,6 +86,8 @@ _KEY_RULES: dict[str, tuple[Any, str]] = {
         "an integer TCP port in 1..65535",
     ),
     "tp_size": (Annotated[int, msgspec.Meta(ge=1, le=65536)], "an integer >= 1"),
+    "remote_num_tokens": (Annotated[int, msgspec.Meta(ge=0, le=2**40)], "an integer >= 0"),
+    "transfer_mode": (str, f"{TRANSFER_MODE!r} (decode reads the KV from prefill)"),
 }
 _REQUIRED_FOR_PREFILL = (
     "remote_engine_id",
@@ -83,7 +95,6 @@ _REQUIRED_FOR_PREFILL = (
     "remote_block_ids",
     "remote_host",
     "remote_port",
-    "tp_size",
 )
 
 
@@ -93,15 +104,14 @@ def parse_kv_transfer_params(raw: Mapping[Any, Any] | None) -> KVTransferParams 
         return None
     if not isinstance(raw, Mapping):
         raise InvalidTransferParams(
-            f"kv_transfer_params must be a JSON object, got {type(raw).__name__} {_show(raw)}"
+            f"kv_transfer_params must be a JSON object, got {type(raw).__name__} {short_repr(raw)}"
         )
     if not raw:
         return None
+    _check_transportable(raw)
     fields: dict[str, Any] = {}
     ignored: list[str] = []
     for key, value in raw.items():
-        if not isinstance(key, str):
-            raise InvalidTransferParams(f"kv_transfer_params: key {_show(key)} is not a string")
         if key not in _KEY_RULES:
             ignored.append(key)
         elif value is not None:
@@ -119,6 +129,54 @@ def parse_kv_transfer_params(raw: Mapping[Any, Any] | None) -> KVTransferParams 
                 "missing; pass through every key the prefill engine returned"
             )
     return KVTransferParams(**fields, ignored_keys=tuple(sorted(ignored)))
+
+
+def _check_transportable(raw: Mapping[Any, Any]) -> None:
+    """Raise InvalidTransferParams unless ``raw`` is JSON-like data that can travel on.
+
+    One bounded walk over the whole dict: string keys only, nesting at most MAX_DEPTH, every
+    string UTF-8 encodable. Without it a deep list or a lone surrogate in any key (known or
+    not) raises RecursionError or UnicodeEncodeError later, far from the request.
+    """
+    stack: list[tuple[str, object, int]] = [("", raw, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_utf8(path, value)
+        elif isinstance(value, Mapping | list | tuple):
+            if depth > MAX_DEPTH:
+                raise InvalidTransferParams(
+                    f"kv_transfer_params{path}: nested more than {MAX_DEPTH} levels deep; "
+                    "send flat JSON values (block ids are a list of lists of integers)"
+                )
+            stack.extend(_children(path, value, depth + 1))
+
+
+def _children(
+    path: str, value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], depth: int
+) -> list[tuple[str, object, int]]:
+    if not isinstance(value, Mapping):
+        return [(f"{path}[{index}]", item, depth) for index, item in enumerate(value)]
+    children: list[tuple[str, object, int]] = []
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise InvalidTransferParams(
+                f"kv_transfer_params{path}: key {short_repr(key)} is not a string; "
+                "kv_transfer_params must be a JSON object"
+            )
+        _check_utf8(f"{path} key", key)
+        children.append((f"{path}[{short_repr(key)}]", item, depth))
+    return children
+
+
+def _check_utf8(path: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidTransferParams(
+            f"kv_transfer_params{path}: {short_repr(text)} is not valid Unicode (a lone surrogate "
+            f"{short_repr(text[exc.start : exc.end])} at index {exc.start}); send UTF-8 text"
+        ) from None
 
 
 def validate_block_groups(params: KVTransferParams, num_groups: int) -> None:
@@ -151,17 +209,26 @@ def params_for_decode(
         "remote_host": host,
         "remote_port": port,
         "tp_size": tp_size,
+        "transfer_mode": TRANSFER_MODE,
     }
 
 
 def _convert_key(key: str, value: object) -> Any:
     value_type, accepted = _KEY_RULES[key]
+    if key == "remote_port" and isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)  # some routers forward the port as a string; vLLM accepts it
     try:
         converted = msgspec.convert(value, value_type)
     except msgspec.ValidationError as exc:
         raise _bad_value(key, value, exc, accepted) from None
     if key == "remote_block_ids":
         return _convert_block_ids(converted)
+    if key == "transfer_mode" and converted != TRANSFER_MODE:
+        raise InvalidTransferParams(
+            f"kv_transfer_params['transfer_mode']: {short_repr(converted)} is not served; this "
+            f"connector only reads prefill's KV from decode ({TRANSFER_MODE!r}): send the "
+            "request to engines configured for that mode"
+        )
     return converted
 
 
@@ -184,7 +251,7 @@ def _convert_block_ids(groups: list[Any]) -> BlockIds:
 def _bad_value(key: str, value: object, exc: msgspec.ValidationError, accepted: str) -> Exception:
     detail = str(exc).replace("`$", "`" + key)
     return InvalidTransferParams(
-        f"kv_transfer_params[{key!r}]: value {_show(value)} is not accepted ({detail}); "
+        f"kv_transfer_params[{key!r}]: value {short_repr(value)} is not accepted ({detail}); "
         f"expected {accepted}"
     )
 
@@ -195,6 +262,15 @@ def _required(value: Any, key: str) -> Any:
     return value
 
 
-def _show(value: object) -> str:
-    text = repr(value)
+def short_repr(value: object) -> str:
+    """A repr of at most 80 characters for error messages; never raises (deep lists, ints
+    of 5000 digits, lone surrogates)."""
+    try:
+        text = _SHORT.repr(value)
+    except (RecursionError, ValueError):
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 60, 60, 40

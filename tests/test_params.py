@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connector.errors import InvalidTransferParams
 from connector.metadata import RemoteSource
@@ -14,6 +17,7 @@ from connector.params import (
     parse_kv_transfer_params,
     validate_block_groups,
 )
+from connector.protocol import encode_free_notif
 
 PREFILL_DONE: dict[str, Any] = {
     "do_remote_prefill": True,
@@ -35,6 +39,14 @@ def decode_params(**changes: Any) -> dict[str, Any]:
         else:
             params[key] = value
     return params
+
+
+def nested(depth: int) -> list[Any]:
+    """[[[...[]...]]] with ``depth`` lists inside the outer one."""
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 MALFORMED: list[tuple[str, Any, str]] = [
@@ -70,7 +82,6 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ),
     ("prefill params without remote_host", decode_params(remote_host=...), "remote_host"),
     ("prefill params without remote_port", decode_params(remote_port=...), "remote_port"),
-    ("prefill params without tp_size", decode_params(tp_size=...), "tp_size"),
     (
         "prefill params with a null remote_host",
         decode_params(remote_host=None),
@@ -84,12 +95,23 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("remote_port 0", decode_params(remote_port=0), "'remote_port'.*>= 1"),
     ("remote_port 65536", decode_params(remote_port=65536), "'remote_port'.*<= 65535"),
     ("a negative remote_port", decode_params(remote_port=-1), "'remote_port'"),
-    ("remote_port as a string", decode_params(remote_port="5600"), "'remote_port'.*got `str`"),
+    ("remote_port as a word", decode_params(remote_port="http"), "'remote_port'.*got `str`"),
+    ("remote_port with a space", decode_params(remote_port=" 5600"), "'remote_port'.*got `str`"),
+    ("remote_port in non-ASCII digits", decode_params(remote_port="٥٦٠٠"), "'remote_port'"),
+    ("remote_port as a numeric string too big", decode_params(remote_port="99999"), "<= 65535"),
     ("remote_port as a float", decode_params(remote_port=5600.0), "'remote_port'.*got `float`"),
     ("remote_port as a bool", decode_params(remote_port=True), "'remote_port'.*got `bool`"),
     ("tp_size 0", decode_params(tp_size=0), "'tp_size'.*>= 1"),
     ("tp_size as a bool", decode_params(tp_size=True), "'tp_size'.*got `bool`"),
     ("tp_size as a string", decode_params(tp_size="2"), "'tp_size'"),
+    ("tp_size with 40 digits", decode_params(tp_size=10**40), "'tp_size'"),
+    ("a negative remote_num_tokens", decode_params(remote_num_tokens=-1), "'remote_num_tokens'"),
+    (
+        "transfer_mode push",
+        decode_params(transfer_mode="push"),
+        r"'push' is not served; this connector only reads .*\('pull'\)",
+    ),
+    ("transfer_mode as a number", decode_params(transfer_mode=1), "'transfer_mode'.*got `int`"),
     ("remote_block_ids as a string", decode_params(remote_block_ids="1,2"), "'remote_block_ids'"),
     (
         "remote_block_ids as a dict",
@@ -114,6 +136,41 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("groups mixing lists and ids", decode_params(remote_block_ids=[[1], 2]), "'remote_block_ids'"),
     ("a group of nested lists", decode_params(remote_block_ids=[[[1]]]), "'remote_block_ids'"),
     ("a null group", decode_params(remote_block_ids=[None]), "'remote_block_ids'"),
+    (
+        "a lone surrogate in remote_request_id",
+        decode_params(remote_request_id="cmpl-\ud800"),
+        r"\['remote_request_id'\]: 'cmpl-\\ud800' is not valid Unicode .*at index 5\); send UTF-8",
+    ),
+    (
+        "a lone surrogate in an unknown key's nested value",
+        {"do_remote_decode": True, "x_hint": {"tags": ["ok", "\udfff"]}},
+        r"\['x_hint'\]\['tags'\]\[1\]: '\\udfff' is not valid Unicode",
+    ),
+    (
+        "a lone surrogate in a key",
+        {"do_remote_decode": True, "x\ud800": 1},
+        r"kv_transfer_params key: 'x\\ud800' is not valid Unicode",
+    ),
+    (
+        "a non-string key inside an unknown key's value",
+        {"x_hint": {1: 2}},
+        r"\['x_hint'\]: key 1 is not a string",
+    ),
+    (
+        "an unknown key nested 10,000 levels deep",
+        {"do_remote_decode": True, "x_hint": nested(10_000)},
+        r"\['x_hint'\](\[0\]){32}: nested more than 32 levels deep",
+    ),
+    (
+        "remote_block_ids nested 40 levels deep",
+        decode_params(remote_block_ids=nested(40)),
+        "nested more than 32 levels deep",
+    ),
+    (
+        "params that are a deeply nested list",
+        nested(10_000),
+        "must be a JSON object, got list",
+    ),
     (
         "an overlong remote_request_id",
         decode_params(remote_request_id="x" * 5000),
@@ -189,6 +246,25 @@ VALID: list[tuple[str, Any, KVTransferParams | None]] = [
         KVTransferParams(do_remote_decode=True, ignored_keys=("priority", "x_router_hint")),
     ),
     (
+        "prefill's reply without tp_size, a string port and vLLM's extra keys",
+        decode_params(tp_size=..., remote_port="5600", remote_num_tokens=40, transfer_mode="pull"),
+        KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="prefill-0",
+            remote_request_id="cmpl-1",
+            remote_block_ids=((1, 2, 3), (7,)),
+            remote_host="127.0.0.5",
+            remote_port=5600,
+            remote_num_tokens=40,
+            transfer_mode="pull",
+        ),
+    ),
+    (
+        "unknown keys may nest 32 levels and hold any valid Unicode",
+        {"do_remote_decode": True, "x_hint": nested(31), "x_note": "日本\U0001f600"},
+        KVTransferParams(do_remote_decode=True, ignored_keys=("x_hint", "x_note")),
+    ),
+    (
         "both flags false",
         {"do_remote_decode": False, "do_remote_prefill": False},
         KVTransferParams(),
@@ -215,7 +291,7 @@ def test_params_for_decode_round_trip_through_the_parser() -> None:
         port=5600,
         tp_size=2,
     )
-    assert returned == PREFILL_DONE
+    assert returned == {**PREFILL_DONE, "transfer_mode": "pull"}
     parsed = parse_kv_transfer_params(returned)
     assert parsed is not None
     assert parsed.remote_source() == RemoteSource(
@@ -226,6 +302,11 @@ def test_params_for_decode_round_trip_through_the_parser() -> None:
         request_id="cmpl-1",
         block_ids=((1, 2, 3), (7,)),
     )
+
+
+def test_tp_size_defaults_to_1_as_vllm_assumes() -> None:
+    parsed = parse_kv_transfer_params(decode_params(tp_size=...))
+    assert parsed is not None and parsed.remote_source().tp_size == 1
 
 
 def test_remote_source_needs_do_remote_prefill() -> None:
@@ -251,3 +332,83 @@ def test_validate_block_groups(block_ids: Any, num_groups: int, message: str | N
     else:
         with pytest.raises(InvalidTransferParams, match=message):
             validate_block_groups(params, num_groups)
+
+
+# ---------------------------------------------------------------- fuzz: nothing untyped escapes
+
+# Strings with anything in them: every code point, lone surrogates included (json.loads makes
+# them from "\\ud800"), plus the values the validators look at.
+ODD_TEXT = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=12),
+    st.sampled_from(["", "\ud800", "a\udfffb", "5600", "pull", "push", "0", "-1", "true", "nan"]),
+)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.sampled_from([5000, -4400]).map(
+        lambda e: 10 ** abs(e) * (1 if e > 0 else -1)
+    ),  # repr raises
+    st.floats(allow_nan=True),
+    ODD_TEXT,
+    st.binary(max_size=4),
+)
+JSONISH = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.dictionaries(st.one_of(ODD_TEXT, st.integers()), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+DEPTHS = st.one_of(st.none(), st.integers(min_value=1, max_value=3000))  # nested in the test
+KNOWN_KEYS = [*PREFILL_DONE, "do_remote_decode", "remote_num_tokens", "transfer_mode"]
+
+
+def inputs_around(value: Any) -> list[Any]:
+    """One fuzzed value in every place of the params: 14 inputs (drawing is the slow part)."""
+    return [
+        value,
+        {"x_router_hint": value},
+        {"do_remote_decode": True, "x_router_hint": {"nested": [value]}},
+        {value if isinstance(value, str) else "x_other": True},
+        *({**PREFILL_DONE, key: value} for key in KNOWN_KEYS),
+    ]
+
+
+NUM_FUZZ_VALUES = 750  # x 14 places = 10,500 inputs
+
+
+def check_typed_outcome(raw: Any) -> None:
+    """None, a usable KVTransferParams, or InvalidTransferParams: nothing else may escape."""
+    try:
+        parsed = parse_kv_transfer_params(raw)
+    except InvalidTransferParams as exc:
+        assert str(exc).startswith("kv_transfer_params")
+        return
+    if parsed is None:
+        return
+    assert isinstance(parsed, KVTransferParams)
+    msgspec.msgpack.encode(parsed)  # crosses process boundaries in the step metadata
+    if parsed.do_remote_prefill:
+        source = parsed.remote_source()
+        encode_free_notif(source.request_id, 1)  # the READ's notification: UTF-8 bytes
+
+
+def test_fuzzed_params_raise_only_invalid_transfer_params() -> None:
+    num_inputs = 0
+
+    @settings(max_examples=NUM_FUZZ_VALUES, database=None)
+    @given(JSONISH, DEPTHS)
+    def check(value: Any, depth: int | None) -> None:
+        nonlocal num_inputs
+        if depth is not None:  # built here: hypothesis would repr a deep value recursively
+            value = nested(depth) if depth % 2 else [value, nested(depth)]
+        for raw in inputs_around(value):
+            check_typed_outcome(raw)
+            num_inputs += 1
+
+    check()
+    assert num_inputs >= 10_000
