@@ -38,12 +38,44 @@ def test_seed000_remote_ratio_261_with_ssm_group_passing_through():
 @pytest.mark.parametrize(
     ("block_ids", "ratio", "ssm_groups", "message"),
     [
-        (([0],), 0, (), "kernel blocks per logical block must be >= 1, got 0"),
-        (([0, -3],), 2, (), "group 0: block id -3 is negative"),
-        (([0],), 2, (4,), "SSM group index 4 is not one of 1 groups"),
+        (([0],), 0, (), r"ratio must be in 1\.\.4096 kernel blocks per logical block, got 0"),
+        (([0],), 10**9, (), r"ratio must be in 1\.\.4096 .*, got 1000000000; pass block_size //"),
+        (([0],), 2.0, (), "ratio must be an integer .*, got float 2.0; pass block_size //"),
+        (([0],), True, (), "ratio must be an integer .*, got bool True"),
+        (([0],), "2", (), "ratio must be an integer .*, got str '2'"),
+        (([0, -3],), 2, (), "block_ids group 0: block id -3 is negative; block ids index"),
+        (([2**41],), 2, (), r"block id 2199023255552 is above 1099511627776"),
+        (([0, 1.5],), 2, (), "block_ids group 0: block id 1.5 is a float, not an integer"),
+        (([0, True],), 2, (), "block_ids group 0: block id True is a bool, not an integer"),
+        (([4, 5, 4],), 2, (), "block_ids group 0: block id 4 appears twice; .* is corrupt"),
+        (([0], [3, 3]), 2, (0,), "block_ids group 1: block id 3 appears twice"),
+        ([0, 1], 2, (), r"block_ids group 0 is int 0, not a list of block ids; .* \[\[\.\.\.\]\]"),
+        ("0,1", 2, (), "block_ids must be a list of block-id lists, one per cache group, got str"),
+        ((["01"],), 2, (), "block_ids group 0: block id '01' is a str, not an integer"),
+        (([0],), 2, (4,), r"SSM group index 4 is not one of 1 groups; pass indices in 0\.\.0"),
+        (([0],), 2, (True,), "SSM group index True is not one of 1 groups"),
+        (([0],), 2, "0", "ssm_groups must be a collection of group indices, got '0'"),
     ],
-    ids=["zero-ratio", "negative-id", "ssm-group-out-of-range"],
-)
+    ids=[
+        "zero-ratio",
+        "huge-ratio",
+        "float-ratio",
+        "bool-ratio",
+        "string-ratio",
+        "negative-id",
+        "huge-id",
+        "float-id",
+        "bool-id",
+        "duplicate-id",
+        "duplicate-id-in-attention-group-beside-ssm",
+        "flat-list-instead-of-groups",
+        "string-instead-of-groups",
+        "string-id",
+        "ssm-group-out-of-range",
+        "ssm-group-bool",
+        "ssm-groups-string",
+    ],
+)  # fmt: skip
 def test_logical_to_kernel_block_ids_rejects(block_ids, ratio, ssm_groups, message):
     with pytest.raises(TransferPlanError, match=message):
         logical_to_kernel_block_ids(block_ids, ratio, ssm_groups)
@@ -67,6 +99,8 @@ def test_logical_to_kernel_block_ids_rejects(block_ids, ratio, ssm_groups, messa
         ([[], [5]], [[1, 2, 3], [7, 8]], {}, ([[], [5]], [[], [8]])),
         # Several local SSM entries: the real state is the last on both sides.
         ([[4], [3, 5]], [[1], [7, 8]], {}, ([[4], [5]], [[1], [8]])),
+        # SSM placeholders may repeat (a null block); attention ids may not.
+        ([[1], [3]], [[1], [0, 0, 3]], {}, ([[1], [3]], [[1], [3]])),
     ],
     ids=[
         "seed001-ssm-trim-only",
@@ -75,6 +109,7 @@ def test_logical_to_kernel_block_ids_rejects(block_ids, ratio, ssm_groups, messa
         "empty-local-groups-read-nothing",
         "full-hit-fa-ssm-tail",
         "ssm-local-tail",
+        "ssm-placeholders-may-repeat",
     ],
 )  # fmt: skip
 def test_apply_prefix_caching_equal_ratios(local, remote, kwargs, expected):
@@ -128,9 +163,17 @@ def test_apply_prefix_caching_different_ratios_without_token_count_is_unsupporte
         ([[1, 2]], [[1, 2, 3]], {"local_ratio": 2, "num_tokens": 70, "kernel_block_size": 16},
          "prefill 3 \\(expected 5\\)"),
         ([[1, 2]], [[1]], {"local_ratio": 2, "num_tokens": 0, "kernel_block_size": 16}, "must all be positive"),
+        ([[1, 2]], [[1]], {"local_ratio": 2, "num_tokens": 7.5, "kernel_block_size": 16},
+         "num_tokens must be an integer or None, got float 7.5"),
+        ([[1]], [[1]], {"remote_ratio": 10**6}, r"remote_ratio must be in 1\.\.4096 .*got 1000000"),
+        ([[1]], [[1]], {"local_ratio": 0}, r"local_ratio must be in 1\.\.4096 .*got 0"),
+        ([[1]], [[1, 2, 1]], {}, "remote_ids group 0: block id 1 appears twice"),
+        ([[-1]], [[1]], {}, "local_ids group 0: block id -1 is negative"),
+        ([[1]], "1", {}, "remote_ids must be a list of block-id lists, one per cache group, got str"),
     ],
     ids=["local-longer-than-remote", "group-count-mismatch", "ssm-remote-empty",
-         "wrong-remote-count-for-tokens", "zero-tokens"],
+         "wrong-remote-count-for-tokens", "zero-tokens", "float-tokens", "huge-remote-ratio",
+         "zero-local-ratio", "duplicate-remote-id", "negative-local-id", "remote-as-a-string"],
 )  # fmt: skip
 def test_apply_prefix_caching_rejects_impossible_inputs(local, remote, kwargs, message):
     with pytest.raises(TransferPlanError, match=message):

@@ -28,9 +28,14 @@ def test_tp_ratio(local_tp, remote_tp, expected):
     [
         (3, 2, "decode TP 3 and prefill TP 2 do not divide one another"),
         (4, 6, "decode TP 4 and prefill TP 6 do not divide"),
-        (0, 2, "must be positive, got local 0 and remote 2"),
+        (0, 2, r"must be in 1\.\.65536, got local 0 and remote 2; pass each engine's"),
+        (2, -4, r"must be in 1\.\.65536, got local 2 and remote -4"),
+        (2**40, 1, r"must be in 1\.\.65536, got local 1099511627776 and remote 1"),
+        (2.0, 1, "local_tp must be an integer, got float 2.0"),
+        (1, True, "remote_tp must be an integer, got bool True"),
+        (1, "2", "remote_tp must be an integer, got str '2'"),
     ],
-    ids=["3-over-2", "4-under-6", "zero"],
+    ids=["3-over-2", "4-under-6", "zero", "negative", "huge", "float", "bool", "string"],
 )
 def test_tp_ratio_rejects(local_tp, remote_tp, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
@@ -147,15 +152,32 @@ def test_notifications_match_coverage_and_reads_cover_every_head(
             "6 KV heads cannot be split over tensor-parallel size 4",
         ),
         (lambda: read_sources(2, 2, 1, 8), "local rank 2 is not a rank of TP size 2"),
-        (lambda: read_sources(0, 1, 1, 0), "num_kv_heads must be positive, got 0"),
+        (lambda: read_sources(0, 1, 1, 0), r"num_kv_heads must be in 1\.\.1048576, got 0"),
+        (lambda: read_sources(0, 1, 1, 2**30), r"num_kv_heads must be in 1\.\.1048576, got"),
+        (lambda: read_sources(0, 1, 1, 8.0), "num_kv_heads must be an integer, got float 8.0"),
+        (lambda: read_sources(-1, 2, 1, 8), "local rank -1 is not a rank of TP size 2"),
+        (lambda: read_sources(None, 2, 1, 8), "local_rank must be an integer, got NoneType None"),
         (lambda: expected_notifications(4, 1, 4, 8), "remote rank 4 is not a rank of TP size 4"),
+        (
+            lambda: expected_notifications(0, 10**9, 1, 8),
+            r"must be in 1\.\.65536, got local 1000000000",
+        ),
+        (lambda: expected_notifications("0", 1, 4, 8), "remote_rank must be an integer, got str"),
+        (lambda: covered_ranks(0, 1, 0, 8), r"must be in 1\.\.65536, got local 1 and remote 0"),
     ],
     ids=[
         "tp-not-divisible",
         "heads-not-divisible",
         "rank-out-of-range",
         "zero-heads",
+        "huge-heads",
+        "float-heads",
+        "negative-rank",
+        "rank-none",
         "remote-rank-out-of-range",
+        "huge-local-tp-never-loops",
+        "remote-rank-string",
+        "zero-remote-tp",
     ],
 )
 def test_topology_rejects(call, message):

@@ -5,30 +5,35 @@ in block ids and match vLLM's helpers on the cases vLLM gets right, without its 
 
 Kernel-level ids: logical block ``b`` with ``ratio`` kernel blocks per logical block holds
 kernel blocks ``b * ratio .. b * ratio + ratio - 1``. SSM state blocks are never split.
+
+Inputs are checked before any work: block ids are integers in 0..MAX_BLOCK_ID, unique within
+an attention group (an SSM group's placeholders may repeat), ratios integers in 1..MAX_RATIO;
+anything else raises TransferPlanError saying what was wrong and the value seen.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Collection, Sequence
 
 from connector.errors import TransferPlanError, UnsupportedConfiguration
+from connector.params import short_repr
+
+MAX_RATIO = 4096  # kernel blocks per logical block; the largest seen in vLLM is 261 (seed 000)
+MAX_BLOCK_ID = 2**40  # far beyond any engine's pool, small enough to expand without overflow
 
 
 def logical_to_kernel_block_ids(
     block_ids: Sequence[Sequence[int]], ratio: int, ssm_groups: Collection[int] = ()
 ) -> list[list[int]]:
     """Per group ``[b * ratio + k for b in group for k in range(ratio)]``; SSM groups unchanged."""
-    if ratio < 1:
-        raise TransferPlanError(f"kernel blocks per logical block must be >= 1, got {ratio}")
-    _check_ssm_groups(ssm_groups, len(block_ids))
-    result: list[list[int]] = []
-    for index, group in enumerate(block_ids):
-        _check_ids(group, index)
-        if index in ssm_groups:
-            result.append(list(group))
-        else:
-            result.append([b * ratio + k for b in group for k in range(ratio)])
-    return result
+    ratio = _ratio("ratio", ratio)
+    ssm = _ssm_groups(ssm_groups, _num_groups("block_ids", block_ids))
+    groups = _groups("block_ids", block_ids, ssm)
+    return [
+        list(group) if index in ssm else [b * ratio + k for b in group for k in range(ratio)]
+        for index, group in enumerate(groups)
+    ]
 
 
 def apply_prefix_caching(
@@ -46,23 +51,28 @@ def apply_prefix_caching(
     Both inputs are kernel-level ids per group. Returns equal-length (local, remote) lists per
     group, element i of one read into element i of the other. See DESIGN.md for the rules.
     """
-    if len(local_ids) != len(remote_ids):
+    ssm = _ssm_groups(ssm_groups, _num_groups("local_ids", local_ids))
+    if len(local_ids) != _num_groups("remote_ids", remote_ids):
         raise TransferPlanError(
             f"decode has {len(local_ids)} cache groups but prefill sent {len(remote_ids)}; "
             "both engines must serve the same model"
         )
-    _check_ssm_groups(ssm_groups, len(local_ids))
+    local_groups = _groups("local_ids", local_ids, ssm)
+    remote_groups = _groups("remote_ids", remote_ids, ssm)
+    local_ratio = _ratio("local_ratio", local_ratio)
+    remote_ratio = _ratio("remote_ratio", remote_ratio)
     locals_out: list[list[int]] = []
     remotes_out: list[list[int]] = []
-    for index, (local, remote) in enumerate(zip(local_ids, remote_ids, strict=True)):
-        if index in ssm_groups:
-            pair = _pair_ssm(list(local), list(remote), index)
+    for index, (local, remote) in enumerate(zip(local_groups, remote_groups, strict=True)):
+        if index in ssm:
+            pair = _pair_ssm(local, remote, index)
         elif local_ratio == remote_ratio:
-            pair = _end_trim(list(local), list(remote), index)
+            pair = _end_trim(local, remote, index)
         else:
             pair = _pair_by_token(
-                list(local), list(remote), index, local_ratio, remote_ratio,
-                num_tokens, kernel_block_size,
+                local, remote, index, local_ratio, remote_ratio,
+                _optional_int("num_tokens", num_tokens),
+                _optional_int("kernel_block_size", kernel_block_size),
             )  # fmt: skip
         locals_out.append(pair[0])
         remotes_out.append(pair[1])
@@ -131,13 +141,103 @@ def _pair_by_token(
     return local[:count], remote[start : start + count]
 
 
-def _check_ssm_groups(ssm_groups: Collection[int], num_groups: int) -> None:
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _ratio(name: str, ratio: object) -> int:
+    if not _is_int(ratio):
+        raise TransferPlanError(
+            f"{name} must be an integer number of kernel blocks per logical block, got "
+            f"{type(ratio).__name__} {short_repr(ratio)}; pass block_size // kernel_block_size"
+        )
+    value = int(ratio)  # type: ignore[call-overload]
+    if not 1 <= value <= MAX_RATIO:
+        raise TransferPlanError(
+            f"{name} must be in 1..{MAX_RATIO} kernel blocks per logical block, got "
+            f"{short_repr(value)}; "
+            "pass block_size // kernel_block_size of one engine's cache group"
+        )
+    return value
+
+
+def _optional_int(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TransferPlanError(
+            f"{name} must be an integer or None, got {type(value).__name__} {short_repr(value)}"
+        )
+    return int(value)  # type: ignore[call-overload]
+
+
+def _is_sequence(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def _num_groups(name: str, block_ids: object) -> int:
+    if not _is_sequence(block_ids):
+        raise TransferPlanError(
+            f"{name} must be a list of block-id lists, one per cache group, got "
+            f"{type(block_ids).__name__} {short_repr(block_ids)}"
+        )
+    return len(block_ids)  # type: ignore[arg-type]
+
+
+def _ssm_groups(ssm_groups: object, num_groups: int) -> frozenset[int]:
+    if not isinstance(ssm_groups, Collection) or isinstance(ssm_groups, str | bytes):
+        raise TransferPlanError(
+            f"ssm_groups must be a collection of group indices, got {short_repr(ssm_groups)}"
+        )
     for index in ssm_groups:
-        if not 0 <= index < num_groups:
-            raise TransferPlanError(f"SSM group index {index} is not one of {num_groups} groups")
+        if not _is_int(index) or not 0 <= index < num_groups:
+            raise TransferPlanError(
+                f"SSM group index {short_repr(index)} is not one of {num_groups} groups; "
+                f"pass indices in 0..{num_groups - 1}"
+            )
+    return frozenset(int(index) for index in ssm_groups)
 
 
-def _check_ids(group: Sequence[int], index: int) -> None:
-    for block_id in group:
-        if block_id < 0:
-            raise TransferPlanError(f"group {index}: block id {block_id} is negative")
+def _groups(name: str, block_ids: Sequence[Sequence[int]], ssm: frozenset[int]) -> list[list[int]]:
+    """Checked copies of every group: non-negative integer ids, unique in attention groups."""
+    groups: list[list[int]] = []
+    for index, group in enumerate(block_ids):
+        if not _is_sequence(group):
+            raise TransferPlanError(
+                f"{name} group {index} is {type(group).__name__} {short_repr(group)}, not a list "
+                "of block ids; pass one list per cache group (wrap a single group: [[...]])"
+            )
+        checked = [_block_id(name, index, block_id) for block_id in group]
+        twice = None if index in ssm else _first_repeat(checked)
+        if twice is not None:
+            raise TransferPlanError(
+                f"{name} group {index}: block id {twice} appears twice; a request holds each "
+                "block once per attention group, so its block list is corrupt"
+            )
+        groups.append(checked)
+    return groups
+
+
+def _first_repeat(block_ids: list[int]) -> int | None:
+    seen: set[int] = set()
+    for block_id in block_ids:
+        if block_id in seen:
+            return block_id
+        seen.add(block_id)
+    return None
+
+
+def _block_id(name: str, index: int, block_id: object) -> int:
+    if not _is_int(block_id):
+        raise TransferPlanError(
+            f"{name} group {index}: block id {short_repr(block_id)} is a "
+            f"{type(block_id).__name__}, not an integer"
+        )
+    value = int(block_id)  # type: ignore[call-overload]
+    if not 0 <= value <= MAX_BLOCK_ID:
+        kind = "negative" if value < 0 else f"above {MAX_BLOCK_ID}"
+        raise TransferPlanError(
+            f"{name} group {index}: block id {short_repr(value)} is {kind}; block ids index "
+            "the engine's block pool from 0"
+        )
+    return value

@@ -18,12 +18,17 @@ to the rest, so every remote rank hears from exactly the decode ranks that cover
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from connector.errors import UnsupportedConfiguration
 from connector.geometry import heads_per_rank
 from connector.layout import RankLayout
+from connector.params import short_repr
+
+MAX_TP_SIZE = 65536  # as kv_transfer_params' tp_size; loops here are linear in it
+MAX_KV_HEADS = 2**20
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,12 @@ class ReadSource:
 
 def tp_ratio(local_tp: int, remote_tp: int) -> int:
     """``local // remote`` when local >= remote, else ``-(remote // local)``."""
-    if local_tp <= 0 or remote_tp <= 0:
+    _check_int("local_tp", local_tp)
+    _check_int("remote_tp", remote_tp)
+    if local_tp <= 0 or remote_tp <= 0 or max(local_tp, remote_tp) > MAX_TP_SIZE:
         raise UnsupportedConfiguration(
-            f"tensor-parallel sizes must be positive, got local {local_tp} and remote {remote_tp}"
+            f"tensor-parallel sizes must be in 1..{MAX_TP_SIZE}, got local {short_repr(local_tp)} "
+            f"and remote {short_repr(remote_tp)}; pass each engine's tensor_parallel_size"
         )
     if local_tp >= remote_tp:
         if local_tp % remote_tp != 0:
@@ -75,14 +83,27 @@ def _placement(num_kv_heads: int, tp_size: int) -> _Placement:
     return _Placement(heads_per_rank(num_kv_heads, tp_size), max(1, tp_size // num_kv_heads))
 
 
+def _check_int(name: str, value: object) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise UnsupportedConfiguration(
+            f"{name} must be an integer, got {type(value).__name__} {short_repr(value)}"
+        )
+
+
 def _check(local_rank: int, local_tp: int, remote_tp: int, num_kv_heads: int) -> None:
     tp_ratio(local_tp, remote_tp)
+    _check_int("local_rank", local_rank)
+    _check_int("num_kv_heads", num_kv_heads)
     if not 0 <= local_rank < local_tp:
         raise UnsupportedConfiguration(
-            f"local rank {local_rank} is not a rank of TP size {local_tp}; ranks are 0..{local_tp - 1}"
+            f"local rank {short_repr(local_rank)} is not a rank of TP size {local_tp}; ranks "
+            f"are 0..{local_tp - 1}"
         )
-    if num_kv_heads <= 0:
-        raise UnsupportedConfiguration(f"num_kv_heads must be positive, got {num_kv_heads}")
+    if not 0 < num_kv_heads <= MAX_KV_HEADS:
+        raise UnsupportedConfiguration(
+            f"num_kv_heads must be in 1..{MAX_KV_HEADS}, got {short_repr(num_kv_heads)}; pass "
+            "the model's KV head count (num_key_value_heads)"
+        )
 
 
 def read_sources(
@@ -141,9 +162,11 @@ def expected_notifications(
     remote_rank: int, local_tp: int, remote_tp: int, num_kv_heads: int, *, replicated: bool = False
 ) -> int:
     """How many free notifications prefill rank ``remote_rank`` waits for (one per covering rank)."""
+    tp_ratio(local_tp, remote_tp)
+    _check_int("remote_rank", remote_rank)
     if not 0 <= remote_rank < remote_tp:
         raise UnsupportedConfiguration(
-            f"remote rank {remote_rank} is not a rank of TP size {remote_tp}; "
+            f"remote rank {short_repr(remote_rank)} is not a rank of TP size {remote_tp}; "
             f"ranks are 0..{remote_tp - 1}"
         )
     return sum(
