@@ -9,10 +9,13 @@ Who decides what (one request's journey through vLLM):
 - Scheduler process: our SchedulerConnector owns request state. Each step it builds our
   ConnectorMetadata, and after the step it reads every rank's WorkerReport (carried back in
   vLLM's worker metadata) and decides which requests finished or failed.
-- Those decisions reach vLLM's scheduler through the next step: every worker rank echoes
-  them from ``get_transfer_results``, so vLLM's output aggregator (which waits for every rank)
-  passes them on, and vLLM applies its own ``kv_load_failure_policy`` to failures. A failure
-  thus costs one engine step of latency and never an engine crash.
+- A load a rank ran (a LoadSpec) is reported to vLLM by that rank from
+  ``get_transfer_results`` in the step it ends, as vLLM's own connector does; vLLM's output
+  aggregator passes it on once every rank did, and applies its ``kv_load_failure_policy``
+  to failures. vLLM's aggregate also reaches our SchedulerConnector, which counts it as the
+  ranks' word. Decisions only the scheduler makes (invalid params, unplannable loads,
+  prefill frees) reach vLLM through the next step: every rank echoes them. Either way a
+  failure never crashes the engine.
 - Malformed kv_transfer_params fail only their request: the adapter answers "tokens will
   arrive" and announces the request as a failed load in the same step; vLLM then fails it
   ("fail") or recomputes it locally ("recompute").

@@ -102,18 +102,28 @@ def _attention_layers(
         return tuple(
             LayerSpec(name, 1, spec.head_size, dtype_bytes, num_planes=1) for name in names
         )
-    expected = _heads_per_rank(model_kv_heads, tp_size)
-    if spec.num_kv_heads != expected:
+    total_heads = _model_wide_heads(spec.num_kv_heads, model_kv_heads, tp_size)
+    return tuple(LayerSpec(name, total_heads, spec.head_size, dtype_bytes) for name in names)
+
+
+def _model_wide_heads(rank_heads: int, model_kv_heads: int, tp_size: int) -> int:
+    """The model-wide KV head count behind one rank's cache spec.
+
+    The cache spec (what vLLM allocated, per rank) is the truth for bytes; the model's count
+    only says whether vLLM replicated heads. vLLM shards heads over TP ranks (8 heads, TP 2:
+    4 per rank, 8 model-wide) or, when TP exceeds them, gives every rank one copy (2 heads,
+    TP 4: 1 per rank, 2 model-wide). A cache whose count differs from the model's (a
+    hand-made cache config) is described as it is; peers compare the result at handshake.
+    """
+    if rank_heads < 1:
         raise UnsupportedConfiguration(
-            f"vLLM gives each rank {spec.num_kv_heads} KV heads, but {model_kv_heads} model KV "
-            f"heads over tensor-parallel size {tp_size} make {expected}: cannot describe the "
-            "sharding; use a TP size that divides the KV head count or a multiple of it"
+            f"vLLM's cache spec gives each rank {rank_heads} KV heads; an attention layer "
+            "needs at least 1: check the model's num_key_value_heads"
         )
-    return tuple(LayerSpec(name, model_kv_heads, spec.head_size, dtype_bytes) for name in names)
-
-
-def _heads_per_rank(model_heads: int, tp_size: int) -> int:
-    return model_heads // tp_size if model_heads >= tp_size else 1
+    replicated = 0 < model_kv_heads < tp_size and tp_size % model_kv_heads == 0
+    if replicated and rank_heads == 1:
+        return model_kv_heads
+    return rank_heads * tp_size
 
 
 def _mamba_layers(spec: MambaSpec, names: Sequence[str], tp_size: int) -> tuple[LayerSpec, ...]:

@@ -2,7 +2,8 @@
 
 Our SchedulerConnector owns request state; this class translates vLLM's Request and
 KVCacheBlocks into RequestInfo and block ids, collects the ranks' reports from vLLM's worker
-metadata, and queues every decision for the ranks to echo back to vLLM's scheduler.
+metadata (and vLLM's own aggregate of them), and queues the decisions vLLM has not heard of
+from the ranks (invalid params, unplannable loads, prefill frees) for the ranks to echo.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class SchedulerSide:
         self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (vllm_semantics)
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
         self._announce = FinishedRequests()  # decided, not yet sent to the ranks to echo
+        self._ranks_report: set[str] = set()  # loads the ranks report to vLLM themselves
         self._invalid: dict[str, str] = {}  # request id -> why its params were refused
         self._to_announce: dict[str, str] = {}
         self._settled: set[str] = set()
@@ -146,19 +148,43 @@ class SchedulerSide:
 
     def build_connector_meta(self) -> NixlPDMetadata:
         step = self.connector.build_connector_meta()
+        self._ranks_report.update(load.request_id for load in step.loads)
         invalid = FinishedRequests(failed_recving=dict(self._to_announce))
         self._to_announce.clear()
         announce, self._announce = merge(self._announce, invalid), FinishedRequests()
         return NixlPDMetadata(step, announce)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Take the ranks' reports, then vLLM's own aggregate of them; queue what vLLM lacks.
+
+        A load the ranks got a LoadSpec for, each rank reports to vLLM itself, in the step it
+        ends (as vLLM's own connector does): its outcome is never echoed. The rest (invalid
+        params, loads that could not be planned, prefill frees) is decided here and echoed by
+        the ranks in the next step.
+        """
         meta = connector_output.kv_connector_worker_meta
         reports = meta.reports if isinstance(meta, NixlPDWorkerMeta) else ()
         self.connector.update_connector_output(reports)
+        self.connector.on_engine_outcomes(
+            connector_output.finished_recving or (), connector_output.failed_recving or ()
+        )
         finished = self.connector.take_finished()
         for request_id, reason in finished.failed_recving.items():
             logger.warning("request %s: KV load failed: %s", request_id, reason)
-        self._announce = merge(self._announce, finished)
+        self._announce = merge(self._announce, self._not_reported_by_ranks(finished))
+
+    def _not_reported_by_ranks(self, finished: FinishedRequests) -> FinishedRequests:
+        reported = self._ranks_report.intersection(
+            (*finished.finished_recving, *finished.failed_recving)
+        )
+        self._ranks_report -= reported
+        return FinishedRequests(
+            finished_sending=finished.finished_sending,
+            finished_recving=tuple(i for i in finished.finished_recving if i not in reported),
+            failed_recving={
+                i: reason for i, reason in finished.failed_recving.items() if i not in reported
+            },
+        )
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

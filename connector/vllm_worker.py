@@ -59,6 +59,7 @@ class WorkerSide:
         self._connector: WorkerConnector | None = None
         self._reports: list[WorkerReport] = []
         self._echo = FinishedRequests()  # announced by the scheduler, not yet echoed
+        self._awaited: set[str] = set()  # LoadSpecs run here: this rank reports them to vLLM
         self._last_run: NixlPDMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -85,6 +86,7 @@ class WorkerSide:
             return
         self._last_run = metadata
         self._require().start_load_kv(metadata.step)
+        self._awaited.update(load.request_id for load in metadata.step.loads)
         self._echo = merge(self._echo, metadata.announce)
 
     def get_transfer_results(self, metadata: NixlPDMetadata | None) -> KVConnectorTransferResults:
@@ -95,13 +97,18 @@ class WorkerSide:
         """
         if metadata is not None:
             self.start_load_kv(metadata)
-        self._reports.append(self._require().get_finished())
+        report = self._require().get_finished()
+        self._reports.append(report)
         echo, self._echo = self._echo, FinishedRequests()
-        failed = set(echo.failed_recving)
+        # Loads this rank ran are reported to vLLM now, by every rank (vLLM's aggregator waits
+        # for all of them, as for its own connector); the scheduler never echoes those.
+        ended = self._awaited.intersection((*report.finished_recving, *report.failed_recving))
+        self._awaited -= ended
+        failed = set(echo.failed_recving) | ended.intersection(report.failed_recving)
         return KVConnectorTransferResults(
             finished_sending=set(echo.finished_sending),
             # vLLM 0.33 wants failed loads in finished_recving too: that ends their wait.
-            finished_recving=set(echo.finished_recving) | failed,
+            finished_recving=set(echo.finished_recving) | failed | ended,
             failed_recving=failed,
         )
 

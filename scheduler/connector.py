@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from connector.config import ConnectorConfig
@@ -64,27 +64,21 @@ class SchedulerConnector:
         self._heartbeats = heartbeat_sender or HeartbeatSender(
             secret=config.side_channel_secret, timeout_s=config.handshake_timeout_s, clock=clock
         )
-        self._producer = (
-            Producer(
-                engine_id=engine_id,
-                tp_size=tp_size,
-                leases=self._leases,
-                clock=clock,
-                address=self._side_channel_address,
-            )
-            if role.produces
-            else None
+        # vLLM treats kv_role as advisory: an engine serves either direction when a request's
+        # params ask for it, so both halves always exist; the role only names the usual one.
+        self._producer = Producer(
+            engine_id=engine_id,
+            tp_size=tp_size,
+            leases=self._leases,
+            clock=clock,
+            address=self._side_channel_address,
         )
-        self._consumer = (
-            Consumer(
-                groups=spec.groups,
-                tp_size=tp_size,
-                heartbeats=self._heartbeats,
-                heartbeat_interval_s=config.heartbeat_interval_s,
-                clock=clock,
-            )
-            if role.consumes
-            else None
+        self._consumer = Consumer(
+            groups=spec.groups,
+            tp_size=tp_size,
+            heartbeats=self._heartbeats,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            clock=clock,
         )
 
     @property
@@ -132,11 +126,7 @@ class SchedulerConnector:
         if params is None:
             return 0, False
         if params.do_remote_prefill:
-            if self._consumer is None:
-                raise InvalidTransferParams(
-                    "kv_transfer_params: do_remote_prefill sent to a producer-only (prefill) "
-                    "engine; send it to a decode engine"
-                )
+            self._note_other_role(request, params)
             validate_block_groups(params, len(self._spec.groups))
             return self._consumer.get_num_new_matched_tokens(
                 request.request_id,
@@ -144,24 +134,18 @@ class SchedulerConnector:
                 request.num_prompt_tokens,
                 num_computed_tokens,
             )
-        if params.do_remote_decode and self._producer is None:
-            raise InvalidTransferParams(
-                "kv_transfer_params: do_remote_decode sent to a consumer-only (decode) engine; "
-                "send it to a prefill engine"
-            )
+        if params.do_remote_decode:
+            self._note_other_role(request, params)
         return 0, False
 
     def update_state_after_alloc(
         self, request: RequestInfo, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
-        if self._consumer is not None:
-            self._consumer.update_state_after_alloc(
-                request.request_id, block_ids, num_external_tokens
-            )
+        self._consumer.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self) -> ConnectorMetadata:
-        sends, forgotten = self._producer.take_step() if self._producer else ((), ())
-        loads, releases = self._consumer.take_step() if self._consumer else ((), ())
+        sends, forgotten = self._producer.take_step()
+        loads, releases = self._consumer.take_step()
         return ConnectorMetadata(loads=loads, releases=releases, sends=sends, forgotten=forgotten)
 
     def request_finished(
@@ -176,25 +160,34 @@ class SchedulerConnector:
         if params is None:
             return False, None
         if params.do_remote_prefill:
-            if self._consumer is None:
-                return False, None
             return self._consumer.request_finished(request.request_id, params.remote_source())
-        if self._producer is None or request.aborted or not params.do_remote_decode:
+        if request.aborted or not params.do_remote_decode:
             return False, None
-        return self._producer.request_finished(request.request_id, block_ids)
+        delay, returned = self._producer.request_finished(request.request_id, block_ids)
+        if returned is None:
+            return delay, None
+        # The tokens whose KV the leased blocks hold: vLLM's decode and routers read it.
+        return delay, {**returned, "remote_num_tokens": request.num_prompt_tokens}
 
     def update_connector_output(self, reports: Sequence[WorkerReport]) -> None:
         valid = [report for report in reports if self._is_valid_report(report)]
-        if self._producer is not None:
-            self._producer.on_reports(valid)
-        if self._consumer is not None:
-            self._consumer.on_reports(valid)
+        self._producer.on_reports(valid)
+        self._consumer.on_reports(valid)
+
+    def on_engine_outcomes(
+        self, finished_recving: Iterable[str], failed_recving: Iterable[str]
+    ) -> None:
+        """The engine's own aggregate of the ranks' load results, where it keeps one (vLLM).
+
+        ``finished_recving`` lists loads that ended, ``failed_recving`` those of them that
+        failed. It ends loads whose rank reports have not all arrived; call it after
+        update_connector_output so the ranks' reasons win.
+        """
+        self._consumer.on_engine_outcomes(finished_recving, failed_recving)
 
     def take_finished(self) -> FinishedRequests:
-        finished_sending = self._producer.take_finished() if self._producer else ()
-        finished_recving, failed_recving = (
-            self._consumer.take_finished() if self._consumer else ((), {})
-        )
+        finished_sending = self._producer.take_finished()
+        finished_recving, failed_recving = self._consumer.take_finished()
         return FinishedRequests(finished_sending, finished_recving, failed_recving)
 
     def has_pending_work(self) -> bool:
@@ -203,10 +196,7 @@ class SchedulerConnector:
         An engine that stops stepping while this is true strands them: e.g. a release after a
         full prefix hit must still reach the prefill engine.
         """
-        return bool(
-            (self._producer is not None and self._producer.has_pending_work)
-            or (self._consumer is not None and self._consumer.has_pending_work)
-        )
+        return self._producer.has_pending_work or self._consumer.has_pending_work
 
     def shutdown(self) -> None:
         if self._side_channel is not None:
@@ -223,6 +213,16 @@ class SchedulerConnector:
                 ", ".join(params.ignored_keys),
             )
         return params
+
+    def _note_other_role(self, request: RequestInfo, params: KVTransferParams) -> None:
+        usual = self._role.produces if params.do_remote_decode else self._role.consumes
+        if not usual:
+            logger.debug(
+                "request %s: %s on an engine whose role is %s; serving it (the role is advisory)",
+                request.request_id,
+                "do_remote_decode" if params.do_remote_decode else "do_remote_prefill",
+                self._role.value,
+            )
 
     def _side_channel_address(self) -> tuple[str, int]:
         if self._side_channel is not None:

@@ -153,6 +153,26 @@ class Consumer:
             request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, load.source
         )
 
+    def on_engine_outcomes(self, finished: Iterable[str], failed: Iterable[str]) -> None:
+        """The engine's own word that loads ended: ``finished`` ids (``failed`` among them).
+
+        vLLM aggregates the ranks' results itself and may know before (or without) our
+        reports; its word ends the load for every rank that has not reported yet. Ids that are
+        not loads we track (already reported, or never ours) are ignored.
+        """
+        failed_ids = set(failed)
+        for request_id in finished:
+            load = self._loads.get(request_id)
+            if load is None or not load.emitted:
+                continue
+            reason = "the engine reported the load as failed" if request_id in failed_ids else None
+            for tp_rank in range(self._tp_size):
+                if tp_rank not in load.ranks_done:
+                    load.ranks_done.add(tp_rank)
+                    if reason is not None:
+                        load.failures.setdefault(tp_rank, reason)
+            self._settle(request_id, load)
+
     def _record(self, request_id: str, tp_rank: int, reason: str | None) -> None:
         ranks = self._releasing.get(request_id)
         if ranks is not None:
@@ -167,14 +187,18 @@ class Consumer:
         if reason is not None:
             load.failures.setdefault(tp_rank, reason)
         if len(load.ranks_done) == self._tp_size:
-            del self._loads[request_id]
-            if not load.engine_finished:
-                self._done.add(request_id)  # until request_finished: gnnmt says (0, False)
-            if load.failures:
-                self._failed[request_id] = _failure_reason(load.failures)
-                self._release_over_side_channel(load.source)
-            else:
-                self._finished.append(request_id)
+            self._settle(request_id, load)
+
+    def _settle(self, request_id: str, load: _Load) -> None:
+        """Every rank is done with ``load``: report it once, as received or failed."""
+        del self._loads[request_id]
+        if not load.engine_finished:
+            self._done.add(request_id)  # until request_finished: gnnmt says (0, False)
+        if load.failures:
+            self._failed[request_id] = _failure_reason(load.failures)
+            self._release_over_side_channel(load.source)
+        else:
+            self._finished.append(request_id)
 
     def _release_only(self, request_id: str, source: RemoteSource) -> None:
         self._releasing[request_id] = set()

@@ -89,6 +89,8 @@ def test_prefill_lifecycle_reports_finished_sending_once_all_ranks_freed(
         "remote_host": "127.0.0.1",
         "remote_port": 5600,
         "tp_size": 2,
+        "transfer_mode": "pull",
+        "remote_num_tokens": 40,
     }
     assert prefill.build_connector_meta() == ConnectorMetadata(sends=("p1",))
     assert prefill.build_connector_meta() == ConnectorMetadata()
@@ -98,6 +100,31 @@ def test_prefill_lifecycle_reports_finished_sending_once_all_ranks_freed(
     assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
     prefill.update_connector_output(all_ranks(finished_sending=("p1",)))
     assert prefill.take_finished() == NO_FINISHED
+
+
+@pytest.mark.parametrize("role", [Role.PRODUCER, Role.CONSUMER, Role.BOTH])
+def test_roles_are_advisory_as_in_vllm(
+    clock: FakeClock, heartbeats: RecordingHeartbeats, role: Role
+) -> None:
+    connector = SchedulerConnector(
+        CONFIG,
+        engine_id="e",
+        role=role,
+        spec=DENSE,
+        tp_size=1,
+        clock=clock,
+        heartbeat_sender=heartbeats,
+    )
+    prefill_side = prefill_request()
+    assert connector.get_num_new_matched_tokens(prefill_side, 0) == (0, False)
+    delay, params = connector.request_finished(prefill_side, ((1, 2),))
+    assert delay is True and params is not None and params["remote_request_id"] == "p1"
+    decode_side = decode_request()
+    assert connector.get_num_new_matched_tokens(decode_side, 0) == (40, True)
+    connector.update_state_after_alloc(decode_side, ((4, 5, 6),), 40)
+    step = connector.build_connector_meta()
+    assert step.sends == ("p1",) and [load.request_id for load in step.loads] == ["d1"]
+    connector.shutdown()
 
 
 def test_a_rank_reporting_twice_does_not_count_for_another(prefill: SchedulerConnector) -> None:
@@ -233,16 +260,16 @@ def test_start_side_channel_checks_the_handshakes(
 @pytest.mark.parametrize(
     ("role", "params", "message"),
     [
-        (Role.PRODUCER, REMOTE_PARAMS, "do_remote_prefill sent to a producer-only"),
-        (Role.CONSUMER, {"do_remote_decode": True}, "do_remote_decode sent to a consumer-only"),
         (Role.BOTH, {"remote_port": 0}, "'remote_port'"),
+        (Role.CONSUMER, {"remote_port": 0}, "'remote_port'"),
         (Role.BOTH, {**REMOTE_PARAMS, "remote_block_ids": [[1], [2]]}, "2 cache group.*has 1"),
+        (Role.BOTH, {**REMOTE_PARAMS, "remote_request_id": "p\udc80"}, "not valid Unicode"),
     ],
     ids=[
-        "load asked of a prefill engine",
-        "lease asked of a decode engine",
         "malformed params",
+        "malformed params on a decode engine",
         "wrong group count",
+        "a remote_request_id no encoder accepts",
     ],
 )
 def test_bad_params_raise_on_first_sight_and_keep_no_state(
@@ -317,6 +344,46 @@ def test_one_failing_rank_fails_the_request_with_its_reason(decode: SchedulerCon
     )
     assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "peer gone"})
     assert decode.get_num_new_matched_tokens(decode_request(), 16) == (0, False)
+
+
+ENGINE_OUTCOMES = [
+    ("received", ["d1"], [], FinishedRequests(finished_recving=("d1",))),
+    (
+        "failed",
+        ["d1"],
+        ["d1"],
+        FinishedRequests(failed_recving={"d1": "the engine reported the load as failed"}),
+    ),
+    ("not a load we track", ["other"], [], NO_FINISHED),
+]
+
+
+@pytest.mark.parametrize(
+    ("finished", "failed", "expected"),
+    [case[1:] for case in ENGINE_OUTCOMES],
+    ids=[case[0] for case in ENGINE_OUTCOMES],
+)
+def test_the_engines_own_aggregate_ends_a_load_whose_reports_are_missing(
+    decode: SchedulerConnector, finished: list[str], failed: list[str], expected: FinishedRequests
+) -> None:
+    # vLLM aggregates the ranks' results itself; rank 1's report never reached us.
+    start_load(decode)
+    decode.update_connector_output([report(0, finished_recving=("d1",))])
+    decode.on_engine_outcomes(finished, failed)
+    assert decode.take_finished() == expected
+    if expected == NO_FINISHED:  # still waiting for rank 1
+        assert decode.request_finished(decode_request(), ((10, 11, 12),)) == (True, None)
+        return
+    decode.update_connector_output([report(1, finished_recving=("d1",))])  # late: ignored
+    assert decode.take_finished() == NO_FINISHED
+    assert decode.request_finished(decode_request(), ((10, 11, 12),)) == (False, None)
+
+
+def test_the_ranks_reasons_win_over_the_engines_aggregate(decode: SchedulerConnector) -> None:
+    start_load(decode)
+    decode.update_connector_output(all_ranks(failed_recving={"d1": "peer gone"}))
+    decode.on_engine_outcomes(["d1"], ["d1"])
+    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "peer gone"})
 
 
 # The side-channel release decode sends for REMOTE's request: (engine, host, port, ids).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -132,6 +133,38 @@ def test_prefill_to_decode_moves_bytes_and_frees_blocks(make_pair: Any) -> None:
     assert decode.finished("req-1").new_token_ids == [h.SAMPLED_TOKEN]
     assert decode.stats == {"loads_finished": 1, "loads_failed": 0, "sends_finished": 0}
     assert prefill.stats == {"loads_finished": 0, "loads_failed": 0, "sends_finished": 1}
+
+
+@pytest.mark.parametrize("tp_sizes", [(1, 1), (1, 2)], ids=["decode-tp1", "decode-tp2"])
+def test_a_finished_load_reaches_vllm_in_the_step_it_finished(
+    make_pair: Any, tp_sizes: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As with vLLM's own connector, every decode rank reports its finished READ to vLLM in the
+    # step it ends; vLLM's aggregator passes it on once all ranks did. No echo step between.
+    prefill, decode = make_pair(tp_sizes=tp_sizes)
+    params = _prefill(prefill, "req-t", 2 * BLOCK_SIZE)
+    reported_at: dict[int, int] = {}  # tp_rank -> the step its report listed the load
+    reached_vllm: list[int] = []  # steps whose aggregated output listed it
+    aggregate = decode.aggregator.aggregate
+    step_numbers = itertools.count()
+
+    def recording(outputs: list[Any], output_rank: int = 0) -> Any:
+        step = next(step_numbers)
+        for output in outputs:
+            meta = output.kv_connector_output.kv_connector_worker_meta
+            for report in meta.reports if meta else ():
+                if "req-t" in report.finished_recving:
+                    reported_at.setdefault(report.tp_rank, step)
+        merged = aggregate(outputs, output_rank)
+        if "req-t" in (merged.kv_connector_output.finished_recving or ()):
+            reached_vllm.append(step)
+        return merged
+
+    monkeypatch.setattr(decode.aggregator, "aggregate", recording)
+    decode.add(_decode_request("req-t", 2 * BLOCK_SIZE, params))
+    decode.run_until(lambda e: e.finished("req-t") is not None)
+    assert sorted(reported_at) == list(range(tp_sizes[1]))
+    assert reached_vllm == [max(reported_at.values())]
 
 
 def test_steps_that_skip_start_load_kv_lose_nothing(make_pair: Any) -> None:

@@ -119,6 +119,33 @@ def test_per_rank_heads_become_model_heads_and_kernel_sizes_apply() -> None:
 
 
 @pytest.mark.parametrize(
+    ("rank_heads", "model_heads", "tp_size", "model_wide"),
+    [(2, 4, 2, 4), (1, 2, 4, 2), (4, 12, 1, 4), (1, 12, 2, 2), (2, 2, 4, 8)],
+    ids=[
+        "sharded: 2 per rank over TP 2",
+        "replicated: TP 4 over 2 model heads, 1 per rank",
+        "a hand-made cache with fewer heads than the model (vLLM's unit tests)",
+        "a hand-made cache with 1 head per rank over TP 2",
+        "more than 1 head per rank although TP exceeds the model's heads",
+    ],
+)
+def test_the_cache_spec_is_the_truth_for_heads(
+    rank_heads: int, model_heads: int, tp_size: int, model_wide: int
+) -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=rank_heads, head_size=8, dtype=_F32)
+    translated = kv_cache_spec_from_vllm(
+        _cache(spec),
+        model="m",
+        dtype="float32",
+        cache_dtype="float32",
+        model_kv_heads=model_heads,
+        tp_size=tp_size,
+        memory_layout=MemoryLayout.NHD_PACKED,
+    )
+    assert {layer.num_kv_heads for layer in translated.groups[0].layers} == {model_wide}
+
+
+@pytest.mark.parametrize(
     ("vllm_spec", "tp_size", "message"),
     [
         (
@@ -135,9 +162,8 @@ def test_per_rank_heads_become_model_heads_and_kernel_sizes_apply() -> None:
             1,
             "ChunkedLocalAttentionSpec, which NixlPDConnector cannot transfer",
         ),
-        (_FULL, 2, "vLLM gives each rank 4 KV heads, but 4 model KV heads over tensor-parallel"),
     ],
-    ids=["different-k-and-v-head-sizes", "unsupported-spec-class", "heads-not-sharded-as-tp-says"],
+    ids=["different-k-and-v-head-sizes", "unsupported-spec-class"],
 )
 def test_unsupported_vllm_configs_are_refused(vllm_spec: Any, tp_size: int, message: str) -> None:
     with pytest.raises(UnsupportedConfiguration, match=re.escape(message)):
