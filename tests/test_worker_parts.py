@@ -248,6 +248,27 @@ def test_handshake_client_retries_with_exponential_backoff() -> None:
     assert attempts == [0, 0, 0] and waits == [0.5, 1.0]
 
 
+def test_a_probe_job_makes_one_attempt_whatever_the_client_retries() -> None:
+    attempts: list[int] = []
+
+    def down(host: str, port: int, tp_rank: int) -> Any:
+        attempts.append(port)
+        raise HandshakeError("did not answer")
+
+    client = HandshakeClient(down, retries=3, wait=lambda s: None)
+    try:
+        client.submit(HandshakeJob("e", "127.0.0.1", 5, (0,), job_id=1, retries=0))
+        client.submit(HandshakeJob("e", "127.0.0.1", 5, (0,), job_id=2))
+        results = client.poll(wait_s=5.0)
+        while len(results) < 2:
+            results += client.poll(wait_s=5.0)
+    finally:
+        client.close()
+    errors = {result.job.job_id: result.error or "" for result in results}
+    assert "after 1 attempt(s)" in errors[1] and "after 4 attempt(s)" in errors[2]
+    assert len(attempts) == 5
+
+
 @pytest.mark.parametrize(
     ("fetch_error", "match"),
     [
