@@ -44,6 +44,7 @@ from connector.side_channel_client import fetch_handshake
 
 MAX_RANKS_PROBED = 64  # an engine's TP ranks asked for their handshake, at most
 PORT_PROBE_TIMEOUT_S = 1.0
+NAME_COLUMN_CHARS = 16  # longer check names push their line's summary right
 _ENV_PREFIXES = ("UCX_", "VLLM_NIXL_", "NIXL_")
 
 
@@ -243,7 +244,7 @@ def render(report: DoctorReport) -> str:
     verdict = "OK" if report.ok else "PROBLEMS FOUND"
     counts = f"{fails} failed, {warns} warning{'s' * (warns != 1)}"
     lines = [f"nixl-pd doctor: {verdict} ({counts})"]
-    width = max((len(check.name) for check in report.checks), default=0)
+    width = min(NAME_COLUMN_CHARS, max((len(check.name) for check in report.checks), default=0))
     for check in report.checks:
         lines.append(f"  {check.status:<4}  {check.name:<{width}}  {check.summary}")
         if check.fix and check.status != "ok":

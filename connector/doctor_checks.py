@@ -197,7 +197,7 @@ def check_side_channel(probe: SideChannelProbe) -> Check:
         return Check(name, "fail", f"no handshake: {probe.error}", _side_channel_fix(probe))
     summary = (
         f"engine {probe.engine_id}: protocol {probe.protocol_version}, TP {probe.tp_size} "
-        f"({probe.ranks_answered} ranks answered), fingerprint "
+        f"({probe.ranks_answered}/{probe.tp_size} ranks answered), fingerprint "
         f"{(probe.fingerprint or '?')[:12]}, handshake in {probe.round_trip_ms or 0.0:.1f} ms"
     )
     if probe.error is not None:
@@ -241,7 +241,8 @@ def check_pair(first: SideChannelProbe, second: SideChannelProbe) -> Check:
         )
         tp_ratio(first.tp_size or 1, second.tp_size or 1)
     except ConnectorError as exc:
-        return Check(name, "fail", f"incompatible: {exc}", fix)
+        where = f"{first.address} as local, {second.address} as remote"
+        return Check(name, "fail", f"incompatible ({where}): {exc}", fix)
     summary = (
         f"compatible: protocol {first.protocol_version}, same model fingerprint "
         f"{(first.fingerprint or '?')[:12]}, TP {first.tp_size} and {second.tp_size}"
