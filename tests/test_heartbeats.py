@@ -19,6 +19,7 @@ from scheduler.heartbeats import (
     MAX_BACKOFF_S,
     MAX_MESSAGE_TIMEOUT_S,
     Backoff,
+    BootIds,
     Destination,
     HeartbeatSender,
 )
@@ -417,3 +418,15 @@ def test_releases_of_ids_never_leased_or_already_freed_are_stray_over_the_wire(
     clock.advance(1.0)
     served_prefill.update_connector_output([])
     assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
+
+
+def test_boot_ids_are_remembered_per_destination_and_bounded() -> None:
+    boot_ids = BootIds(max_destinations=2)
+    first, second, third = (Destination("prefill-0", "127.0.0.1", port) for port in (1, 2, 3))
+    boot_ids.learned(first, "a")
+    boot_ids.learned(second, "b")
+    boot_ids.learned(first, "a2")  # relearned: now the newest
+    boot_ids.learned(third, "c")  # the oldest (second) is forgotten
+    assert [boot_ids.get(d) for d in (first, second, third)] == ["a2", None, "c"]
+    boot_ids.forget(third)
+    assert boot_ids.get(third) is None and len(boot_ids) == 1

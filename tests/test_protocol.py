@@ -9,13 +9,17 @@ from connector.errors import InvalidNotification, ProtocolError
 from connector.layout import MemoryLayout, RankLayout
 from connector.protocol import (
     PROTOCOL_VERSION,
+    STALE_BOOT,
     Ack,
     Envelope,
     ErrorReply,
     HandshakeReply,
     HandshakeRequest,
     Heartbeat,
+    Hello,
+    HelloReply,
     Release,
+    Reply,
     Request,
     WorkerHandshake,
     decode_envelope,
@@ -115,6 +119,7 @@ def test_encode_free_notif_rejects_bad_input(request_id: str, consumers: int, me
 # ---- side-channel messages ----
 
 REQUESTS: list[Request] = [
+    Hello(),
     HandshakeRequest(3),
     Heartbeat("prefill-0", ("a", "b")),
     Release("prefill-0", ("c",)),
@@ -124,18 +129,25 @@ REQUESTS: list[Request] = [
 @pytest.mark.parametrize("request_msg", REQUESTS, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("secret", [None, "s" * 16], ids=["open", "with secret"])
 def test_request_round_trip(request_msg: Request, secret: str | None) -> None:
-    frame = encode_request(request_msg, secret=secret, nonce=NONCE, timestamp_s=1.0)
+    frame = encode_request(request_msg, secret=secret, nonce=NONCE, timestamp_s=1.0, boot_id="b")
     envelope = decode_envelope(frame)
     assert decode_request_payload(envelope.payload) == request_msg
     assert bool(envelope.mac) == (secret is not None)
+    assert envelope.boot_id == "b"
 
 
 @pytest.mark.parametrize(
     "reply",
-    [HandshakeReply(make_handshake()), Ack(2), ErrorReply("nope")],
-    ids=["handshake", "ack", "error"],
+    [
+        HelloReply("prefill-0", "b" * 32),
+        HandshakeReply(make_handshake()),
+        Ack(2),
+        ErrorReply("nope"),
+        ErrorReply("restarted", code=STALE_BOOT),
+    ],
+    ids=["hello", "handshake", "ack", "error", "stale boot"],
 )
-def test_reply_round_trip_with_secret(reply: HandshakeReply | Ack | ErrorReply) -> None:
+def test_reply_round_trip_with_secret(reply: Reply) -> None:
     frame = encode_reply(reply, secret="k" * 16, request_nonce=NONCE)
     assert decode_reply(frame, secret="k" * 16, request_nonce=NONCE) == reply
 
@@ -185,6 +197,22 @@ BAD_FRAMES = [
         "a truncated envelope",
         encode_request(HandshakeRequest(0), secret=None, nonce=b"", timestamp_s=0.0)[:-3],
         "not a nixl-pd side-channel message",
+    ),
+    (
+        "an unknown field nested 5,000 deep (RecursionError inside msgspec)",
+        b"\x83"
+        + encode({"protocol_version": PROTOCOL_VERSION, "payload": b""})[1:]
+        + b"\xa1x"
+        + b"\x91" * 5_000
+        + b"\x00",
+        r"not a nixl-pd side-channel message \(nested too deeply\)",
+    ),
+    (
+        "a boot id that is not UTF-8 (UnicodeDecodeError inside msgspec)",
+        encode({"protocol_version": PROTOCOL_VERSION, "payload": b"", "boot_id": "\xe9"}).replace(
+            "\xe9".encode(), b"\xff\xfe"
+        ),
+        r"malformed side-channel envelope \(a string is not valid UTF-8\)",
     ),
 ]
 
@@ -237,6 +265,22 @@ BAD_PAYLOADS = [
         r"Expected `str`, got `int` - at `\$.engine_id`",
     ),
     ("a reply sent as a request", encode({"type": "ack", "num_known": 1}), "malformed"),
+    (
+        "a request id that is not UTF-8",
+        encode({"type": "release", "engine_id": "e", "remote_request_ids": ["\xe9"]}).replace(
+            "\xe9".encode(), b"\xff\xfe"
+        ),
+        r"malformed side-channel request \(a string is not valid UTF-8\)",
+    ),
+    (
+        "ids nested 3,000 deep",
+        b"\x83"
+        + encode({"type": "release", "engine_id": "e"})[1:]
+        + b"\xb2remote_request_ids"
+        + b"\x91" * 3_000
+        + b"\xa1a",
+        r"malformed side-channel request \(",
+    ),
     ("a truncated payload", encode(HandshakeRequest(5))[:-1], "malformed"),
 ]
 
