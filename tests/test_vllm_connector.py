@@ -93,6 +93,25 @@ def _prefill(prefill: h.Engine, request_id: str, num_tokens: int) -> dict[str, A
     return dict(output.kv_transfer_params)
 
 
+# Well-formed decode params for a prefill engine that is never reached (the tests using them
+# must fail before any handshake).
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-x",
+    "remote_request_id": "cmpl-1",
+    "remote_block_ids": [[0, 1]],
+    "remote_host": "127.0.0.1",
+    "remote_port": 9,
+}
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def _decode_request(request_id: str, num_tokens: int, params: dict[str, Any]) -> Any:
     return h.make_request(
         request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3
@@ -283,8 +302,18 @@ def test_failed_load_follows_policy(make_pair: Any, policy: str, expect_error: b
     [
         {"do_remote_prefill": True, "remote_block_ids": "not-a-list"},
         {"do_remote_prefill": True, "remote_engine_id": 5, "remote_request_id": "x"},
+        # json.loads('"\\ud800"') gives a lone surrogate; no encoder downstream takes it.
+        {**PREFILL_PARAMS, "remote_request_id": "cmpl-\ud800"},
+        {**PREFILL_PARAMS, "x_router_hint": {"trace": "\udfff"}},
+        {**PREFILL_PARAMS, "x_router_hint": _nested(5000)},
     ],
-    ids=["block-ids-not-a-list", "missing-keys-and-wrong-types"],
+    ids=[
+        "block-ids-not-a-list",
+        "missing-keys-and-wrong-types",
+        "lone-surrogate-in-remote-request-id",
+        "lone-surrogate-in-an-unknown-key",
+        "unknown-key-nested-5000-deep",
+    ],
 )
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_malformed_params_fail_one_request_not_the_engine(
