@@ -14,12 +14,14 @@ import errno
 import importlib.metadata
 import logging
 import os
+import signal
 import socket
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 
@@ -129,29 +131,34 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 def probe_nixl() -> NixlProbe:
     """Import NIXL, list its plugins, and create a UCX backend on an agent with no thread."""
-    with _stdout_to_stderr():
-        try:
-            import nixl
-            from nixl._api import nixl_agent, nixl_agent_config
-        except Exception as exc:  # ImportError, OSError for a missing .so, anything NIXL raises
-            return NixlProbe(loaded=False, error=f"{type(exc).__name__}: {exc}")
-        logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
-        try:
-            version = importlib.metadata.version("nixl")
-        except importlib.metadata.PackageNotFoundError:
-            version = "?"
-        module = nixl._api.__name__.split(".")[0]
-        config = nixl_agent_config(enable_prog_thread=False, backends=[])
-        agent = nixl_agent(f"doctor-probe-{uuid.uuid4().hex[:8]}", config)
-        plugins = tuple(sorted(agent.get_plugin_list()))
-        if "UCX" not in plugins:
-            return NixlProbe(True, version, module, plugins)
-        try:
-            agent.create_backend("UCX", {})
-        except Exception as exc:  # NIXL raises its own exception classes, without a base
-            error = f"creating the UCX backend failed: {type(exc).__name__}: {exc}"
-            return NixlProbe(True, version, module, plugins, error=error)
-        return NixlProbe(True, version, module, plugins, backends=("UCX",))
+    with _stdout_to_stderr():  # the probe agent is gone before stdout is restored
+        return _probe_nixl()
+
+
+def _probe_nixl() -> NixlProbe:
+    try:
+        import nixl
+        from nixl._api import nixl_agent, nixl_agent_config
+    except Exception as exc:  # ImportError, OSError for a missing .so, anything NIXL raises
+        return NixlProbe(loaded=False, error=f"{type(exc).__name__}: {exc}")
+    # NIXL logs INFO lines to stdout; its warnings still come, through our fd redirection.
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    try:
+        version = importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    module = nixl._api.__name__.split(".")[0]
+    config = nixl_agent_config(enable_prog_thread=False, backends=[])
+    agent = nixl_agent(f"doctor-probe-{uuid.uuid4().hex[:8]}", config)
+    plugins = tuple(sorted(agent.get_plugin_list()))
+    if "UCX" not in plugins:
+        return NixlProbe(True, version, module, plugins)
+    try:
+        agent.create_backend("UCX", {})
+    except Exception as exc:  # NIXL raises its own exception classes, without a base
+        error = f"creating the UCX backend failed: {type(exc).__name__}: {exc}"
+        return NixlProbe(True, version, module, plugins, error=error)
+    return NixlProbe(True, version, module, plugins, backends=("UCX",))
 
 
 def probe_side_channel(
@@ -252,6 +259,10 @@ def render(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
+def _raise_interrupt(signum: int, frame: object) -> NoReturn:
+    raise KeyboardInterrupt
+
+
 def main(
     side_channels: Sequence[str],
     *,
@@ -265,10 +276,15 @@ def main(
     options = DoctorOptions(
         side_channels=tuple(side_channels), timeout_s=timeout_s, transfer=transfer, strict=strict
     )
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the children like Ctrl-C
     try:
-        report = run_doctor(options)
+        with _stdout_to_stderr():  # whatever a library prints must not corrupt the report
+            report = run_doctor(options)
     except ConnectorError as exc:
         print(f"nixl-pd doctor: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("nixl-pd doctor: interrupted", file=sys.stderr)
+        return 130
     print(msgspec.json.encode(report).decode() if as_json else render(report), flush=True)
     return report.exit_code

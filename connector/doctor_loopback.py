@@ -98,7 +98,7 @@ class _Peer:
         self._stderr.flush()
         self._stderr.seek(0)
         lines = self._stderr.read().decode(errors="replace").strip().splitlines()
-        return " | ".join(lines[-3:]) or f"exit code {self._proc.wait(timeout=STOP_TIMEOUT_S)}"
+        return " | ".join(lines[-3:]) or f"exit code {self._proc.poll()}, nothing on stderr"
 
 
 def run_loopback(

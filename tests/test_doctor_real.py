@@ -16,6 +16,7 @@ import pytest
 
 from connector.config import ENV_SIDE_CHANNEL_SECRET
 from connector.doctor import DoctorOptions, probe_side_channel, run_doctor
+from connector.doctor_loopback import run_loopback
 from connector.protocol import WorkerHandshake
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
@@ -38,6 +39,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, fl
         timeout=240,
     )
     return done.returncode, done.stdout.decode(), time.monotonic() - start_s
+
+
+def load_report(stdout: str) -> dict[str, Any]:
+    """The one JSON object that must be the whole of stdout (no NIXL or UCX lines in it)."""
+    try:
+        report: dict[str, Any] = json.loads(stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"stdout is not one JSON object: {stdout[:2000]!r}")
+    return report
 
 
 def check_named(report: dict[str, Any], name: str) -> dict[str, Any]:
@@ -80,8 +90,9 @@ def dead_address() -> str:
 
 def test_doctor_json_moves_real_bytes_over_loopback() -> None:
     code, stdout, _ = run_cli("--json")
-    report = json.loads(stdout)  # the whole of stdout is the one object: no NIXL/UCX lines
+    report = load_report(stdout)
     assert code == 0, stdout
+    assert not [c for c in report["checks"] if c["status"] == "fail"], stdout
     assert report["ok"] is True
     assert report["nixl"]["loaded"] is True
     assert report["nixl"]["backends"] == ["UCX"]
@@ -96,7 +107,7 @@ def test_doctor_json_moves_real_bytes_over_loopback() -> None:
 
 def test_doctor_says_tcp_is_the_slow_path_and_strict_fails_on_it() -> None:
     code, stdout, _ = run_cli("--json", "--strict", env={**ENV, "UCX_TLS": "tcp"})
-    report = json.loads(stdout)
+    report = load_report(stdout)
     assert report["loopback"]["transport_class"] == "tcp"
     assert report["loopback"]["read_lanes"] == ["tcp/lo"]
     transfer = check_named(report, "transfer")
@@ -111,7 +122,7 @@ def test_doctor_handshakes_with_two_live_engines(start_engine: Any) -> None:
     code, stdout, _ = run_cli(
         "--json", "--no-transfer", "--side-channel", prefill, "--side-channel", decode
     )
-    report = json.loads(stdout)
+    report = load_report(stdout)
     assert code == 0, stdout
     assert report["loopback"] is None
     assert [p["engine_id"] for p in report["side_channels"]] == ["prefill-a", "decode-b"]
@@ -176,3 +187,20 @@ def test_doctor_with_a_secret(
         assert check.status == "fail" and text in check.summary
         assert "NIXL_PD_SIDE_CHANNEL_SECRET" in (check.fix or "")
         assert report.exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("env_change", "timeout_s", "reason"),
+    [({"UCX_NET_DEVICES": "nosuch0"}, 60.0,
+      "target: TransferFailed: creating NIXL backend 'UCX' for agent 'doctor-target-"),
+     ({}, 0.5, "target gave no READY line in time")],
+    ids=["UCX cannot start on a missing device", "the deadline passes"],
+)  # fmt: skip
+def test_loopback_failures_are_reported_and_bounded(
+    env_change: dict[str, str], timeout_s: float, reason: str
+) -> None:
+    start_s = time.monotonic()
+    result = run_loopback({**ENV, **env_change}, num_bytes=2**20, num_reads=1, timeout_s=timeout_s)
+    assert not result.ok
+    assert reason in (result.error or "")
+    assert time.monotonic() - start_s < timeout_s + 30  # children stopped, not waited for
