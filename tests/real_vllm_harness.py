@@ -65,6 +65,11 @@ ENGINE_ENV = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    # vLLM's sampler torch.compiles its logprobs op on an engine's first request, even with
+    # --enforce-eager: a C++ build of 20-50 s on two busy cores, every start (inductor's
+    # cache lives in the per-engine TMPDIR and rebuilds its precompiled header anyway).
+    # Eager runs the same op; the model itself is eager already.
+    "TORCH_COMPILE_DISABLE": "1",
 }
 # float32 so that the P/D path and the single engine agree to ~1e-5 in logprobs: greedy ties
 # that a bf16 rounding difference could flip would make a correct connector look wrong.

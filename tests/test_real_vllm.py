@@ -83,8 +83,8 @@ def deployment() -> Iterator[Deployment]:
     logs.mkdir()
     try:
         with Deployment.running(model_dir, connector_under_test(), logs) as running:
-            # An engine's first request pays a one-time warm-up (30-50 s here); pay it
-            # before the cases, so that timeouts and the latency report see steady state.
+            # An engine's first request pays one-time costs (lazy imports, first kernel
+            # runs); pay them before the cases, so the latency report sees steady state.
             warm_up = prompt(seed=0, num_tokens=200)
             complete(running.reference.url, warm_up, 2)
             complete(running.proxy_url, warm_up, 2)
@@ -200,7 +200,7 @@ def test_same_prompts_again_use_decode_prefix_cache(
     deployment: Deployment, reference: Reference, block_size: int
 ) -> None:
     prompts = concurrent_prompts(block_size)
-    through_proxy(deployment, prompts)  # a no-op when the previous case ran
+    through_proxy(deployment, prompts)  # decode has them cached, also when run alone
     hits_before = deployment.decode.prompt_tokens_by_source()["local_cache_hit"]
 
     actual = through_proxy(deployment, prompts)
