@@ -93,7 +93,7 @@ def _check_block_format(
     if local_format.token_addressable:
         return
     if lg.kind is GroupKind.SSM:
-        if local.tp_size != remote.tp_size:
+        if local.tp_size != remote.tp_size and not local_format.head_chunks:
             raise _reject(
                 f"cache group {index} holds recurrent (SSM/Mamba) state in format "
                 f"{local_format.name!r}, which each rank keeps for its own shard and which "
