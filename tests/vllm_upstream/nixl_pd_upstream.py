@@ -22,6 +22,7 @@ when it is not installed.
 
 ``--upstream-connector=vllm`` keeps vLLM's own connector (and ignores the list): the same run
 then proves the harness.
+
 Load it with ``-p nixl_pd_upstream`` and this directory on PYTHONPATH
 (scripts/vllm_upstream_tests.sh does both).
 """
