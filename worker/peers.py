@@ -67,6 +67,7 @@ class Peer:
     agent_names: dict[int, str] = field(default_factory=dict)  # remote rank -> loaded agent
     planner: TransferPlanner | None = None
     stale: bool = False  # superseded: no new requests; agents removed when idle
+    stale_reason: str = "a newer handshake superseded it"  # why, for loads still waiting
     probe: bool = False  # a background re-check of a failed key: no request waits on it
     num_live_transfers: int = 0  # posted READs not yet released
     num_loads: int = 0  # loads that hold this record (LoadTable counts them)
@@ -191,11 +192,13 @@ class PeerTable:
         self._remove_idle_retired()
         return finished
 
-    def retire(self, peer: Peer) -> None:
+    def retire(self, peer: Peer, reason: str | None = None) -> None:
         """No new requests use ``peer``; its agents go once no load or READ refers to it."""
         if peer.stale:
             return
         peer.stale = True
+        if reason is not None:
+            peer.stale_reason = reason
         self._retired.append(peer)
         if self._current.get(peer.key) is peer:
             del self._current[peer.key]
@@ -234,9 +237,7 @@ class PeerTable:
             self._fail(peer, result.error)
             return
         if peer.stale:
-            self._fail(
-                peer, f"handshake with engine {peer.engine_id} was superseded by a newer one"
-            )
+            self._fail(peer, f"engine {peer.engine_id} at {peer.address}: {peer.stale_reason}")
             return
         try:
             self._load(peer, result.handshakes)
@@ -317,7 +318,9 @@ class PeerTable:
             same_address = (peer.host, peer.port) == (ready.host, ready.port)
             if same_address and peer.engine_id != ready.engine_id:
                 logger.info("engine %s was replaced by %s", peer.engine_id, ready.engine_id)
-                self.retire(peer)
+                self.retire(
+                    peer, f"engine {ready.engine_id} now serves that address; its KV is gone"
+                )
 
     def _remove_idle_retired(self) -> None:
         draining = []
