@@ -101,11 +101,13 @@ def block_size(deployment: Deployment) -> int:
 
 
 class Reference:
-    """The single engine's answers, computed once per prompt."""
+    """The single engine's answers, computed once per prompt; ``worst_logprob_diff`` is the
+    largest logprob difference seen in a matching comparison (for the latency report)."""
 
     def __init__(self, deployment: Deployment) -> None:
         self._url = deployment.reference.url
         self._answers: dict[tuple[int, ...], Completion] = {}
+        self.worst_logprob_diff = 0.0
 
     def __call__(self, prompt_ids: Sequence[int]) -> Completion:
         key = tuple(prompt_ids)
@@ -148,6 +150,10 @@ def assert_all_match(
         for p, a in zip(prompts, actual, strict=True)
         if (why := mismatch(a, reference(p))) is not None
     ]
+    for p, a in zip(prompts, actual, strict=True):
+        if a.token_ids == reference(p).token_ids:
+            diffs = (abs(x - y) for x, y in zip(a.logprobs, reference(p).logprobs, strict=True))
+            reference.worst_logprob_diff = max(reference.worst_logprob_diff, *diffs)
     assert not problems, f"{len(problems)} of {len(prompts)} differ:\n" + "\n".join(problems)
 
 
@@ -281,6 +287,7 @@ def test_streamed_through_proxy_matches_and_reports_ttft(
         "total_ms_single_engine": _median_ms([c.latency_s for c in single]),
         "total_ms_p_to_d": _median_ms([c.latency_s for c in disaggregated]),
         "engine_ready_s": {e.spec.name: e.ready_s for e in deployment.engines()},
+        "worst_logprob_diff_so_far": reference.worst_logprob_diff,
     }
     print("real-vLLM latency:", json.dumps(report))
     if path := os.environ.get("NIXL_PD_REAL_VLLM_REPORT"):
