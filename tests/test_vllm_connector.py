@@ -219,6 +219,46 @@ def test_decode_reads_the_prefill_bytes(make_pair: Any) -> None:
     assert h.block_bytes(decode, 0, 0, loaded[0][:2]) == expected
 
 
+def _loads_the_bytes(reader: h.Engine, writer: h.Engine, request_id: str, params: Any) -> None:
+    """``reader`` loads ``request_id`` with ``params`` and holds ``writer``'s bytes."""
+    writer_blocks = params["remote_block_ids"]
+    h.fill_blocks(writer, writer_blocks, seed=11)
+    expected = h.block_bytes(writer, 0, 0, writer_blocks[0][:2])
+    reader.add(_decode_request(request_id, 2 * BLOCK_SIZE, params))
+    loaded: list[list[int]] = []
+
+    def received(engine: h.Engine) -> bool:
+        request = engine.scheduler.requests.get(request_id)
+        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids(request_id))
+        return True
+
+    reader.run_until(received)
+    assert h.block_bytes(reader, 0, 0, loaded[0][:2]) == expected
+    reader.run_until(lambda e: e.finished(request_id) is not None)
+    assert str(reader.finished(request_id).finish_reason) == "length"
+    assert reader.stats["loads_finished"] == 1 and reader.stats["loads_failed"] == 0
+
+
+def test_params_as_vllm_accepts_them_load(make_pair: Any) -> None:
+    # vLLM's connector defaults a missing tp_size to 1 and takes the port as a string too.
+    prefill, decode = make_pair()
+    params = _prefill(prefill, "req-v", 2 * BLOCK_SIZE)
+    assert params["transfer_mode"] == "pull" and params["remote_num_tokens"] == 2 * BLOCK_SIZE
+    del params["tp_size"]
+    params["remote_port"] = str(params["remote_port"])
+    _loads_the_bytes(decode, prefill, "req-v", params)
+
+
+def test_roles_are_advisory(make_pair: Any) -> None:
+    # A kv_consumer engine handed do_remote_decode serves as the prefill, and a kv_producer
+    # handed the params it returns loads them: as vLLM's NixlConnector does.
+    producer, consumer = make_pair()
+    params = _prefill(consumer, "req-r", 2 * BLOCK_SIZE)
+    _loads_the_bytes(producer, consumer, "req-r", params)
+
+
 def test_decode_prefix_hit_reads_only_the_uncached_suffix(make_pair: Any) -> None:
     prefill, decode = make_pair()
     num_tokens = 3 * BLOCK_SIZE
