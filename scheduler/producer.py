@@ -15,6 +15,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from connector.metadata import BlockIds, WorkerReport
+from connector.metrics import (
+    LEASES_COMPLETED,
+    LEASES_EXPIRED,
+    LEASES_RELEASED,
+    PREFILL_FREE_SECONDS,
+    MetricsRecorder,
+    default_recorder,
+)
 from connector.params import params_for_decode
 from scheduler.leases import LeaseTable
 
@@ -30,13 +38,16 @@ class Producer:
         leases: LeaseTable,
         clock: Callable[[], float],
         address: Callable[[], tuple[str, int]],
+        metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
         self._engine_id = engine_id
+        self._metrics = metrics or default_recorder()
         self._tp_size = tp_size
         self._leases = leases
         self._clock = clock
         self._address = address  # the side channel's (host, port) decode engines call
         self._sending: dict[str, set[int]] = {}  # request id -> ranks that reported it
+        self._leased_s: dict[str, float] = {}  # request id -> when its lease was taken
         self._pending_sends: list[str] = []  # not yet in any metadata
         self._pending_forgotten: list[str] = []
         self._finished: list[str] = []
@@ -57,8 +68,10 @@ class Producer:
                 request_id,
             )
             return False, None
-        self._leases.lease(request_id, self._clock())
+        now_s = self._clock()
+        self._leases.lease(request_id, now_s)
         self._sending[request_id] = set()
+        self._leased_s[request_id] = now_s
         self._pending_sends.append(request_id)
         params = params_for_decode(
             engine_id=self._engine_id,
@@ -87,6 +100,7 @@ class Producer:
                 ranks.add(report.tp_rank)
                 if len(ranks) == self._tp_size:
                     self._leases.complete(request_id)
+                    self._metrics.inc(LEASES_COMPLETED)
                     self._finish(request_id)
         self.end_lapsed_leases()
 
@@ -99,10 +113,12 @@ class Producer:
                     request_id,
                     self._leases.duration_s,
                 )
+                self._metrics.inc(LEASES_EXPIRED)
                 self._end_early(request_id)
         for request_id in self._leases.take_released():
             if request_id in self._sending:
                 logger.info("request %s released by its decode engine", request_id)
+                self._metrics.inc(LEASES_RELEASED)
                 self._end_early(request_id)
 
     def take_finished(self) -> tuple[str, ...]:
@@ -118,6 +134,8 @@ class Producer:
 
     def _finish(self, request_id: str) -> None:
         del self._sending[request_id]
+        leased_s = self._leased_s.pop(request_id)
+        self._metrics.observe(PREFILL_FREE_SECONDS, self._clock() - leased_s)
         self._finished.append(request_id)
 
     @property

@@ -26,7 +26,9 @@ import numpy.typing as npt
 
 from connector.errors import ConnectorError
 from connector.metadata import LoadSpec, RemoteSource
+from connector.metrics import MetricsRecorder, default_recorder
 from connector.protocol import encode_free_notif
+from connector.trace import LoadTimeline, load_ended
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peers import Peer, PeerState
 from worker.planner import RankReads
@@ -66,6 +68,7 @@ class Load:
     posted: dict[int, Any] = field(default_factory=dict)  # remote rank -> live READ handle
     counts: dict[int, int] = field(default_factory=dict)  # remote rank -> notification count
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
+    timeline: LoadTimeline | None = None  # stamped at each state change, for metrics and trace
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
@@ -84,8 +87,10 @@ class LoadTable:
         transfer_timeout_s: float,  # a request's READs are given up after this long on this rank
         handshake_wait_s: float,  # a load waits at most this long for its peer's handshake
         on_peer_failure: Callable[[Peer], None],
+        metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
         self._agent = agent
+        self._metrics = metrics or default_recorder()
         self._local_addresses = tuple(local_region_addresses)
         self._clock = clock
         self._transfer_timeout_s = transfer_timeout_s
@@ -127,7 +132,8 @@ class LoadTable:
         self, request_id: str, remote: RemoteSource, peer: Peer, spec: LoadSpec | None
     ) -> Load:
         peer.num_loads += 1  # the peer's agents stay loaded until this load ends
-        return Load(request_id, remote, peer, spec, self._clock())
+        now_s = self._clock()
+        return Load(request_id, remote, peer, spec, now_s, timeline=LoadTimeline(now_s))
 
     def advance(self) -> list[Outcome]:
         """Move every load as far as it can go; returns the loads that ended."""
@@ -179,6 +185,8 @@ class LoadTable:
                 )
             return
         load.started = True
+        if peer.state is PeerState.READY and load.timeline is not None:
+            load.timeline.handshake_ready_s = self._clock()
         if peer.state is PeerState.FAILED:
             load.fail(f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}")
         elif load.aborted or load.spec is None:
@@ -203,11 +211,15 @@ class LoadTable:
         if unknown:
             load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
             return
+        if load.timeline is not None:
+            load.timeline.planned(self._clock(), ((r.remote_rank, r.lengths) for r in plan.reads))
         load.counts = dict(plan.consumers)
         read_ranks = {reads.remote_rank for reads in plan.reads}
         for reads in plan.reads:
             if not self._post_read(load, peer, reads):
                 return
+        if load.timeline is not None:
+            load.timeline.posted_s = self._clock()
         for remote_rank in sorted((set(plan.consumers) | set(plan.notify_only)) - read_ranks):
             self._notify(load, remote_rank)
 
@@ -248,6 +260,8 @@ class LoadTable:
                 continue
             if state is TransferState.DONE:
                 load.notified.add(remote_rank)  # the free notification rode on the READ
+                if load.timeline is not None:
+                    load.timeline.done_s = self._clock()
                 self._release(load, remote_rank)
             elif self._clock() - load.created_s > self._transfer_timeout_s:
                 load.fail(
@@ -268,7 +282,16 @@ class LoadTable:
         reason = ABORTED if load.aborted else load.failure
         if reason is not None and reason != ABORTED:
             logger.warning("request %s failed: %s", load.request_id, reason)
+        self._record(load, reason)
         return load.request_id, reason
+
+    def _record(self, load: Load, reason: str | None) -> None:
+        """The load's metrics and trace line (see connector/trace.py)."""
+        if load.timeline is None:
+            return
+        load.timeline.notified_ranks = set(load.notified)
+        ids = (load.request_id, load.remote.request_id, load.peer.engine_id, self._agent.name)
+        load_ended(self._metrics, load.timeline, ids=ids, reason=reason, now_s=self._clock())
 
     def _notify_rest(self, load: Load) -> None:
         """Tell every covered remote rank not yet notified that its blocks may be freed."""

@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from connector.errors import InvalidNotification
+from connector.metrics import NOTIFICATIONS, MetricsRecorder, default_recorder
 from connector.protocol import decode_free_notif
 from connector.ratelimit import RateLimitedLog
+from connector.trace import send_ended
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +52,15 @@ class _Tally:
 class NotificationCounter:
     """Counts free notifications per prefill request id. Not thread-safe: engine thread only."""
 
-    def __init__(self, *, clock: Callable[[], float], early_ttl_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        early_ttl_s: float,
+        metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
+    ) -> None:
         self._clock = clock
+        self._metrics = metrics or default_recorder()
         self._early_ttl_s = early_ttl_s
         self._expected: dict[str, _Tally] = {}
         self._early: dict[str, _Tally] = {}
@@ -71,7 +80,7 @@ class NotificationCounter:
                 logger.warning("request %s is already expecting free notifications", request_id)
                 continue
             tally = self._early.pop(request_id, None) or _Tally(first_seen_s=self._clock())
-            self.stats.counted += len(tally.senders)
+            self._count("counted", len(tally.senders))
             self._expected[request_id] = tally
             self._finish_if_complete(request_id, tally)
 
@@ -97,7 +106,7 @@ class NotificationCounter:
         try:
             request_id, consumers = decode_free_notif(message)
         except InvalidNotification as error:
-            self.stats.garbage += 1
+            self._count("garbage")
             self._log.warning("garbage", "ignoring garbage notification from %s: %s", sender, error)
             return
         tally = self._expected.get(request_id)
@@ -105,12 +114,12 @@ class NotificationCounter:
             self._hold_early(sender, request_id, consumers)
             return
         if self._add(tally, sender, request_id, consumers):
-            self.stats.counted += 1
+            self._count("counted")
             self._finish_if_complete(request_id, tally)
 
     def _add(self, tally: _Tally, sender: str, request_id: str, consumers: int) -> bool:
         if sender in tally.senders:
-            self.stats.duplicate += 1
+            self._count("duplicate")
             self._log.warning(
                 "duplicate", "duplicate free notification for %s from %s", request_id, sender
             )
@@ -130,7 +139,7 @@ class NotificationCounter:
 
     def _hold_early(self, sender: str, request_id: str, consumers: int) -> None:
         if request_id in self._recent:
-            self.stats.duplicate += 1
+            self._count("duplicate")
             self._log.warning(
                 "duplicate", "free notification for finished request %s from %s", request_id, sender
             )
@@ -138,7 +147,7 @@ class NotificationCounter:
         tally = self._early.get(request_id)
         if tally is None:
             if len(self._early) >= MAX_EARLY_IDS:
-                self.stats.stray += 1
+                self._count("stray")
                 self._log.warning(
                     "stray", "dropping notification for unknown request %s", request_id
                 )
@@ -151,9 +160,16 @@ class NotificationCounter:
             return
         del self._expected[request_id]
         self._finished.append(request_id)
+        send_ended(request_id, tally.senders, first_seen_s=tally.first_seen_s, now_s=self._clock())
         self._recent[request_id] = None
         if len(self._recent) > MAX_RECENT_IDS:
             self._recent.popitem(last=False)
+
+    def _count(self, kind: str, amount: int = 1) -> None:
+        """Count ``amount`` notifications of ``kind`` in ``stats`` and in the metrics."""
+        setattr(self.stats, kind, getattr(self.stats, kind) + amount)
+        if amount:
+            self._metrics.inc(NOTIFICATIONS, kind, amount)
 
     def _expire_early(self) -> None:
         now_s = self._clock()
@@ -164,7 +180,7 @@ class NotificationCounter:
         ]
         for request_id in expired:
             tally = self._early.pop(request_id)
-            self.stats.stray += len(tally.senders)
+            self._count("stray", len(tally.senders))
             self._log.warning(
                 "stray",
                 "free notification for unknown request %s from %s: no such lease; ignored",

@@ -28,6 +28,13 @@ from dataclasses import dataclass, field
 from connector.errors import ConnectorError, HandshakeError, UnsupportedConfiguration
 from connector.layout import RankLayout
 from connector.metadata import RemoteSource
+from connector.metrics import (
+    HANDSHAKE_FAILURES,
+    HANDSHAKE_SECONDS,
+    MetricsRecorder,
+    default_recorder,
+    handshake_failure_kind,
+)
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from worker.compat import Fingerprint, check_compatible
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
@@ -71,6 +78,7 @@ class Peer:
     probe: bool = False  # a background re-check of a failed key: no request waits on it
     num_live_transfers: int = 0  # posted READs not yet released
     num_loads: int = 0  # loads that hold this record (LoadTable counts them)
+    submitted_s: float = 0.0  # when its handshake was submitted (table's clock), for metrics
 
     @property
     def key(self) -> PeerKey:
@@ -139,8 +147,10 @@ class PeerTable:
         enforce_compat: bool,
         clock: Callable[[], float],
         probe_interval_s: float = PROBE_INTERVAL_S,
+        metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
         self._agent = agent
+        self._metrics = metrics or default_recorder()
         self._client = client
         self._tp_rank = tp_rank
         self._tp_size = tp_size
@@ -212,6 +222,7 @@ class PeerTable:
     def _submit(self, peer: Peer, *, retries: int | None) -> None:
         job_id = next(self._job_ids)
         self._pending[job_id] = peer
+        peer.submitted_s = self._clock()
         job = HandshakeJob(
             peer.engine_id, peer.host, peer.port, tuple(peer.duty), job_id=job_id, retries=retries
         )
@@ -245,6 +256,7 @@ class PeerTable:
             self._fail(peer, str(error))
             return
         peer.state = PeerState.READY
+        self._metrics.observe(HANDSHAKE_SECONDS, self._clock() - peer.submitted_s)
         logger.info("handshake with engine %s at %s done", peer.engine_id, peer.address)
         if peer.probe:
             self._promote(peer)
@@ -297,6 +309,7 @@ class PeerTable:
         )
         peer.state = PeerState.FAILED
         peer.failure = reason
+        self._metrics.inc(HANDSHAKE_FAILURES, handshake_failure_kind(reason))
         for name in peer.agent_names.values():
             self._release_agent(name)
         peer.agent_names.clear()

@@ -1,0 +1,324 @@
+"""The connector's metrics: names, types, units and help texts once, and a recorder for them.
+
+Everything here is plain data (no prometheus_client): the connector records into a
+``MetricsRecorder``; the edges export it (``connector.metrics_prometheus`` for an HTTP
+``/metrics``, ``connector.vllm_metrics`` for vLLM's own endpoint). Names follow Prometheus
+conventions: the ``nixl_pd_`` prefix, the unit as a suffix, counters ending in ``_total``.
+
+Labels are bounded: free-text failure reasons are mapped to a small set of kinds
+(``load_failure_kind``, ``handshake_failure_kind``); the full reason stays in the logs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+
+import msgspec
+
+COUNTER = "counter"
+HISTOGRAM = "histogram"
+MAX_PENDING_OBSERVATIONS = 4096  # raw values kept per histogram between take_interval calls
+
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LONG_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BYTES = tuple(float(4**k * 1024) for k in range(13))  # 1 KiB .. 16 GiB
+_DESCRIPTORS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096.0, 16384.0)
+
+
+class MetricSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One metric: its Prometheus name, type, unit, help text, label and buckets."""
+
+    name: str
+    kind: str  # COUNTER or HISTOGRAM
+    unit: str  # "seconds", "bytes", "descriptors", "requests", ...
+    help: str
+    label: str | None = None  # the one label name, for counters split by kind
+    label_values: tuple[str, ...] = ()  # every value the label may take
+    buckets: tuple[float, ...] = ()  # histogram upper bounds (+Inf implied)
+
+
+TRANSFER_SECONDS = MetricSpec(
+    "nixl_pd_transfer_seconds",
+    HISTOGRAM,
+    "seconds",
+    "Decode: time from posting a request's READs to the last one done, per request and rank.",
+    buckets=_SECONDS,
+)
+TRANSFER_BYTES = MetricSpec(
+    "nixl_pd_transfer_bytes",
+    HISTOGRAM,
+    "bytes",
+    "Decode: bytes READ per request and rank.",
+    buckets=_BYTES,
+)
+TRANSFER_DESCRIPTORS = MetricSpec(
+    "nixl_pd_transfer_descriptors",
+    HISTOGRAM,
+    "descriptors",
+    "Decode: NIXL descriptors (merged byte ranges) READ per request and rank.",
+    buckets=_DESCRIPTORS,
+)
+HANDSHAKE_SECONDS = MetricSpec(
+    "nixl_pd_handshake_seconds",
+    HISTOGRAM,
+    "seconds",
+    "Decode: time from a remote engine's first request to its handshake loaded, per rank.",
+    buckets=_LONG_SECONDS,
+)
+POST_SECONDS = MetricSpec(
+    "nixl_pd_post_seconds",
+    HISTOGRAM,
+    "seconds",
+    "Decode: engine-thread time to prepare and post a request's READs, per request and rank.",
+    buckets=_SECONDS,
+)
+PREFILL_FREE_SECONDS = MetricSpec(
+    "nixl_pd_prefill_free_seconds",
+    HISTOGRAM,
+    "seconds",
+    "Prefill: time from a request's prefill finish (lease taken) to its blocks freed.",
+    buckets=_LONG_SECONDS,
+)
+
+LOAD_FAILURE_KINDS = (
+    "aborted",
+    "handshake",
+    "handshake_timeout",
+    "plan",
+    "transfer",
+    "transfer_timeout",
+    "internal",
+    "other",
+)
+HANDSHAKE_FAILURE_KINDS = (
+    "timeout",
+    "refused",
+    "incompatible",
+    "restarted",
+    "superseded",
+    "network",
+    "other",
+)
+NOTIFICATION_KINDS = ("counted", "duplicate", "stray", "garbage")
+
+LOADS_FINISHED = MetricSpec(
+    "nixl_pd_loads_finished_total",
+    COUNTER,
+    "requests",
+    "Decode: requests whose KV this rank loaded.",
+)
+LOADS_FAILED = MetricSpec(
+    "nixl_pd_loads_failed_total",
+    COUNTER,
+    "requests",
+    "Decode: requests this rank could not load, by kind of reason.",
+    label="reason",
+    label_values=LOAD_FAILURE_KINDS,
+)
+NOTIFICATIONS = MetricSpec(
+    "nixl_pd_notifications_total",
+    COUNTER,
+    "notifications",
+    "Prefill: free notifications received: counted, duplicate, stray (no lease) or garbage.",
+    label="kind",
+    label_values=NOTIFICATION_KINDS,
+)
+LEASES_COMPLETED = MetricSpec(
+    "nixl_pd_leases_completed_total",
+    COUNTER,
+    "requests",
+    "Prefill: leases ended because every decode reader notified.",
+)
+LEASES_EXPIRED = MetricSpec(
+    "nixl_pd_leases_expired_total",
+    COUNTER,
+    "requests",
+    "Prefill: leases that expired before every decode reader notified.",
+)
+LEASES_RELEASED = MetricSpec(
+    "nixl_pd_leases_released_total",
+    COUNTER,
+    "requests",
+    "Prefill: leases released over the side channel by a decode engine that will not read.",
+)
+HANDSHAKE_FAILURES = MetricSpec(
+    "nixl_pd_handshake_failures_total",
+    COUNTER,
+    "handshakes",
+    "Decode: handshakes with a remote engine that failed, by kind of reason.",
+    label="reason",
+    label_values=HANDSHAKE_FAILURE_KINDS,
+)
+
+METRICS: tuple[MetricSpec, ...] = (
+    TRANSFER_SECONDS,
+    TRANSFER_BYTES,
+    TRANSFER_DESCRIPTORS,
+    HANDSHAKE_SECONDS,
+    POST_SECONDS,
+    PREFILL_FREE_SECONDS,
+    LOADS_FINISHED,
+    LOADS_FAILED,
+    NOTIFICATIONS,
+    LEASES_COMPLETED,
+    LEASES_EXPIRED,
+    LEASES_RELEASED,
+    HANDSHAKE_FAILURES,
+)
+METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
+
+# (how the reason starts, kind) for loads and (text in the reason, kind) for handshakes: the
+# first match wins. The texts are ours (worker/loads.py, worker/peers.py,
+# connector/side_channel_client.py), so the mapping is tested against them.
+_LOAD_PATTERNS = (
+    ("handshake with", "handshake"),
+    ("cannot plan", "plan"),
+    ("the plan reads", "plan"),
+    ("READ from", "transfer"),
+    ("internal error", "internal"),
+)
+_HANDSHAKE_PATTERNS = (
+    ("did not answer", "timeout"),
+    ("refused the request", "refused"),
+    ("compatib", "incompatible"),
+    ("protocol version", "incompatible"),
+    ("restarted", "restarted"),
+    ("superseded", "superseded"),
+    ("took over", "superseded"),
+    ("zmq error", "network"),
+)
+
+
+def load_failure_kind(reason: str) -> str:
+    """A bounded label for a load's free-text failure reason."""
+    if reason == "aborted":
+        return "aborted"
+    for prefix, kind in _LOAD_PATTERNS:
+        if reason.startswith(prefix):
+            timed_out = "did not finish within" in reason and kind in ("handshake", "transfer")
+            return f"{kind}_timeout" if timed_out else kind
+    return "other"
+
+
+def handshake_failure_kind(reason: str) -> str:
+    """A bounded label for a handshake's free-text failure reason."""
+    lowered = reason.lower()
+    for text, kind in _HANDSHAKE_PATTERNS:
+        if text.lower() in lowered:
+            return kind
+    return "other"
+
+
+class Histogram(msgspec.Struct, forbid_unknown_fields=True):
+    """Cumulative state of one histogram: per-bucket (not cumulative) counts, sum, count."""
+
+    bucket_counts: list[int]  # one per MetricSpec.buckets entry, then the +Inf bucket
+    sum: float = 0.0
+    count: int = 0
+
+
+class MetricsSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Every metric's value since the recorder started (what /metrics shows)."""
+
+    counters: dict[str, dict[str, int]]  # metric name -> label value ("" unlabelled) -> count
+    histograms: dict[str, Histogram]
+
+
+class MetricsInterval(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What was recorded between two ``take_interval`` calls: counter increments and raw
+    histogram observations (what vLLM's KVConnectorStats carries between processes)."""
+
+    counters: dict[str, dict[str, int]] = {}
+    observations: dict[str, list[float]] = {}
+
+    def merged(self, other: MetricsInterval) -> MetricsInterval:
+        counters = {name: dict(values) for name, values in self.counters.items()}
+        for name, values in other.counters.items():
+            mine = counters.setdefault(name, {})
+            for label, count in values.items():
+                mine[label] = mine.get(label, 0) + count
+        observations = {name: list(values) for name, values in self.observations.items()}
+        for name, raw in other.observations.items():
+            observations.setdefault(name, []).extend(raw)
+        return MetricsInterval(counters, observations)
+
+    def is_empty(self) -> bool:
+        return not any(self.observations.values()) and not any(
+            any(values.values()) for values in self.counters.values()
+        )
+
+    def total(self, spec: MetricSpec) -> int:
+        """A counter's increments over every label value."""
+        return sum(self.counters.get(spec.name, {}).values())
+
+
+class MetricsRecorder:
+    """Records counters and histograms for one process; safe to call from any thread."""
+
+    def __init__(self, max_pending_observations: int = MAX_PENDING_OBSERVATIONS) -> None:
+        # Guards every attribute below: the engine thread records, exporters read.
+        self._lock = threading.Lock()
+        self._max_pending = max_pending_observations
+        self._counters: dict[str, dict[str, int]] = {}
+        self._histograms = {
+            spec.name: Histogram([0] * (len(spec.buckets) + 1))
+            for spec in METRICS
+            if spec.kind == HISTOGRAM
+        }
+        self._pending_counters: dict[str, dict[str, int]] = {}
+        self._pending_values: dict[str, deque[float]] = {}
+
+    def inc(self, spec: MetricSpec, label: str = "", amount: int = 1) -> None:
+        """Add ``amount`` to a counter; ``label`` must be one of ``spec.label_values``."""
+        if spec.label is not None and label not in spec.label_values:
+            label = "other" if "other" in spec.label_values else spec.label_values[0]
+        with self._lock:
+            for table in (self._counters, self._pending_counters):
+                values = table.setdefault(spec.name, {})
+                values[label] = values.get(label, 0) + amount
+
+    def observe(self, spec: MetricSpec, value: float) -> None:
+        """Add one observation (in ``spec.unit``) to a histogram."""
+        with self._lock:
+            state = self._histograms[spec.name]
+            state.bucket_counts[bisect.bisect_left(spec.buckets, value)] += 1
+            state.sum += value
+            state.count += 1
+            pending = self._pending_values.get(spec.name)
+            if pending is None:
+                pending = self._pending_values[spec.name] = deque(maxlen=self._max_pending)
+            pending.append(float(value))
+
+    def snapshot(self) -> MetricsSnapshot:
+        with self._lock:
+            return MetricsSnapshot(
+                {name: dict(values) for name, values in self._counters.items()},
+                {
+                    name: msgspec.structs.replace(h, bucket_counts=list(h.bucket_counts))
+                    for name, h in self._histograms.items()
+                },
+            )
+
+    def take_interval(self) -> MetricsInterval:
+        """What was recorded since the last call (raw values: the newest, bounded)."""
+        with self._lock:
+            interval = MetricsInterval(
+                self._pending_counters,
+                {name: list(values) for name, values in self._pending_values.items() if values},
+            )
+            self._pending_counters, self._pending_values = {}, {}
+        return interval
+
+
+_PROCESS_RECORDER = MetricsRecorder()
+
+
+def default_recorder() -> MetricsRecorder:
+    """The process's recorder: what a component records into unless given another one.
+
+    One per process, as Prometheus clients keep one registry: an engine's ranks, its scheduler
+    side and its exporter meet here without being wired to each other.
+    """
+    return _PROCESS_RECORDER
