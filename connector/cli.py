@@ -116,6 +116,11 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--side-channel-port", type=int, default=0, metavar="P", help="(0: a free port)"
     )
+    serve.add_argument(
+        "--metrics-port", type=int, default=None, metavar="P",
+        help="serve Prometheus metrics on http://HOST:P/metrics (0 picks a free port; "
+        "default: no metrics endpoint)",
+    )  # fmt: skip
     serve.add_argument("--engine-id", default=None, help="(default: <role>-<random hex>)")
     serve.add_argument("--model", choices=MODELS, default="dense", help="(dense)")
     serve.add_argument("--tp", type=int, default=1, metavar="N", help="TP size (1)")
@@ -280,6 +285,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         side_channel_port=args.side_channel_port,
+        metrics_port=args.metrics_port,
         engine_id=args.engine_id,
         model=args.model,
         tp_size=args.tp,

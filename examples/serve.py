@@ -5,7 +5,9 @@ send one JSON command per message (``examples.engine_loop``: Submit, GetStats, G
 events back: each request's Output when it finishes, Stats, Info, or Error for a command that
 does not decode. Messages are size-bounded (an oversized one drops that peer's connection) and
 decoded only through typed msgspec decoders; nothing a client sends stops the server. It runs
-``EngineLoop``, the loop the demo's child processes run, until SIGINT or SIGTERM.
+``EngineLoop``, the loop the demo's child processes run, until SIGINT or SIGTERM. With
+``metrics_port`` set it also serves the connector's metrics (connector.metrics) on
+``http://host:port/metrics``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import zmq
 
 from connector.config import ENV_SIDE_CHANNEL_SECRET, ConnectorConfig
 from connector.errors import UnsupportedConfiguration
+from connector.metrics import default_recorder
 from connector.side_channel_client import zmq_endpoint
 from examples.engine import Engine, EngineConfig
 from examples.engine_loop import (
@@ -51,6 +54,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"  # the request socket and the side channel bind here
     port: int | None = None  # request socket; None: DEFAULT_PORTS[role]; 0: a free port
     side_channel_port: int = 0  # 0: a free port (decode learns it from kv_transfer_params)
+    metrics_port: int | None = None  # HTTP /metrics on host; None: none; 0: a free port
     engine_id: str | None = None  # None: "<role>-<6 hex>"
     model: str = "dense"
     tp_size: int = 1
@@ -148,6 +152,7 @@ def validate_options(options: ServeOptions) -> None:
     for flag, port in (
         ("--port", options.port),
         ("--side-channel-port", options.side_channel_port),
+        ("--metrics-port", options.metrics_port),
     ):
         if port is not None and not 0 <= port <= 65535:
             raise UnsupportedConfiguration(f"{flag} {port}: use 1..65535, or 0 for a free port")
@@ -188,6 +193,7 @@ class Started(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_port: int
     side_channel_port: int
     setup_s: float
+    metrics_url: str | None = None  # where /metrics is served, if it is
 
 
 def run_server(
@@ -205,21 +211,26 @@ def run_server(
     connector = serve_connector_config(options, env)
     port = DEFAULT_PORTS[options.role] if options.port is None else options.port
     transport = SocketTransport(options.host, port)
+    metrics = None
     try:
+        if options.metrics_port is not None:
+            from connector.metrics_prometheus import MetricsServer
+
+            metrics = MetricsServer(default_recorder(), options.host, options.metrics_port)
         engine = Engine(
             config, connector_config=connector, agent_factory=real_agent_factory(connector)
         )
         try:
             side_channel_port = engine.scheduler.side_channel_port
-            on_ready(
-                Started(
-                    config.engine_id, transport.port, side_channel_port, time.monotonic() - start_s
-                )
-            )
+            setup_s = time.monotonic() - start_s
+            url = metrics.url if metrics is not None else None
+            on_ready(Started(config.engine_id, transport.port, side_channel_port, setup_s, url))
             EngineLoop(engine, transport).serve(stop)
         finally:
             engine.shutdown()
     finally:
+        if metrics is not None:
+            metrics.close()
         transport.close()
 
 
@@ -238,10 +249,11 @@ def stop_on_signals(stop: threading.Event) -> None:
 
 def ready_line(options: ServeOptions, started: Started) -> str:
     kernel = options.kernel_block_size or options.block_size
+    metrics = f", metrics {started.metrics_url}" if started.metrics_url else ""
     return (
         f"nixl-pd serve: {options.role} engine {started.engine_id} ready: requests on "
         f"{options.host}:{started.request_port}, side channel {options.host}:"
-        f"{started.side_channel_port} (model {options.model}, TP {options.tp_size}, block "
+        f"{started.side_channel_port}{metrics} (model {options.model}, TP {options.tp_size}, block "
         f"{options.block_size}/{kernel}, {options.layout}, {options.num_blocks} blocks, seed "
         f"{options.seed}; up in {started.setup_s:.2f} s). Ctrl-C to stop."
     )
