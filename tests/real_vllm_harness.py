@@ -370,6 +370,19 @@ def complete_streamed(
     return Completion(tuple(token_ids), tuple(logprobs), time.monotonic() - started, ttft_s)
 
 
+def prefill_params(
+    prefill_url: str, prompt_ids: Sequence[int], *, timeout_s: float = REQUEST_TIMEOUT_S
+) -> dict[str, Any]:
+    """Ask a prefill engine directly, as the proxy does, for the kv_transfer_params that a
+    decode engine needs for ``prompt_ids``."""
+    body = completion_body(prompt_ids, 1, kv_transfer_params={"do_remote_decode": True})
+    with _open(prefill_url, body, timeout_s) as response:
+        params = json.loads(response.read()).get("kv_transfer_params")
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+        raise RequestFailed(200, f"prefill returned no usable kv_transfer_params: {params!r}")
+    return params
+
+
 # ----------------------------------------------------------------------------- deployment
 
 

@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,7 @@ from tests.real_vllm_harness import (
     complete,
     complete_streamed,
     connector_under_test,
+    prefill_params,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
@@ -218,42 +220,64 @@ def test_same_prompts_again_use_decode_prefix_cache(
     assert hits >= cached_blocks * block_size
 
 
-def malformed_params(deployment: Deployment, prompt_ids: Sequence[int]) -> dict[str, object]:
-    """Real params from prefill, with remote_block_ids replaced by a value of the wrong type."""
-    # Ask prefill directly, as the proxy would, to get a genuine set to corrupt.
-    raw = _prefill_params(deployment, prompt_ids)
-    return {**raw, "remote_block_ids": "not-a-list"}
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
-def _prefill_params(deployment: Deployment, prompt_ids: Sequence[int]) -> dict[str, object]:
-    import urllib.request
-
-    from tests.real_vllm_harness import completion_body
-
-    body = completion_body(prompt_ids, 1, kv_transfer_params={"do_remote_decode": True})
-    request = urllib.request.Request(
-        deployment.prefill.url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        params = json.loads(response.read())["kv_transfer_params"]
-    assert isinstance(params, dict) and params.get("do_remote_prefill") is True, params
-    return params
+# One field of genuine prefill params made wrong; each must fail only its own request.
+# Each reaches the connector (150 deep stays under JSON parsers' depth limits). Not here: a
+# lone-surrogate string, which vLLM's API server already fails to encode for its engine core.
+MALFORMED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "block-ids-not-a-list": lambda params: {**params, "remote_block_ids": "not-a-list"},
+    "negative-block-id": lambda params: {**params, "remote_block_ids": [[-1]]},
+    "block-ids-nested-150-deep": lambda params: {**params, "remote_block_ids": _nested(150)},
+    "port-out-of-range": lambda params: {**params, "remote_port": 70000},
+    "engine-id-missing": lambda params: {
+        key: value for key, value in params.items() if key != "remote_engine_id"
+    },
+}
 
 
-def test_malformed_kv_transfer_params_fail_alone(
-    deployment: Deployment, reference: Reference, block_size: int
-) -> None:
+def skip_for_vllm_connector(deployment: Deployment) -> None:
     if deployment.connector == "vllm":
         pytest.skip(
-            "vLLM 0.32's NixlConnector asserts inside the engine core on a non-list "
-            "remote_block_ids and the decode engine dies (REFERENCE.md, weakness 5): this "
-            "case is a property of our connector only"
+            "vLLM 0.32's NixlConnector does not validate kv_transfer_params: a non-list "
+            "remote_block_ids kills its decode engine core (seen with this harness; "
+            "REFERENCE.md weakness 5), so the malformed-params cases are ours only"
         )
+
+
+@pytest.mark.parametrize("corrupt", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_kv_transfer_params_fail_only_their_request(
+    deployment: Deployment,
+    reference: Reference,
+    block_size: int,
+    corrupt: Callable[[dict[str, Any]], dict[str, Any]],
+) -> None:
+    skip_for_vllm_connector(deployment)
     bad_prompt = prompt(seed=77, num_tokens=2 * block_size + 5)
+    bad_params = corrupt(prefill_params(deployment.prefill.url, bad_prompt))
+
+    with pytest.raises(RequestFailed):
+        complete(deployment.decode.url, bad_prompt, MAX_TOKENS, kv_transfer_params=bad_params)
+
+    assert deployment.decode.healthy()
+    after = prompt(seed=78, num_tokens=block_size + 1)
+    assert_all_match([after], [complete(deployment.proxy_url, after, MAX_TOKENS)], reference)
+
+
+def test_malformed_kv_transfer_params_amid_good_requests(
+    deployment: Deployment, reference: Reference, block_size: int
+) -> None:
+    skip_for_vllm_connector(deployment)
+    bad_prompt = prompt(seed=79, num_tokens=2 * block_size + 5)
     good = [prompt(seed=2000 + i, num_tokens=block_size + 3 * i) for i in range(6)]
-    bad_params = malformed_params(deployment, bad_prompt)
+    bad_params = MALFORMED["block-ids-not-a-list"](
+        prefill_params(deployment.prefill.url, bad_prompt)
+    )
 
     with ThreadPoolExecutor(max_workers=7) as pool:
         bad = pool.submit(
@@ -265,8 +289,6 @@ def test_malformed_kv_transfer_params_fail_alone(
 
     assert_all_match(good, good_answers, reference)
     assert deployment.decode.healthy() and deployment.prefill.healthy()
-    after = prompt(seed=78, num_tokens=block_size + 1)
-    assert_all_match([after], [complete(deployment.proxy_url, after, MAX_TOKENS)], reference)
 
 
 def test_streamed_through_proxy_matches_and_reports_ttft(
