@@ -38,11 +38,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.layout import BlockFormat, KVCacheSpec
+from connector.metrics import default_recorder
 from connector.vllm_backends import block_formats_of
 from connector.vllm_layout import (
     dtype_name,
@@ -290,11 +296,29 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         return self._require_worker().build_worker_meta()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker.stats() if self._worker is not None else None
+        """Worker: its reports' counts and this process's metrics since the last call.
+        Scheduler: this process's metrics (leases, frees), when it runs apart from the workers."""
+        if self._worker is not None:
+            return self._worker.stats()
+        stats = NixlPDStats.from_interval(default_recorder().take_interval())
+        return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return NixlPDStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """connector.metrics on vLLM's /metrics (see connector/vllm_metrics.py)."""
+        from connector.vllm_metrics import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Failures are reported per request (failed_recving), never per block id."""

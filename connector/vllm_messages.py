@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
@@ -17,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.metadata import ConnectorMetadata, WorkerReport
+from connector.metrics import MetricsInterval
 from scheduler.requests import FinishedRequests
 
 
@@ -56,18 +58,22 @@ def merge(first: FinishedRequests, second: FinishedRequests) -> FinishedRequests
 
 
 STAT_KEYS = ("loads_finished", "loads_failed", "sends_finished")
+METRICS_KEY = "metrics"  # a MetricsInterval as builtins: counters and raw observations
 
 
 @dataclass
 class NixlPDStats(KVConnectorStats):
-    """Per-interval counters, summed over ranks and steps (vLLM logs ``reduce()``).
+    """Per-interval figures, summed over ranks, the scheduler and steps (vLLM logs ``reduce()``
+    and hands ``data`` to NixlPDPromMetrics for its /metrics).
 
-    Counts are per rank: a request loaded by 2 decode ranks counts 2 loads_finished.
+    ``STAT_KEYS`` count reports per rank: a request loaded by 2 decode ranks counts 2
+    loads_finished. ``data["metrics"]`` is what connector.metrics recorded in the interval.
     """
 
     def __post_init__(self) -> None:
         for key in STAT_KEYS:
             self.data.setdefault(key, 0)
+        self.data.setdefault(METRICS_KEY, {})
 
     @classmethod
     def from_report(cls, report: WorkerReport) -> NixlPDStats:
@@ -79,15 +85,31 @@ class NixlPDStats(KVConnectorStats):
             }
         )
 
+    @classmethod
+    def from_interval(cls, interval: MetricsInterval) -> NixlPDStats:
+        return cls(data={METRICS_KEY: msgspec.to_builtins(interval)})
+
+    @property
+    def interval(self) -> MetricsInterval:
+        return interval_of(self.data)
+
     def reset(self) -> None:
         self.data = {key: 0 for key in STAT_KEYS}
+        self.data[METRICS_KEY] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         merged: dict[str, Any] = {key: self.data[key] + other.data.get(key, 0) for key in STAT_KEYS}
+        interval = self.interval.merged(interval_of(other.data))
+        merged[METRICS_KEY] = msgspec.to_builtins(interval)
         return NixlPDStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
         return {key: int(self.data[key]) for key in STAT_KEYS}
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in STAT_KEYS)
+        return not any(self.data[key] for key in STAT_KEYS) and self.interval.is_empty()
+
+
+def interval_of(data: dict[str, Any]) -> MetricsInterval:
+    """The MetricsInterval in a stats ``data`` dict (empty if it has none)."""
+    return msgspec.convert(data.get(METRICS_KEY) or {}, MetricsInterval)

@@ -19,6 +19,7 @@ from connector.errors import UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.metadata import WorkerReport
+from connector.metrics import default_recorder
 from connector.vllm_layout import kernel_block_sizes_of, region_addresses
 from connector.vllm_messages import (
     NixlPDHandshakeMetadata,
@@ -113,8 +114,9 @@ class WorkerSide:
         )
 
     def stats(self) -> NixlPDStats | None:
-        """Counters of the reports not yet handed to the scheduler (this step's)."""
-        stats = NixlPDStats()
+        """Counters of the reports not yet handed to the scheduler (this step's), and what
+        this process recorded into connector.metrics since the last call."""
+        stats = NixlPDStats.from_interval(default_recorder().take_interval())
         for report in self._reports:
             stats = stats.aggregate(NixlPDStats.from_report(report))  # type: ignore[assignment]
         return None if stats.is_empty() else stats
