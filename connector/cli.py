@@ -121,6 +121,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help="serve Prometheus metrics on http://HOST:P/metrics (0 picks a free port; "
         "default: no metrics endpoint)",
     )  # fmt: skip
+    serve.add_argument(
+        "--trace", action="store_true",
+        help="log one JSON line per request per rank to stderr (logger nixl_pd.trace)",
+    )  # fmt: skip
     serve.add_argument("--engine-id", default=None, help="(default: <role>-<random hex>)")
     serve.add_argument("--model", choices=MODELS, default="dense", help="(dense)")
     serve.add_argument("--tp", type=int, default=1, metavar="N", help="TP size (1)")
@@ -277,6 +281,8 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.trace:
+        logging.getLogger("nixl_pd.trace").setLevel(logging.DEBUG)
     from connector.errors import ConnectorError
     from examples import serve
 

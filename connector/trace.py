@@ -59,7 +59,9 @@ class LoadTimeline:
         self.remote_ranks = tuple(ranks)
 
 
-class LoadTrace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class LoadTrace(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="event", tag="load"
+):
     """The trace line of one load on one rank; times in ms since the load was scheduled."""
 
     request_id: str
@@ -77,10 +79,11 @@ class LoadTrace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_descriptors: int
     remote_ranks: tuple[int, ...]
     notified_ranks: tuple[int, ...]
-    event: str = "load"
 
 
-class SendTrace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class SendTrace(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="event", tag="send"
+):
     """The trace line of one prefill request on one rank: its free notifications are all in."""
 
     request_id: str
@@ -88,7 +91,6 @@ class SendTrace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     senders: tuple[str, ...]  # the decode agents that notified
     # From the lease (or an early first notification, whichever came first) to the last one.
     waited_ms: float
-    event: str = "send"
 
 
 def _ms(start_s: float, when_s: float | None) -> float | None:

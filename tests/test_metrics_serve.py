@@ -42,7 +42,7 @@ class MeteredServer:
         self.role = role
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        argv = ["serve", "--role", role, "--port", "0", "--metrics-port", "0"]
+        argv = ["serve", "--role", role, "--port", "0", "--metrics-port", "0", "--trace"]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "connector.cli", *argv],
             stdout=subprocess.PIPE,
@@ -163,6 +163,22 @@ def test_metrics_of_a_real_routed_batch(tmp_path: Path) -> None:
     assert value(prefilled, "nixl_pd_leases_expired_total") == 0
     assert value(prefilled, "nixl_pd_prefill_free_seconds_count") == NUM_REQUESTS
     assert value(prefilled, "nixl_pd_loads_finished_total") == 0
+
+    # --trace: one line per request on each side, sizes as the metrics say.
+    loads = trace_lines(tmp_path / "decode.log", "load")
+    assert len(loads) == NUM_REQUESTS and {line["outcome"] for line in loads} == {"ok"}
+    assert sum(line["num_bytes"] for line in loads) == value(decoded, "nixl_pd_transfer_bytes_sum")
+    assert len(trace_lines(tmp_path / "prefill.log", "send")) == NUM_REQUESTS
+
+
+def trace_lines(log_path: Path, event: str) -> list[dict[str, Any]]:
+    lines = []
+    for line in log_path.read_text().splitlines():
+        if " nixl_pd.trace DEBUG " in line:
+            trace = json.loads(line.split(" nixl_pd.trace DEBUG ", 1)[1])
+            if trace["event"] == event:
+                lines.append(trace)
+    return lines
 
 
 def test_a_bad_metrics_port_is_refused_in_one_line() -> None:
