@@ -11,7 +11,9 @@ minutes on two cores) and the cases run in file order: the prefill restart comes
     NIXL_PD_REAL_VLLM_CONNECTOR=vllm .venv/bin/python -m pytest tests/test_real_vllm.py
 
 Without .venv-vllm the module skips, unless NIXL_PD_REQUIRE_REAL_VLLM=1 (CI) makes that an
-error.
+error. Leave the tier out of a quick local run with ``-m "not real_vllm"``;
+NIXL_PD_REAL_VLLM_SOURCE=DIR runs it against another tree's connector (an older commit's
+``git archive``, say), NIXL_PD_REAL_VLLM_REPORT=FILE writes the latency report as JSON.
 """
 
 from __future__ import annotations
