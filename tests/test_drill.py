@@ -185,12 +185,15 @@ def kill_prefill_mid_load(p1: Served, p2: Served, d: Served, table: Table) -> No
     assert _wait_problem(p1.client), "route did not see the killed prefill"
     table.route(route_batch(p2, d, "after-kill", 8))
     # New requests naming the dead prefill: once one handshake failed, the rest fail at once.
-    rid0, prompt0 = next(iter(batch.items()))
+    # Fresh prompts (decode must not find them in its prefix cache) with the dead engine's
+    # params: a load is needed, so each request has to reach the dead prefill.
+    rid0 = next(iter(batch))
+    fresh = list(prompts("dead-prefill", 4).values())
     durations_s = []
     for attempt in range(4):
         start_s = time.monotonic()
         rid = f"dead-prefill-{attempt}"
-        d.client.submit(decode_request(rid, prompt0, prefilled[rid0]))
+        d.client.submit(decode_request(rid, fresh[attempt], prefilled[rid0]))
         output = collect(d.client, {rid}, timeout_s=10.0)[rid]
         assert output.error and "prefill engine" in output.error, output.error
         durations_s.append(time.monotonic() - start_s)
