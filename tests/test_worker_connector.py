@@ -7,6 +7,7 @@ every path can be driven step by step. Bytes landing for real is tests/test_life
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from tests.test_worker_parts import BASE, Clock, make_spec
 from worker.compat import fingerprint
 from worker.connector import WorkerConnector
 from worker.nixl_api import TransferState
+from worker.transfer_thread import TransferThread
 
 # --- a recording NIXL agent double -----------------------------------------------------------
 
@@ -46,6 +48,7 @@ class RecordingAgent:
 
     name: str
     threads: set[int] = field(default_factory=set)
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (method, thread name)
     regions: list[tuple[int, int]] = field(default_factory=list)
     remotes: set[str] = field(default_factory=set)
     reads: list[Read] = field(default_factory=list)
@@ -55,6 +58,7 @@ class RecordingAgent:
 
     def _call(self) -> None:
         self.threads.add(threading.get_ident())
+        self.calls.append((sys._getframe(1).f_code.co_name, threading.current_thread().name))
 
     def register_regions(self, regions: Any) -> Any:
         self._call()
@@ -192,9 +196,11 @@ class Rig:
 
     def step(self, **metadata: Any) -> None:
         self.worker.start_load_kv(ConnectorMetadata(**metadata))
+        assert self.worker.flush()  # the pass that applies it, as the engine step would see
         self.collect()
 
     def collect(self) -> WorkerReport:
+        assert self.worker.flush()  # one more pass of the transfer thread, then its report
         report = self.worker.get_finished()
         for request_id in [*report.finished_recving, *report.failed_recving]:
             assert request_id not in self.finished and request_id not in self.failed, request_id
@@ -266,14 +272,30 @@ def test_one_handshake_per_engine_shared_by_its_requests(rig: Rig) -> None:
     assert all(read.released for read in rig.agent.reads)
 
 
-def test_only_the_engine_thread_touches_the_agent(rig: Rig) -> None:
+def test_the_engine_thread_never_calls_nixl_between_registration_and_shutdown(rig: Rig) -> None:
+    """Threading contract (worker/connector.py): after register_kv_caches, only the rank's
+    transfer thread calls the agent; start_load_kv and get_finished only hand work over."""
+    engine = threading.current_thread().name
     rig.channels.serve("p", 1)
-    rig.step(loads=(load("a", source()),))
+    rig.step(loads=(load("a", source()),), sends=("s",))
     rig.until(lambda: bool(rig.agent.reads))
     rig.finish_reads()
-    rig.collect()
-    assert rig.agent.threads == {threading.get_ident()}
+    rig.until(lambda: rig.reported("a"))
+    calls = list(rig.agent.calls)
+    first_transfer_call = next(i for i, (_, name) in enumerate(calls) if name != engine)
+    assert [method for method, _ in calls[:first_transfer_call]] == [
+        "register_regions",
+        "get_agent_metadata",
+    ]
+    hot_path = calls[first_transfer_call:]
+    assert {name for _, name in hot_path} == {"nixl-pd-transfer-r0"}
+    assert {"add_remote_agent", "make_read", "post", "check", "release", "get_new_notifs"} <= {
+        method for method, _ in hot_path
+    }
     assert rig.channels.threads and threading.get_ident() not in rig.channels.threads
+    rig.close()
+    assert not any(t.name == "nixl-pd-transfer-r0" for t in threading.enumerate())
+    assert {name for _, name in rig.agent.calls[len(calls) :]} <= {engine}
 
 
 def break_metadata(rig: Rig) -> None:
@@ -472,3 +494,20 @@ def test_prefill_rank_reports_sends_once_and_shrugs_off_bad_notifications(rig: R
     rig.step(sends=("p3",), forgotten=("p3",))
     rig.agent.inbox = {"d0": [b"p3:1"]}
     assert rig.collect().finished_sending == ()
+
+
+def test_transfer_thread_survives_a_failing_pass_and_stops() -> None:
+    passes: list[list[int]] = []
+
+    def step(items: list[int]) -> None:
+        passes.append(items)
+        if items == [1]:
+            raise RuntimeError("a bug in one pass")
+
+    thread = TransferThread("nixl-pd-transfer-test", step, busy=lambda: False)
+    thread.start()
+    thread.submit(1)
+    assert thread.flush(5.0)
+    thread.submit(2)
+    assert thread.flush(5.0) and [2] in passes and thread.alive
+    assert thread.stop(5.0) and not thread.alive and not thread.flush(0.1)

@@ -1,9 +1,14 @@
 """The worker-side connector of one TP rank: coordinates registration, loads and notifications.
 
-Threading contract: the engine thread (the caller of every public method) is the only thread
-that touches the NIXL agent. The handshake threads (worker/handshake.py) only talk ZMQ to
-remote side channels and hand the bytes back through a queue, which ``start_load_kv`` and
-``get_finished`` drain.
+Threading contract: the engine thread calls every public method, and touches the NIXL agent
+only before the transfer thread starts (``register_kv_caches``, which also reads the agent
+metadata once) and after it stops (``shutdown``). In between, the rank's transfer thread
+(worker/transfer_thread.py) is the only thread that calls the agent: ``start_load_kv`` just
+queues the step's metadata for it, and ``get_finished`` just takes what it published under
+``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. The transfer thread owns
+the LoadTable, PeerTable and NotificationCounter. The handshake threads (worker/handshake.py)
+only talk ZMQ to remote side channels and hand the bytes back through a queue, which the
+transfer thread drains.
 
 Per-request problems (a bad plan, a failed READ, a dead or incompatible peer, a failed
 handshake) never raise out of ``start_load_kv`` or ``get_finished``: the request is reported
@@ -12,7 +17,9 @@ once in ``failed_recving`` with the reason, and the engine keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +36,7 @@ from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
 from worker.peers import PeerTable
+from worker.transfer_thread import TransferThread
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +102,16 @@ class WorkerConnector:
             clock=clock, early_ttl_s=config.kv_lease_duration_s
         )
         self._loads: LoadTable | None = None  # created by register_kv_caches
+        self._transfer: TransferThread[ConnectorMetadata] | None = None  # ditto
         self._region_addresses: tuple[int, ...] = ()
         self._registration: Any = None
+        self._agent_metadata = b""
+        # Guards what the transfer thread publishes for get_finished and notification_stats.
+        self._outcomes_lock = threading.Lock()
         self._finished_recving: list[str] = []
         self._failed_recving: dict[str, str] = {}
+        self._finished_sending: list[str] = []
+        self._stats = NotificationStats()
 
     def register_kv_caches(self, region_addresses: Sequence[int]) -> None:
         """Register this rank's KV regions: one base address per region of its RankLayout."""
@@ -122,6 +136,12 @@ class WorkerConnector:
             handshake_wait_s=handshake_wait_s(self._config),
             on_peer_failure=self._peers.retire,
         )
+        self._agent_metadata = self._agent.get_agent_metadata()
+        loads = self._loads
+        self._transfer = TransferThread(
+            f"nixl-pd-transfer-r{self._tp_rank}", self._pass, busy=lambda: len(loads) > 0
+        )
+        self._transfer.start()
 
     def get_handshake_metadata(self) -> WorkerHandshake:
         """What this rank tells peers; the scheduler side serves it on the side channel."""
@@ -135,7 +155,7 @@ class WorkerConnector:
             tp_rank=self._tp_rank,
             tp_size=self._layout.tp_size,
             agent_name=self._agent.name,
-            agent_metadata=self._agent.get_agent_metadata(),
+            agent_metadata=self._agent_metadata,
             region_addresses=self._region_addresses,
             layout=self._layout,
             fingerprint=self._fingerprint.digest,
@@ -143,38 +163,48 @@ class WorkerConnector:
         )
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
-        """Take one step's instructions: sends to expect, loads to start, aborts to apply."""
-        loads = self._require_loads()
-        self._notifications.expect(metadata.sends)
-        self._notifications.forget(metadata.forgotten)
-        for spec in metadata.loads:
-            loads.add(spec, self._peers.ensure(spec.remote))
-        for release in metadata.releases:
-            loads.abort(release.request_id, release.remote, self._peers.ensure(release.remote))
-        self._progress(loads)
+        """Queue one step's instructions (sends to expect, loads to start, aborts) for the
+        transfer thread; returns at once."""
+        self._require_transfer().submit(metadata)
 
     def get_finished(self) -> WorkerReport:
-        """What finished since the last call; each request appears in exactly one report."""
-        loads = self._require_loads()
-        self._progress(loads)
-        self._notifications.receive(self._agent.get_new_notifs())
-        report = WorkerReport(
-            tp_rank=self._tp_rank,
-            finished_sending=self._notifications.take_finished(),
-            finished_recving=tuple(self._finished_recving),
-            failed_recving=dict(self._failed_recving),
-        )
-        self._finished_recving.clear()
-        self._failed_recving.clear()
+        """What the transfer thread finished since the last call; each request appears in
+        exactly one report. Never waits on the transfer thread."""
+        self._require_transfer()
+        with self._outcomes_lock:
+            report = WorkerReport(
+                tp_rank=self._tp_rank,
+                finished_sending=tuple(self._finished_sending),
+                finished_recving=tuple(self._finished_recving),
+                failed_recving=dict(self._failed_recving),
+            )
+            self._finished_sending.clear()
+            self._finished_recving.clear()
+            self._failed_recving.clear()
         return report
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the transfer thread has run a whole pass after this call, so what was
+        queued before it is applied and what finished is published. For tests and drills
+        that need determinism; an engine never calls it (it would wait on copies)."""
+        return self._require_transfer().flush(timeout_s)
 
     @property
     def notification_stats(self) -> NotificationStats:
         """Prefill: free notifications counted, and the duplicate, stray and garbage ones."""
-        return self._notifications.stats
+        with self._outcomes_lock:
+            return dataclasses.replace(self._stats)
 
     def shutdown(self) -> None:
-        """Stop the handshake threads, drop transfers and remote agents, deregister memory."""
+        """Stop the transfer and handshake threads, drop transfers and remote agents,
+        deregister memory."""
+        if self._transfer is not None and not self._transfer.stop():
+            logger.error(
+                "the transfer thread of rank %d did not stop; leaving the NIXL agent to it",
+                self._tp_rank,
+            )
+            self._client.close()
+            return
         self._client.close()
         if self._loads is not None:
             self._loads.abandon_all()
@@ -193,11 +223,41 @@ class WorkerConnector:
             )
         return self._loads
 
-    def _progress(self, loads: LoadTable) -> None:
+    def _require_transfer(self) -> TransferThread[ConnectorMetadata]:
+        self._require_loads()
+        if self._transfer is None or not self._transfer.alive:
+            raise UnsupportedConfiguration(
+                f"the transfer thread of rank {self._tp_rank} is not running: shut down already?"
+            )
+        return self._transfer
+
+    def _pass(self, batch: list[ConnectorMetadata]) -> None:
+        """Transfer thread: apply the queued steps, move every load, collect notifications."""
+        loads = self._require_loads()
+        for metadata in batch:
+            self._apply(loads, metadata)
         self._peers.poll()
-        self._record(loads.advance())
+        outcomes = loads.advance()
+        try:
+            self._notifications.receive(self._agent.get_new_notifs())
+        except ConnectorError as error:
+            logger.warning("collecting free notifications failed: %s", error)
+        sent = self._notifications.take_finished()
+        with self._outcomes_lock:
+            self._record(outcomes)
+            self._finished_sending.extend(sent)
+            self._stats = dataclasses.replace(self._notifications.stats)
+
+    def _apply(self, loads: LoadTable, metadata: ConnectorMetadata) -> None:
+        self._notifications.expect(metadata.sends)
+        self._notifications.forget(metadata.forgotten)
+        for spec in metadata.loads:
+            loads.add(spec, self._peers.ensure(spec.remote))
+        for release in metadata.releases:
+            loads.abort(release.request_id, release.remote, self._peers.ensure(release.remote))
 
     def _record(self, outcomes: list[Outcome]) -> None:
+        """Call with ``_outcomes_lock`` held."""
         for request_id, reason in outcomes:
             if reason is None:
                 self._finished_recving.append(request_id)
