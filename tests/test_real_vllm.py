@@ -24,6 +24,7 @@ import random
 import shutil
 import statistics
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -77,15 +78,18 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def deployment() -> Iterator[Deployment]:
+def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
     # Our own directory, not pytest's tmp_path: pytest deletes all but the three newest
     # basetemps, and other pytest runs on this machine would delete the model under the
-    # engines. The engine logs stay for post-mortems; the model goes.
+    # engines. The engine logs stay for post-mortems when a case failed.
     work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-vllm-"))
-    model_dir = build_model(work_dir / "model")
+    failed_before = request.session.testsfailed
+    keep_logs = True  # until every case has run without a failure
+    model_dir = work_dir / "model"
     logs = work_dir / "logs"
     logs.mkdir()
     try:
+        build_model(model_dir)
         with Deployment.running(model_dir, connector_under_test(), logs) as running:
             # An engine's first request pays one-time costs (lazy imports, first kernel
             # runs); pay them before the cases, so the latency report sees steady state.
@@ -93,8 +97,13 @@ def deployment() -> Iterator[Deployment]:
             complete(running.reference.url, warm_up, 2)
             complete(running.proxy_url, warm_up, 2)
             yield running
+            keep_logs = request.session.testsfailed > failed_before
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
+        if keep_logs:  # a warning, so that pytest's summary shows where they are
+            warnings.warn(f"real-vLLM engine logs kept in {logs}", stacklevel=1)
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
