@@ -47,10 +47,18 @@ def build_descriptors(
     offsets: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
 ) -> Descriptors:
-    """NIXL descriptors (address, length_bytes, device 0) for byte ranges within regions."""
+    """NIXL descriptors (address, length_bytes, device 0) for byte ranges within regions.
+
+    Written into one (N, 3) array: column_stack plus astype made three more N-row arrays, and
+    for 131k descriptors (32k tokens, fragmented ids) their fresh pages cost 2-4 ms a call
+    under load, four times the arithmetic (issue 10's "5.4 ms vs 1.3 ms alone").
+    """
     bases = np.asarray(region_addresses, dtype=np.int64)
-    addresses = bases[regions] + offsets
-    return np.column_stack((addresses, lengths, np.zeros_like(lengths))).astype(np.int64)
+    descriptors = np.empty((len(lengths), 3), dtype=np.int64)
+    np.add(bases[regions], offsets, out=descriptors[:, 0])
+    descriptors[:, 1] = lengths
+    descriptors[:, 2] = 0
+    return descriptors
 
 
 @dataclass(eq=False)
@@ -68,7 +76,10 @@ class Load:
     posted: dict[int, Any] = field(default_factory=dict)  # remote rank -> live READ handle
     counts: dict[int, int] = field(default_factory=dict)  # remote rank -> notification count
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
-    timeline: LoadTimeline | None = None  # stamped at each state change, for metrics and trace
+    timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
+
+    def __post_init__(self) -> None:
+        self.timeline = LoadTimeline(self.created_s)
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
@@ -132,8 +143,7 @@ class LoadTable:
         self, request_id: str, remote: RemoteSource, peer: Peer, spec: LoadSpec | None
     ) -> Load:
         peer.num_loads += 1  # the peer's agents stay loaded until this load ends
-        now_s = self._clock()
-        return Load(request_id, remote, peer, spec, now_s, timeline=LoadTimeline(now_s))
+        return Load(request_id, remote, peer, spec, self._clock())
 
     def advance(self) -> list[Outcome]:
         """Move every load as far as it can go; returns the loads that ended."""
@@ -185,7 +195,7 @@ class LoadTable:
                 )
             return
         load.started = True
-        if peer.state is PeerState.READY and load.timeline is not None:
+        if peer.state is PeerState.READY:
             load.timeline.handshake_ready_s = self._clock()
         if peer.state is PeerState.FAILED:
             load.fail(f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}")
@@ -211,15 +221,13 @@ class LoadTable:
         if unknown:
             load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
             return
-        if load.timeline is not None:
-            load.timeline.planned(self._clock(), ((r.remote_rank, r.lengths) for r in plan.reads))
+        load.timeline.planned(self._clock(), ((r.remote_rank, r.lengths) for r in plan.reads))
         load.counts = dict(plan.consumers)
         read_ranks = {reads.remote_rank for reads in plan.reads}
         for reads in plan.reads:
             if not self._post_read(load, peer, reads):
                 return
-        if load.timeline is not None:
-            load.timeline.posted_s = self._clock()
+        load.timeline.posted_s = self._clock()
         for remote_rank in sorted((set(plan.consumers) | set(plan.notify_only)) - read_ranks):
             self._notify(load, remote_rank)
 
@@ -260,8 +268,7 @@ class LoadTable:
                 continue
             if state is TransferState.DONE:
                 load.notified.add(remote_rank)  # the free notification rode on the READ
-                if load.timeline is not None:
-                    load.timeline.done_s = self._clock()
+                load.timeline.done_s = self._clock()
                 self._release(load, remote_rank)
             elif self._clock() - load.created_s > self._transfer_timeout_s:
                 load.fail(
@@ -286,12 +293,13 @@ class LoadTable:
         return load.request_id, reason
 
     def _record(self, load: Load, reason: str | None) -> None:
-        """The load's metrics and trace line (see connector/trace.py)."""
-        if load.timeline is None:
-            return
+        """The load's metrics and trace line (see connector/trace.py); never raises."""
         load.timeline.notified_ranks = set(load.notified)
         ids = (load.request_id, load.remote.request_id, load.peer.engine_id, self._agent.name)
-        load_ended(self._metrics, load.timeline, ids=ids, reason=reason, now_s=self._clock())
+        try:
+            load_ended(self._metrics, load.timeline, ids=ids, reason=reason, now_s=self._clock())
+        except Exception:  # a metrics bug must not cost the request its outcome
+            logger.exception("request %s: recording its metrics failed", load.request_id)
 
     def _notify_rest(self, load: Load) -> None:
         """Tell every covered remote rank not yet notified that its blocks may be freed."""
