@@ -258,3 +258,35 @@ def test_producer_times_each_lease_to_its_free_and_counts_how_it_ended() -> None
     }
     free = snapshot.histograms[PREFILL_FREE_SECONDS.name]
     assert (free.count, free.sum) == (3, pytest.approx(1.0 + 2.0 + 12.0))
+
+
+def test_the_http_exporter_shows_every_metric_with_exact_buckets() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from connector.metrics_prometheus import MetricsServer
+
+    recorder = MetricsRecorder()
+    recorder.inc(LOADS_FAILED, "transfer_timeout")
+    recorder.observe(TRANSFER_BYTES, 4096)
+    recorder.observe(TRANSFER_BYTES, 5000)
+    server = MetricsServer(recorder, "127.0.0.1", 0)
+    try:
+        text = generate_latest(server.registry).decode()
+        assert server.url == f"http://127.0.0.1:{server.port}/metrics" and server.port > 0
+    finally:
+        server.close()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples[("nixl_pd_loads_failed_total", (("reason", "transfer_timeout"),))] == 1
+    assert samples[("nixl_pd_loads_failed_total", (("reason", "plan"),))] == 0
+    assert samples[("nixl_pd_transfer_bytes_bucket", (("le", "1024.0"),))] == 0
+    assert samples[("nixl_pd_transfer_bytes_bucket", (("le", "4096.0"),))] == 1  # le: inclusive
+    assert samples[("nixl_pd_transfer_bytes_bucket", (("le", "16384.0"),))] == 2
+    assert samples[("nixl_pd_transfer_bytes_bucket", (("le", "+Inf"),))] == 2
+    assert samples[("nixl_pd_transfer_bytes_sum", ())] == 9096
+    assert samples[("nixl_pd_leases_expired_total", ())] == 0
+    assert "# TYPE nixl_pd_handshake_seconds histogram" in text
