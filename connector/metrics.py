@@ -147,7 +147,8 @@ HANDSHAKE_FAILURES = MetricSpec(
     "nixl_pd_handshake_failures_total",
     COUNTER,
     "handshakes",
-    "Decode: handshakes with a remote engine that failed, by kind of reason.",
+    "Decode: failed handshakes with remote engines (background re-probes of a failed one "
+    "included), by kind of reason.",
     label="reason",
     label_values=HANDSHAKE_FAILURE_KINDS,
 )
