@@ -26,7 +26,7 @@ from tests.test_worker_parts import BASE, Clock, make_spec
 from worker.compat import fingerprint
 from worker.connector import WorkerConnector
 from worker.nixl_api import TransferState
-from worker.transfer_thread import TransferThread
+from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
 # --- a recording NIXL agent double -----------------------------------------------------------
 
@@ -511,3 +511,8 @@ def test_transfer_thread_survives_a_failing_pass_and_stops() -> None:
     thread.submit(2)
     assert thread.flush(5.0) and [2] in passes and thread.alive
     assert thread.stop(5.0) and not thread.alive and not thread.flush(0.1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
+def test_plan_memory_stays_mapped_on_glibc() -> None:
+    assert keep_plan_memory_mapped()

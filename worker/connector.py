@@ -36,7 +36,7 @@ from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
 from worker.peers import PeerTable
-from worker.transfer_thread import TransferThread
+from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class WorkerConnector:
             on_peer_failure=self._peers.retire,
         )
         self._agent_metadata = self._agent.get_agent_metadata()
+        keep_plan_memory_mapped()
         loads = self._loads
         self._transfer = TransferThread(
             f"nixl-pd-transfer-r{self._tp_rank}", self._pass, busy=lambda: len(loads) > 0
