@@ -71,7 +71,8 @@ POST_SECONDS = MetricSpec(
     "nixl_pd_post_seconds",
     HISTOGRAM,
     "seconds",
-    "Decode: engine-thread time to prepare and post a request's READs, per request and rank.",
+    "Decode: time in NIXL to prepare and post a request's READs (make_read, post), per "
+    "request and rank; on the rank's transfer thread, so a long post() no longer stalls steps.",
     buckets=_SECONDS,
 )
 PREFILL_FREE_SECONDS = MetricSpec(
