@@ -443,6 +443,109 @@ class Vllm:
         self._patches.close()
 
 
+# --- scheduler hooks ------------------------------------------------------------------------
+
+
+class SchedulerHooks:
+    """Both scheduler-side connectors (vLLM's NixlConnector, our NixlPDConnector) and fresh
+    requests for them: decode's ``get_num_new_matched_tokens`` on a request carrying prefill's
+    params, prefill's ``request_finished`` on a finished ``do_remote_decode`` request."""
+
+    def __init__(self, vllm: Vllm) -> None:
+        import socket
+
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+            NixlPullConnector,
+        )
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+        from connector.vllm import NixlPDConnector
+
+        with socket.socket() as probe:  # our scheduler side binds its side channel
+            probe.bind(("127.0.0.1", 0))
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(probe.getsockname()[1])
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM,
+            dtype=torch.bfloat16,
+        )  # fmt: skip
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+        cache_config = KVCacheConfig(
+            num_blocks=POOL_BLOCKS, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(names, spec)], kv_cache_layout="LBHNC",
+        )  # fmt: skip
+        ours_config = vllm._config()
+        ours_config.kv_transfer_config.kv_connector = "NixlPDConnector"
+        ours_config.kv_transfer_config.kv_connector_module_path = "connector.vllm"
+        self.sides = {
+            "vLLM": NixlPullConnector(vllm._config(), KVConnectorRole.SCHEDULER, cache_config),
+            "ours": NixlPDConnector(ours_config, KVConnectorRole.SCHEDULER, cache_config),
+        }
+        self._serial = 0
+
+    def _request(self, params: dict[str, Any]) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        self._serial += 1
+        request = Request(
+            request_id=f"s{self._serial}", prompt_token_ids=list(range(2048)),
+            sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+        )  # fmt: skip
+        request.kv_transfer_params = params
+        return request
+
+    def matched_us(self, side: str, repeats: int) -> float:
+        samples = []
+        for _ in range(repeats):
+            request = self._request({
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": "prefill", "remote_request_id": f"p{self._serial}",
+                "remote_block_ids": [list(range(128))], "remote_host": "127.0.0.1",
+                "remote_port": 5600, "tp_size": 1,
+            })  # fmt: skip
+            started = time.perf_counter()
+            self.sides[side].get_num_new_matched_tokens(request, 0)
+            samples.append(time.perf_counter() - started)
+        return statistics.median(samples) * 1e6
+
+    def finished_us(self, side: str, repeats: int) -> float:
+        from vllm.v1.request import RequestStatus
+
+        samples = []
+        for _ in range(repeats):
+            request = self._request({"do_remote_decode": True})
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            started = time.perf_counter()
+            self.sides[side].request_finished(request, list(range(128)))
+            samples.append(time.perf_counter() - started)
+        return statistics.median(samples) * 1e6
+
+    def close(self) -> None:
+        for connector in self.sides.values():
+            connector.shutdown()
+
+
+def scheduler_rows(hooks: SchedulerHooks, runs: int, repeats: int) -> list[str]:
+    lines = [
+        "| hook, per request | vLLM µs | ours µs | vLLM / ours [range] |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, measure in (
+        ("decode get_num_new_matched_tokens", hooks.matched_us),
+        ("prefill request_finished", hooks.finished_us),
+    ):
+        pairs = [(measure("vLLM", repeats), measure("ours", repeats)) for _ in range(runs)]
+        ratios = [v / o for v, o in pairs]
+        lines.append(
+            f"| {name} | {statistics.median(v for v, _ in pairs):,.1f} | "
+            f"{statistics.median(o for _, o in pairs):,.1f} | "
+            f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] |"
+        )
+    return lines
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -509,6 +612,12 @@ def main() -> None:
     with _sides() as (vllm, ours):
         print(f"decode start_load_kv per request ({args.runs} interleaved runs)")
         print("\n".join(worker_rows(vllm, ours, args.runs, args.repeats)))
+        hooks = SchedulerHooks(vllm)
+        try:
+            print(f"\nscheduler hooks per request ({args.runs} interleaved runs)")
+            print("\n".join(scheduler_rows(hooks, args.runs, args.repeats * 4)))
+        finally:
+            hooks.close()
 
 
 if __name__ == "__main__":
