@@ -10,7 +10,7 @@ prefill frees its blocks, and ends with reason "aborted"; an abort during a READ
 A failed load also notifies the covered ranks it had not notified (best effort), so prefill
 does not hold its blocks until the lease expires.
 
-Engine thread only: this module calls the NIXL agent.
+Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ class _Tally:
 
 
 class NotificationCounter:
-    """Counts free notifications per prefill request id. Not thread-safe: engine thread only."""
+    """Counts free notifications per prefill request id. Not thread-safe: the rank's transfer
+    thread only (worker/connector.py publishes its stats under a lock)."""
 
     def __init__(
         self,
