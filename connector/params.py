@@ -138,6 +138,8 @@ def _check_transportable(raw: Mapping[Any, Any]) -> None:
     string UTF-8 encodable. Without it a deep list or a lone surrogate in any key (known or
     not) raises RecursionError or UnicodeEncodeError later, far from the request.
     """
+    if _is_plain(raw):  # the common case, checked without building paths
+        return
     stack: list[tuple[str, object, int]] = [("", raw, 0)]
     while stack:
         path, value, depth = stack.pop()
@@ -150,6 +152,43 @@ def _check_transportable(raw: Mapping[Any, Any]) -> None:
                     "send flat JSON values (block ids are a list of lists of integers)"
                 )
             stack.extend(_children(path, value, depth + 1))
+
+
+def _is_plain(raw: Mapping[Any, Any]) -> bool:
+    """True when ``raw`` passes every rule of _check_transportable; False sends the caller
+    to the slower walk that names where the problem is. Integers (block ids) cost one check."""
+    stack: list[tuple[object, int]] = [(raw, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not _is_utf8(value):
+                return False
+            continue
+        if isinstance(value, Mapping):
+            if depth > MAX_DEPTH or not all(type(key) is str and _is_utf8(key) for key in value):
+                return False
+            value = list(value.values())
+        elif isinstance(value, list | tuple):
+            if depth > MAX_DEPTH:
+                return False
+        else:
+            continue
+        if set(map(type, value)) - _SCALARS:  # block id lists: one C-level pass
+            stack.extend((item, depth + 1) for item in value if type(item) not in _SCALARS)
+    return True
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _is_utf8(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _children(
