@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +32,9 @@ __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]
 logger = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+
+
+MAX_PARSED_REQUESTS = 65536  # parsed params kept for requests not yet finished; oldest go first
 
 
 class SchedulerConnector:
@@ -60,6 +64,9 @@ class SchedulerConnector:
         self._tp_size = tp_size
         self._clock = clock
         self._leases = LeaseTable(config.kv_lease_duration_s)
+        # request id -> (the raw params object, its parse): each request's params are parsed
+        # once, however often vLLM asks get_num_new_matched_tokens, and reused at its end.
+        self._parsed: OrderedDict[str, tuple[object, KVTransferParams | None]] = OrderedDict()
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
             secret=config.side_channel_secret, timeout_s=config.handshake_timeout_s, clock=clock
@@ -153,7 +160,7 @@ class SchedulerConnector:
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks?, kv_transfer_params to return to the client)."""
         try:
-            params = self._parse(request)
+            params = self._parse(request, last_use=True)
         except InvalidTransferParams as exc:
             logger.warning("request %s finished with invalid params: %s", request.request_id, exc)
             return False, None
@@ -204,8 +211,25 @@ class SchedulerConnector:
             self._side_channel = None
         self._heartbeats.stop()
 
-    def _parse(self, request: RequestInfo) -> KVTransferParams | None:
-        params = parse_kv_transfer_params(request.kv_transfer_params)
+    def _parse(self, request: RequestInfo, *, last_use: bool = False) -> KVTransferParams | None:
+        """The request's params, parsed on first use; ``last_use`` drops the kept parse.
+
+        A kept parse is reused only while the request still carries the very same params
+        object (a new dict is parsed afresh). Refusals are not kept: they raise each time.
+        """
+        raw = request.kv_transfer_params
+        kept = (
+            self._parsed.pop(request.request_id, None)
+            if last_use
+            else self._parsed.get(request.request_id)
+        )
+        if kept is not None and kept[0] is raw:
+            return kept[1]
+        params = parse_kv_transfer_params(raw)
+        if not last_use and raw is not None:
+            self._parsed[request.request_id] = (raw, params)
+            if len(self._parsed) > MAX_PARSED_REQUESTS:
+                self._parsed.popitem(last=False)
         if params is not None and params.ignored_keys:
             logger.debug(
                 "request %s: ignoring unknown kv_transfer_params keys %s",

@@ -595,3 +595,26 @@ def test_abort_at_every_stage_is_reported_at_most_once_and_leaks_nothing(
     assert reports.count("d1") == num_reports
     # No state outlives the request: the same id would start afresh.
     assert decode.get_num_new_matched_tokens(decode_request(), 16) == (24, True)
+
+
+def test_params_are_parsed_once_per_request_and_again_for_new_params(
+    decode: SchedulerConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import scheduler.connector as module
+
+    calls: list[object] = []
+    real_parse = module.parse_kv_transfer_params
+
+    def counting_parse(raw: Any) -> Any:
+        calls.append(raw)
+        return real_parse(raw)
+
+    monkeypatch.setattr(module, "parse_kv_transfer_params", counting_parse)
+    request = decode_request()
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
+    assert len(calls) == 1
+    request.kv_transfer_params = dict(request.kv_transfer_params or {})  # a new object
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
+    decode.request_finished(request, ((10, 11, 12),))
+    assert len(calls) == 2
