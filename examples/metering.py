@@ -6,6 +6,7 @@ ranks. The connector never sees the difference: every call is passed through unc
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,10 +25,12 @@ class StatsSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class TransferStats:
-    """Counters for one engine, shared by its ranks' MeteredAgents (engine thread only)."""
+    """Counters for one engine, shared by its ranks' MeteredAgents: each rank's transfer
+    thread records into them, so every read and write holds ``lock``."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
+        self.lock = threading.Lock()  # guards every counter below
         self.bytes_transferred = 0
         self.num_reads = 0
         self.num_descriptors = 0
@@ -36,20 +39,22 @@ class TransferStats:
         self.first_read_s: float | None = None
 
     def note_loads(self, metadata: ConnectorMetadata) -> None:
-        if metadata.loads and self.first_load_s is None:
-            self.first_load_s = self.clock()
+        with self.lock:
+            if metadata.loads and self.first_load_s is None:
+                self.first_load_s = self.clock()
 
     def snapshot(self) -> StatsSnapshot:
-        handshake_ms = None
-        if self.first_load_s is not None and self.first_read_s is not None:
-            handshake_ms = (self.first_read_s - self.first_load_s) * 1e3
-        return StatsSnapshot(
-            self.bytes_transferred,
-            self.num_reads,
-            self.num_descriptors,
-            _union_s(self.intervals),
-            handshake_ms,
-        )
+        with self.lock:
+            handshake_ms = None
+            if self.first_load_s is not None and self.first_read_s is not None:
+                handshake_ms = (self.first_read_s - self.first_load_s) * 1e3
+            return StatsSnapshot(
+                self.bytes_transferred,
+                self.num_reads,
+                self.num_descriptors,
+                _union_s(list(self.intervals)),
+                handshake_ms,
+            )
 
 
 def _union_s(intervals: Sequence[tuple[float, float]]) -> float:
@@ -93,11 +98,13 @@ class MeteredAgent:
         self, remote_agent: str, local: Descriptors, remote: Descriptors, notif: bytes = b""
     ) -> Any:
         transfer = self.inner.make_read(remote_agent, local, remote, notif)
-        if self._stats.first_read_s is None:
-            self._stats.first_read_s = self._stats.clock()
-        self._stats.num_reads += 1
-        self._stats.num_descriptors += int(local.shape[0])
-        self._stats.bytes_transferred += int(local[:, 1].sum()) if local.shape[0] else 0
+        stats = self._stats
+        with stats.lock:
+            if stats.first_read_s is None:
+                stats.first_read_s = stats.clock()
+            stats.num_reads += 1
+            stats.num_descriptors += int(local.shape[0])
+            stats.bytes_transferred += int(local[:, 1].sum()) if local.shape[0] else 0
         return transfer
 
     def post(self, transfer: Any) -> TransferState:
@@ -109,7 +116,9 @@ class MeteredAgent:
 
     def _done_if(self, transfer: Any, state: TransferState) -> TransferState:
         if state is TransferState.DONE and id(transfer) in self._posted_s:
-            self._stats.intervals.append((self._posted_s.pop(id(transfer)), self._stats.clock()))
+            interval = (self._posted_s.pop(id(transfer)), self._stats.clock())
+            with self._stats.lock:
+                self._stats.intervals.append(interval)
         return state
 
     def release(self, transfer: Any) -> None:

@@ -13,8 +13,8 @@ at once with the reason instead of waiting for a handshake of their own, and one
 probe (a single attempt) per ``probe_interval_s`` finds a prefill that came back under the same
 engine id. A restarted prefill normally has a new engine id: a new key, handshaken at once.
 
-Engine thread only: the table calls the NIXL agent (add/remove remote agents); the handshake
-threads behind ``HandshakeClient`` only fetch bytes.
+The rank's transfer thread only (worker/transfer_thread.py): the table calls the NIXL agent
+(add/remove remote agents); the handshake threads behind ``HandshakeClient`` only fetch bytes.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class PeerTable:
             del self._current[peer.key]
 
     def close(self) -> None:
-        """Remove every loaded remote agent (engine thread, at shutdown)."""
+        """Remove every loaded remote agent (at shutdown, once the transfer thread has stopped)."""
         for name in list(self._agent_refs):
             self._remove_agent(name)
         self._agent_refs.clear()
