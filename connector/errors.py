@@ -39,3 +39,8 @@ class TransferFailed(ConnectorError):
 
 class ProtocolError(ConnectorError, ValueError):
     """Bytes on the side channel that do not decode to a message we understand."""
+
+
+class IllegalTransition(ConnectorError, RuntimeError):
+    """A lifecycle record asked to move between states its transition table does not allow:
+    a bug in the connector, never a peer's or a user's doing. The message names the record."""

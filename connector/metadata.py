@@ -19,8 +19,8 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str
     port: int
     tp_size: int
-    request_id: str  # the prefill side's request id: free notifications are keyed by it
-    block_ids: BlockIds  # prefill's logical blocks covering tokens [0, num_tokens), per group
+    remote_request_id: str  # the prefill side's request id: free notifications are keyed by it
+    remote_block_ids: BlockIds  # prefill's logical blocks for tokens [0, num_tokens), per group
 
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

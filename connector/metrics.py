@@ -2,7 +2,7 @@
 
 Everything here is plain data (no prometheus_client): the connector records into a
 ``MetricsRecorder``; the edges export it (``connector.metrics_prometheus`` for an HTTP
-``/metrics``, ``connector.vllm_metrics`` for vLLM's own endpoint). Names follow Prometheus
+``/metrics``, ``connector.vllm.metrics`` for vLLM's own endpoint). Names follow Prometheus
 conventions: the ``nixl_pd_`` prefix, the unit as a suffix, counters ending in ``_total``.
 
 Labels are bounded: free-text failure reasons are mapped to a small set of kinds

@@ -68,8 +68,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             host=_required(self.remote_host, "remote_host"),
             port=_required(self.remote_port, "remote_port"),
             tp_size=1 if self.tp_size is None else self.tp_size,
-            request_id=_required(self.remote_request_id, "remote_request_id"),
-            block_ids=_required(self.remote_block_ids, "remote_block_ids"),
+            remote_request_id=_required(self.remote_request_id, "remote_request_id"),
+            remote_block_ids=_required(self.remote_block_ids, "remote_block_ids"),
         )
 
 

@@ -45,6 +45,7 @@ import msgspec
 
 from connector.errors import InvalidNotification, ProtocolError
 from connector.layout import RankLayout
+from connector.memory import HOST_MEMORY, Memory
 
 PROTOCOL_VERSION = 2
 NONCE_BYTES = 16
@@ -69,6 +70,8 @@ class WorkerHandshake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: RankLayout
     fingerprint: str  # hash of the model-wide compatibility facts
     compat_facts: dict[str, str]  # the facts that went into it, for error messages
+    memory: Memory = HOST_MEMORY  # where the regions live: a reader builds its READs with it
+    backends: tuple[str, ...] = ("UCX",)  # NIXL backends the rank's agent has
 
 
 # Requests: client -> server.

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import ConnectorMetadata
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 
@@ -79,8 +80,10 @@ class MeteredAgent:
     def name(self) -> str:
         return self.inner.name
 
-    def register_regions(self, regions: Sequence[tuple[int, int]]) -> Any:
-        return self.inner.register_regions(regions)
+    def register_regions(
+        self, regions: Sequence[tuple[int, int]], memory: Memory = HOST_MEMORY
+    ) -> Any:
+        return self.inner.register_regions(regions, memory)
 
     def deregister(self, registration: Any) -> None:
         self.inner.deregister(registration)
@@ -95,9 +98,23 @@ class MeteredAgent:
         self.inner.remove_remote_agent(agent_name)
 
     def make_read(
-        self, remote_agent: str, local: Descriptors, remote: Descriptors, notif: bytes = b""
+        self,
+        remote_agent: str,
+        local: Descriptors,
+        remote: Descriptors,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST_MEMORY,
+        remote_memory: Memory = HOST_MEMORY,
     ) -> Any:
-        transfer = self.inner.make_read(remote_agent, local, remote, notif)
+        transfer = self.inner.make_read(
+            remote_agent,
+            local,
+            remote,
+            notif,
+            local_memory=local_memory,
+            remote_memory=remote_memory,
+        )
         stats = self._stats
         with stats.lock:
             if stats.first_read_s is None:

@@ -210,7 +210,7 @@ class Consumer:
         # unreachable or incompatible), only the side channel can still free prefill's blocks
         # before the lease ends. Releasing an already-freed request is a no-op there.
         self._heartbeats.submit_release(
-            source.host, source.port, [source.request_id], engine_id=source.engine_id
+            source.host, source.port, [source.remote_request_id], engine_id=source.engine_id
         )
 
     def _fail_now(self, request_id: str, reason: str) -> None:
@@ -230,7 +230,7 @@ class Consumer:
         for load in self._loads.values():
             source = load.source
             by_engine.setdefault((source.host, source.port, source.engine_id), []).append(
-                source.request_id
+                source.remote_request_id
             )
         for (host, port, engine_id), remote_request_ids in sorted(by_engine.items()):
             self._heartbeats.submit(host, port, remote_request_ids, engine_id=engine_id)

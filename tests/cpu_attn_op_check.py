@@ -27,7 +27,7 @@ from connector.layout import (
     LayerSpec,
     MemoryLayout,
 )
-from connector.vllm_backends import block_format_for
+from connector.vllm.backends import block_format_for
 from worker.planner import TransferPlanner
 
 NUM_LAYERS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 2, 2, 64, 32, 8

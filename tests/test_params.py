@@ -394,7 +394,7 @@ def check_typed_outcome(raw: Any) -> None:
     msgspec.msgpack.encode(parsed)  # crosses process boundaries in the step metadata
     if parsed.do_remote_prefill:
         source = parsed.remote_source()
-        encode_free_notif(source.request_id, 1)  # the READ's notification: UTF-8 bytes
+        encode_free_notif(source.remote_request_id, 1)  # the READ's notification: UTF-8 bytes
 
 
 def test_fuzzed_params_raise_only_invalid_transfer_params() -> None:

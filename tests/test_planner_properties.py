@@ -168,12 +168,12 @@ def cases(draw: st.DrawFn, packed: str = "any", opaque: bool = False) -> Case:
         _group_ids(draw, k, d[0], w, num_tokens, cached, pool)
         for k, d, w, pool in zip(kinds, decode.blocks, windows, pools, strict=True)
     ]
-    remote_ids = [
+    remote_block_ids = [
         _group_ids(draw, k, p[0], w, num_tokens, 0, pool)
         for k, p, w, pool in zip(kinds, prefill.blocks, windows, pools, strict=True)
     ]
     request = oracle.Request(
-        num_tokens, cached, tuple(map(tuple, local_ids)), tuple(map(tuple, remote_ids))
+        num_tokens, cached, tuple(map(tuple, local_ids)), tuple(map(tuple, remote_block_ids))
     )
     return Case(_spec(prefill, kinds, layers, windows, pools), _spec(decode, kinds, layers, windows, pools), prefill_tp, decode_tp, request)  # fmt: skip
 

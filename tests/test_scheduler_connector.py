@@ -387,7 +387,7 @@ def test_the_ranks_reasons_win_over_the_engines_aggregate(decode: SchedulerConne
 
 
 # The side-channel release decode sends for REMOTE's request: (engine, host, port, ids).
-RELEASE_P1 = [(REMOTE.engine_id, REMOTE.host, REMOTE.port, (REMOTE.request_id,))]
+RELEASE_P1 = [(REMOTE.engine_id, REMOTE.host, REMOTE.port, (REMOTE.remote_request_id,))]
 
 
 def test_a_failed_load_also_releases_prefill_over_the_side_channel(
@@ -530,7 +530,7 @@ def test_a_hybrid_model_loads_the_ssm_state_block(
     decode.update_state_after_alloc(request, ((10, 11, 12), (0, 5)), 8)
     (load,) = decode.build_connector_meta().loads
     assert load.local_block_ids == ((12,), (5,))
-    assert load.remote.block_ids == ((1, 2, 3), (9,))
+    assert load.remote.remote_block_ids == ((1, 2, 3), (9,))
 
 
 def test_reports_for_unknown_or_unemitted_requests_are_ignored(decode: SchedulerConnector) -> None:

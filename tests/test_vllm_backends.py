@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat
-from connector.vllm_backends import block_format_for, merge_formats
+from connector.vllm.backends import block_format_for, merge_formats
 
 CPU_VEC = BlockFormat("CPU_ATTN:vec", token_addressable=False, head_chunks=True)
 

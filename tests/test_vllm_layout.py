@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from connector.errors import UnsupportedConfiguration  # noqa: E402
 from connector.geometry import build_rank_layout  # noqa: E402
 from connector.layout import GroupKind, MemoryLayout  # noqa: E402
-from connector.vllm_layout import (  # noqa: E402
+from connector.vllm.layout import (  # noqa: E402
     kernel_block_sizes_of,
     kv_cache_spec_from_vllm,
     memory_layout_of,

@@ -32,7 +32,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from connector.errors import UnsupportedConfiguration  # noqa: E402
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
-from connector.vllm_semantics import clip_ssm_groups, truncate_for_prefill  # noqa: E402
+from connector.vllm.semantics import clip_ssm_groups, truncate_for_prefill  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -28,6 +28,7 @@ from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
+from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import ConnectorMetadata, WorkerReport
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from worker.compat import fingerprint
@@ -104,6 +105,7 @@ class WorkerConnector:
         self._loads: LoadTable | None = None  # created by register_kv_caches
         self._transfer: TransferThread[ConnectorMetadata] | None = None  # ditto
         self._region_addresses: tuple[int, ...] = ()
+        self._memory = HOST_MEMORY
         self._registration: Any = None
         self._agent_metadata = b""
         # Guards what the transfer thread publishes for get_finished and notification_stats.
@@ -113,8 +115,11 @@ class WorkerConnector:
         self._finished_sending: list[str] = []
         self._stats = NotificationStats()
 
-    def register_kv_caches(self, region_addresses: Sequence[int]) -> None:
-        """Register this rank's KV regions: one base address per region of its RankLayout."""
+    def register_kv_caches(
+        self, region_addresses: Sequence[int], memory: Memory = HOST_MEMORY
+    ) -> None:
+        """Register this rank's KV regions: one base address per region of its RankLayout,
+        all in ``memory`` (host DRAM, or one GPU)."""
         region_bytes = self._layout.region_bytes
         if len(region_addresses) != len(region_bytes):
             raise UnsupportedConfiguration(
@@ -125,12 +130,14 @@ class WorkerConnector:
         if self._loads is not None:
             raise UnsupportedConfiguration("register_kv_caches was already called on this rank")
         self._region_addresses = tuple(int(address) for address in region_addresses)
+        self._memory = memory
         self._registration = self._agent.register_regions(
-            list(zip(self._region_addresses, region_bytes, strict=True))
+            list(zip(self._region_addresses, region_bytes, strict=True)), memory
         )
         self._loads = LoadTable(
             self._agent,
             local_region_addresses=self._region_addresses,
+            local_memory=memory,
             clock=self._clock,
             transfer_timeout_s=self._config.kv_lease_duration_s,
             handshake_wait_s=handshake_wait_s(self._config),
@@ -161,6 +168,8 @@ class WorkerConnector:
             layout=self._layout,
             fingerprint=self._fingerprint.digest,
             compat_facts=dict(self._fingerprint.facts),
+            memory=self._memory,
+            backends=tuple(self._config.backends),
         )
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:

@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
+from connector.memory import HOST_MEMORY, Memory
 from worker.descriptors import checked_read_descriptors, checked_regions
 from worker.nixl_api import Descriptors, TransferState
 
@@ -63,6 +64,7 @@ class FakeFaults:
 class FakeRegistration:
     registration_id: int
     regions: tuple[tuple[int, int], ...]  # (address, length_bytes)
+    memory: Memory = HOST_MEMORY
 
 
 @dataclass
@@ -143,9 +145,15 @@ class FakeNixl:
     def name(self) -> str:
         return self._name
 
-    def register_regions(self, regions: Sequence[tuple[int, int]]) -> FakeRegistration:
+    def register_regions(
+        self, regions: Sequence[tuple[int, int]], memory: Memory = HOST_MEMORY
+    ) -> FakeRegistration:
+        """Any memory kind is accepted: tests stand CPU tensors in for GPU caches, so the
+        bytes are always host bytes here; the kind is kept for tests to check."""
         self._live()
-        registration = FakeRegistration(next(self._registration_ids), checked_regions(regions))
+        registration = FakeRegistration(
+            next(self._registration_ids), checked_regions(regions), memory
+        )
         with self._fabric.lock:
             self._registrations[registration.registration_id] = registration
         return registration
@@ -189,7 +197,14 @@ class FakeNixl:
         self._remote_agents.pop(agent_name, None)
 
     def make_read(
-        self, remote_agent: str, local: Descriptors, remote: Descriptors, notif: bytes = b""
+        self,
+        remote_agent: str,
+        local: Descriptors,
+        remote: Descriptors,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST_MEMORY,
+        remote_memory: Memory = HOST_MEMORY,
     ) -> FakeRead:
         self._live()
         self._require_remote(remote_agent)

@@ -1,7 +1,8 @@
 """The narrow NIXL interface the worker uses; real NIXL and FakeNixl both implement it.
 
 Descriptors are numpy int64 arrays of shape (N, 3): (address, length_bytes, device_id). On
-DRAM the device id is 0. Addresses are absolute (region base + offset).
+DRAM the device id is 0; on VRAM it is the CUDA device index. Addresses are absolute (region
+base + offset). Which kind of memory a list describes travels beside it as a Memory.
 
 Threading: an agent is not thread-safe. Exactly one thread (the worker's transfer thread)
 calls its methods after construction.
@@ -15,6 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+from connector.memory import HOST_MEMORY, Memory
 
 Descriptors = npt.NDArray[np.int64]  # shape (N, 3): address, length_bytes, device_id
 
@@ -34,8 +37,11 @@ class NixlAgent(Protocol):
     @property
     def name(self) -> str: ...
 
-    def register_regions(self, regions: Sequence[tuple[int, int]]) -> Any:
-        """Register (address, length_bytes) DRAM ranges; returns a handle for deregister."""
+    def register_regions(
+        self, regions: Sequence[tuple[int, int]], memory: Memory = HOST_MEMORY
+    ) -> Any:
+        """Register (address, length_bytes) ranges of ``memory`` (DRAM, or VRAM on its device);
+        returns a handle for deregister."""
         ...
 
     def deregister(self, registration: Any) -> None: ...
@@ -49,9 +55,19 @@ class NixlAgent(Protocol):
     def remove_remote_agent(self, agent_name: str) -> None: ...
 
     def make_read(
-        self, remote_agent: str, local: Descriptors, remote: Descriptors, notif: bytes = b""
+        self,
+        remote_agent: str,
+        local: Descriptors,
+        remote: Descriptors,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST_MEMORY,
+        remote_memory: Memory = HOST_MEMORY,
     ) -> Any:
-        """Prepare a READ of remote[i] into local[i] for every i (lengths must match)."""
+        """Prepare a READ of remote[i] into local[i] for every i (lengths must match).
+
+        Each side's rows are of that side's memory kind (DRAM or VRAM), with its device id in
+        the third column."""
         ...
 
     def post(self, transfer: Any) -> TransferState: ...

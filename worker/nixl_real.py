@@ -1,4 +1,4 @@
-"""The NixlAgent Protocol over real NIXL: one UCX agent on DRAM, library errors translated.
+"""The NixlAgent Protocol over real NIXL: one agent on DRAM or VRAM, library errors translated.
 
 Measured on this 2-core machine (UCX over loopback, nixl 1.5.1; see the report of issue
 "Foundation" and benchmarks/nixl_bandwidth.py):
@@ -32,6 +32,7 @@ import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
+from connector.memory import HOST_MEMORY, Memory
 from worker.descriptors import checked_read_descriptors, checked_regions
 from worker.nixl_api import Descriptors, TransferState
 
@@ -125,11 +126,14 @@ class RealNixlAgent:
     def name(self) -> str:
         return self._name
 
-    def register_regions(self, regions: Sequence[tuple[int, int]]) -> Any:
+    def register_regions(
+        self, regions: Sequence[tuple[int, int]], memory: Memory = HOST_MEMORY
+    ) -> Any:
         agent = self._live()
-        rows = _region_rows(regions)
-        with _translated(f"registering {len(rows)} DRAM regions with agent {self._name!r}"):
-            return agent.register_memory(rows, "DRAM")
+        rows = _region_rows(regions, memory)
+        action = f"registering {len(rows)} regions of {memory.describe()} with agent {self._name!r}"
+        with _translated(action):
+            return agent.register_memory(rows, memory.kind.nixl_name)
 
     def deregister(self, registration: Any) -> None:
         agent = self._live()
@@ -162,7 +166,14 @@ class RealNixlAgent:
         self._remote_agents.discard(agent_name)
 
     def make_read(
-        self, remote_agent: str, local: Descriptors, remote: Descriptors, notif: bytes = b""
+        self,
+        remote_agent: str,
+        local: Descriptors,
+        remote: Descriptors,
+        notif: bytes = b"",
+        *,
+        local_memory: Memory = HOST_MEMORY,
+        remote_memory: Memory = HOST_MEMORY,
     ) -> RealRead:
         agent = self._live()
         self._require_remote(remote_agent)
@@ -172,8 +183,8 @@ class RealNixlAgent:
         with _translated(action):
             handle = agent.initialize_xfer(
                 "READ",
-                agent.get_xfer_descs(local_rows, "DRAM"),
-                agent.get_xfer_descs(remote_rows, "DRAM"),
+                agent.get_xfer_descs(local_rows, local_memory.kind.nixl_name),
+                agent.get_xfer_descs(remote_rows, remote_memory.kind.nixl_name),
                 remote_agent,
                 notif,
             )
@@ -268,7 +279,7 @@ def _state(status: str, transfer: RealRead) -> TransferState:
     )
 
 
-def _region_rows(regions: Sequence[tuple[int, int]]) -> Descriptors:
-    """(address, length_bytes) pairs -> NIXL's (N, 3) registration rows on device 0."""
+def _region_rows(regions: Sequence[tuple[int, int]], memory: Memory) -> Descriptors:
+    """(address, length_bytes) pairs -> NIXL's (N, 3) registration rows on memory's device."""
     pairs = np.asarray(checked_regions(regions), dtype=np.int64).reshape(-1, 2)
-    return np.column_stack([pairs, np.zeros(len(pairs), dtype=np.int64)])
+    return np.column_stack([pairs, np.full(len(pairs), memory.device, dtype=np.int64)])

@@ -149,7 +149,7 @@ class TransferPlanner:
         self,
         g: GroupPairing,
         local_ids: Sequence[int],
-        remote_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
         num_tokens: int,
         num_cached: int,
     ) -> Segments | None:
@@ -160,7 +160,12 @@ class TransferPlanner:
                 g, "decode", local_ids, len(local_ids) - 1, len(local_ids), g.local
             )
             remote_block = _used_ids(
-                g, "prefill", remote_ids, len(remote_ids) - 1, len(remote_ids), g.remote
+                g,
+                "prefill",
+                remote_block_ids,
+                len(remote_block_ids) - 1,
+                len(remote_block_ids),
+                g.remote,
             )
             return state_segment(int(local_block[0]), int(remote_block[0]))
         start = num_cached
@@ -180,7 +185,7 @@ class TransferPlanner:
         local_used = _used_ids(
             g, "decode", local_ids, local_lo - local_first, local_hi - local_first, g.local
         )
-        remote_used = _used_ids(g, "prefill", remote_ids, remote_lo, remote_hi, g.remote)
+        remote_used = _used_ids(g, "prefill", remote_block_ids, remote_lo, remote_hi, g.remote)
         return token_segments(
             start, end, g.local, g.remote, local_used, local_lo, remote_used, remote_lo
         )

@@ -79,14 +79,16 @@ def token_segments(
     remote: SideBlocks,
     local_ids: Int64Array,
     local_first_logical: int,
-    remote_ids: Int64Array,
+    remote_block_ids: Int64Array,
     remote_first_logical: int,
 ) -> Segments:
     """Segments of tokens [start, end) (non-empty) given each side's logical block ids."""
     cuts = _cuts(start, end, local.kernel_block_size, remote.kernel_block_size)
     starts = cuts[:-1]
     local_blocks, local_slots = _kernel_blocks(starts, local, local_ids, local_first_logical)
-    remote_blocks, remote_slots = _kernel_blocks(starts, remote, remote_ids, remote_first_logical)
+    remote_blocks, remote_slots = _kernel_blocks(
+        starts, remote, remote_block_ids, remote_first_logical
+    )
     return Segments(local_blocks, local_slots, remote_blocks, remote_slots, np.diff(cuts))
 
 

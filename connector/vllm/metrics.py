@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from connector.metrics import COUNTER, METRICS, MetricSpec
-from connector.vllm_messages import interval_of
+from connector.vllm.messages import interval_of
 
 
 class NixlPDPromMetrics(KVConnectorPromMetrics):

@@ -148,7 +148,7 @@ def kv_cache_spec_from_vllm(
     """Our model-wide spec for vLLM's transferable cache groups (in ``transfer_groups`` order).
 
     ``kernel_block_sizes`` and ``block_formats`` (one per transfer group) are known on workers
-    only, from their tensors and attention layers (connector/vllm_backends.py); without them
+    only, from their tensors and attention layers (connector/vllm/backends.py); without them
     (the scheduler process, which plans nothing) each group's kernel block is its logical
     block and its format token-addressable.
     """

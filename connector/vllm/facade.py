@@ -2,8 +2,8 @@
 
 Load it with ``--kv-transfer-config '{"kv_connector": "NixlPDConnector",
 "kv_connector_module_path": "connector.vllm", "kv_role": "kv_producer", ...}'``. Only this
-module and its connector.vllm_* helpers import vllm; importing ``connector`` never does.
-The scheduler half lives in connector.vllm_scheduler, the worker half in connector.vllm_worker.
+package imports vllm; importing ``connector`` never does.
+The scheduler half lives in connector.vllm.scheduler, the worker half in connector.vllm.worker.
 
 Who decides what (one request's journey through vLLM):
 - Scheduler process: our SchedulerConnector owns request state. Each step it builds our
@@ -49,16 +49,16 @@ from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.layout import BlockFormat, KVCacheSpec
 from connector.metrics import default_recorder
-from connector.vllm_backends import block_formats_of
-from connector.vllm_layout import (
+from connector.vllm.backends import block_formats_of
+from connector.vllm.layout import (
     dtype_name,
     kv_cache_spec_from_vllm,
     memory_layout_of,
 )
-from connector.vllm_messages import NixlPDMetadata, NixlPDStats
-from connector.vllm_scheduler import SchedulerSide
-from connector.vllm_semantics import prefill_backoff_tokens, truncate_for_prefill
-from connector.vllm_worker import WorkerSide
+from connector.vllm.messages import NixlPDMetadata, NixlPDStats
+from connector.vllm.scheduler import SchedulerSide
+from connector.vllm.semantics import prefill_backoff_tokens, truncate_for_prefill
+from connector.vllm.worker import WorkerSide
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import Role
 from worker.nixl_api import NixlAgent
@@ -315,8 +315,8 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
-        """connector.metrics on vLLM's /metrics (see connector/vllm_metrics.py)."""
-        from connector.vllm_metrics import build_prom_metrics
+        """connector.metrics on vLLM's /metrics (see connector/vllm/metrics.py)."""
+        from connector.vllm.metrics import build_prom_metrics
 
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

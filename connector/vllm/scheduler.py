@@ -19,13 +19,13 @@ from vllm.v1.request import RequestStatus
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.metadata import BlockIds
 from connector.protocol import WorkerHandshake
-from connector.vllm_messages import (
+from connector.vllm.messages import (
     NixlPDHandshakeMetadata,
     NixlPDMetadata,
     NixlPDWorkerMeta,
     merge,
 )
-from connector.vllm_semantics import clip_ssm_groups, loads_from_remote, ssm_scratch_blocks
+from connector.vllm.semantics import clip_ssm_groups, loads_from_remote, ssm_scratch_blocks
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import FinishedRequests, RequestInfo
 

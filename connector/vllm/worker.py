@@ -20,8 +20,8 @@ from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.metadata import WorkerReport
 from connector.metrics import default_recorder
-from connector.vllm_layout import kernel_block_sizes_of, region_addresses
-from connector.vllm_messages import (
+from connector.vllm.layout import kernel_block_sizes_of, region_addresses
+from connector.vllm.messages import (
     NixlPDHandshakeMetadata,
     NixlPDMetadata,
     NixlPDStats,
