@@ -1,11 +1,10 @@
-"""Block-id helpers (stable contract) and the kernel block size choice."""
+"""Block-id helpers of the stable contract (worker/blocks.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from connector.errors import TransferPlanError, UnsupportedConfiguration
-from connector.kernel_blocks import MultipleOf, choose_kernel_block_size
 from worker.blocks import apply_prefix_caching, logical_to_kernel_block_ids
 
 
@@ -178,44 +177,3 @@ def test_apply_prefix_caching_different_ratios_without_token_count_is_unsupporte
 def test_apply_prefix_caching_rejects_impossible_inputs(local, remote, kwargs, message):
     with pytest.raises(TransferPlanError, match=message):
         apply_prefix_caching(local, remote, **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("logical", "backends", "expected"),
-    [
-        (16, [], 16),
-        (128, [[64, 128], [MultipleOf(16)]], 128),
-        # seed 003: FlashInfer-like 64 only, block size 128 -> two kernel blocks per block.
-        (128, [[64], [MultipleOf(16)]], 64),
-        (96, [[MultipleOf(16)], [MultipleOf(32)]], 96),
-        (48, [[MultipleOf(16)], [16, 32, 64]], 16),
-        (4176, [[MultipleOf(16)]], 4176),
-    ],
-    ids=[
-        "no-backends",
-        "all-support-logical",
-        "seed003-kernel-64",
-        "multiples",
-        "mixed",
-        "huge-logical",
-    ],
-)
-def test_choose_kernel_block_size(logical, backends, expected):
-    assert choose_kernel_block_size(logical, backends) == expected
-
-
-@pytest.mark.parametrize(
-    ("logical", "backends", "message"),
-    [
-        (24, [[MultipleOf(16)]],
-         r"logical block size 24 \(backend 0: \[multiples of 16\]\); set the block size \(--block-size\) to a multiple of 16"),
-        (64, [[128], [MultipleOf(32)]], r"divides the logical block size 64 .*to a multiple of 128"),
-        (64, [[16], [32]], "the backends share no kernel block size"),
-        (0, [[16]], "logical block size must be positive, got 0"),
-        (16, [[MultipleOf(0)]], "sizes must be positive"),
-    ],
-    ids=["too-small-logical", "kernel-larger-than-logical", "disjoint-backends", "zero-logical", "zero-multiple"],
-)  # fmt: skip
-def test_choose_kernel_block_size_rejects_with_fix(logical, backends, message):
-    with pytest.raises(UnsupportedConfiguration, match=message):
-        choose_kernel_block_size(logical, backends)

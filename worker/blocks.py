@@ -1,7 +1,9 @@
 """Block-id helpers of the stable contract: logical to kernel ids, and prefix-cache trimming.
 
-The planner does not use these (it works in token ranges); they exist for callers that think
-in block ids and match vLLM's helpers on the cases vLLM gets right, without its bugs.
+The planner does not call these: it works in token ranges and byte geometry. They serve callers
+that think in block ids (the DESIGN contract), matching vLLM's helpers on the cases vLLM gets
+right, without its bugs; and tests/test_planner_block_pairing.py uses them as an independent
+oracle: where both apply, the planner's READs copy exactly the block pairs made here.
 
 Kernel-level ids: logical block ``b`` with ``ratio`` kernel blocks per logical block holds
 kernel blocks ``b * ratio .. b * ratio + ratio - 1``. SSM state blocks are never split.
