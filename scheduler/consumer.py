@@ -1,11 +1,12 @@
 """Decode-side request state: which prompts to load from which prefill engine, and their outcome.
 
-A load goes: get_num_new_matched_tokens (tracked) -> update_state_after_alloc (decode's blocks
-known) -> build_connector_meta (LoadSpec emitted to every rank) -> every rank reports ->
-reported once, in finished_recving or failed_recving. An abort before the LoadSpec went out
-turns into a ReleaseSpec so the prefill engine frees its blocks at once. Requests with nothing
-to load (a full local prefix hit) only get a ReleaseSpec and are never reported: the engine is
-not waiting for them. Only the engine thread calls this class.
+Each request's load is one record in a Book, moved only along LOAD_LIFECYCLE
+(scheduler/lifecycles.py): get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
+(ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
+rank) -> every rank reports -> REPORTED once, in finished_recving or failed_recving. An abort
+before the LoadSpec went out sends a ReleaseSpec instead so the prefill engine frees its blocks
+at once. Requests with nothing to load (a full local prefix hit) are RELEASING only and never
+reported: the engine is not waiting for them. Only the engine thread calls this class.
 """
 
 from __future__ import annotations
@@ -18,22 +19,28 @@ from connector.errors import TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from scheduler.heartbeats import HeartbeatSender
+from scheduler.lifecycles import LOAD_LIFECYCLE, Book, LoadState, OnMove
 from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 
+_L = LoadState
+_RANKS_ANSWER_LOAD = (_L.LOADING, _L.DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
+_RANKS_ANSWER_RELEASE = (_L.RELEASING, _L.REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
+_HEARTBEATING = (_L.MATCHED, _L.ALLOCATED, _L.LOADING, _L.DRAINING)  # prefill must keep the KV
+_PENDING = tuple(state for state in LoadState if state not in (_L.REPORTED, _L.ENDED))
+
 
 @dataclasses.dataclass
 class _Load:
-    """One tracked decode load. Deleting it from Consumer._loads is its cleanup."""
+    """One tracked decode load; ``state`` says where it stands (Book moves it)."""
 
     source: RemoteSource
     num_tokens: int
     num_cached_tokens: int
-    block_ids: BlockIds | None = None  # decode's blocks, once allocated
-    emitted: bool = False  # a LoadSpec or ReleaseSpec went to the ranks
-    engine_finished: bool = False  # request_finished came first; forget it once reported
-    ranks_done: set[int] = dataclasses.field(default_factory=set)
+    state: LoadState = LoadState.NEW
+    local_block_ids: BlockIds | None = None  # decode's blocks, once allocated
+    ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
     failures: dict[int, str] = dataclasses.field(default_factory=dict)  # tp_rank -> reason
 
 
@@ -46,6 +53,7 @@ class Consumer:
         heartbeats: HeartbeatSender,
         heartbeat_interval_s: float,
         clock: Callable[[], float],
+        on_move: OnMove | None = None,  # sees every state change (tests)
     ) -> None:
         self._groups = groups
         self._tp_size = tp_size
@@ -53,9 +61,8 @@ class Consumer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._clock = clock
         self._next_heartbeat_s = clock() + heartbeat_interval_s
-        self._loads: dict[str, _Load] = {}  # the engine waits for these
-        self._releasing: dict[str, set[int]] = {}  # release-only: request id -> ranks reported
-        self._done: set[str] = set()  # reported; forgotten at request_finished
+        self._loads: Book[LoadState, _Load] = Book(LOAD_LIFECYCLE, what="load", on_move=on_move)
+        # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
         self._finished: list[str] = []
         self._failed: dict[str, str] = {}
@@ -63,36 +70,38 @@ class Consumer:
     def get_num_new_matched_tokens(
         self, request_id: str, source: RemoteSource, num_tokens: int, num_cached_tokens: int
     ) -> tuple[int, bool]:
-        if request_id in self._done or request_id in self._releasing:
-            return 0, False
         load = self._loads.get(request_id)
-        if load is not None and load.block_ids is not None:
-            return 0, False  # allocated already: the load is under way
-        # New, or scheduled again before allocation (the local prefix hit may have changed).
+        if load is not None and load.state is not _L.MATCHED:
+            return 0, False  # allocated, loading, reported or releasing: nothing new to claim
+        if load is None:
+            load = self._loads.add(request_id, _Load(source, num_tokens, num_cached_tokens))
+        else:  # scheduled again before allocation: the local prefix hit may have changed
+            load.source, load.num_tokens = source, num_tokens
+            load.num_cached_tokens = num_cached_tokens
         num_new_tokens = num_tokens - num_cached_tokens
         if num_new_tokens <= 0:
-            self._loads.pop(request_id, None)
-            self._release_only(request_id, source)
+            self._release_only(request_id, load, _L.RELEASING)
             return 0, False
-        self._loads[request_id] = _Load(source, num_tokens, num_cached_tokens)
+        self._loads.move(request_id, _L.MATCHED)
         return num_new_tokens, True
 
     def update_state_after_alloc(
         self, request_id: str, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
         load = self._loads.get(request_id)
-        if load is None or load.block_ids is not None:
+        if load is None or load.state is not _L.MATCHED:
             return
         if num_external_tokens == 0:
             # The engine chose not to load after all; prefill may free its blocks.
-            del self._loads[request_id]
-            self._release_only(request_id, load.source)
+            self._release_only(request_id, load, _L.RELEASING)
             return
-        load.block_ids = tuple(tuple(group) for group in block_ids)
+        load.local_block_ids = tuple(tuple(group) for group in block_ids)
+        self._loads.move(request_id, _L.ALLOCATED)
 
     def take_step(self) -> tuple[tuple[LoadSpec, ...], tuple[ReleaseSpec, ...]]:
         """The loads and releases for the next metadata; also sends heartbeats when due."""
-        loads = [spec for request_id in list(self._loads) if (spec := self._emit(request_id))]
+        allocated = self._loads.ids(_L.ALLOCATED)
+        loads = [spec for request_id in allocated if (spec := self._emit(request_id))]
         releases, self._pending_releases = tuple(self._pending_releases), []
         self._send_heartbeats_if_due()
         return tuple(loads), releases
@@ -102,25 +111,25 @@ class Consumer:
 
         ``source`` is where the request's KV lives, from its params.
         """
-        if request_id in self._done:
-            self._done.discard(request_id)
-            return False, None
         load = self._loads.get(request_id)
         if load is None:
-            if request_id not in self._releasing:
-                # Aborted before the engine ever asked about it: prefill still holds the KV.
-                self._release_over_side_channel(source)
+            # Aborted before the engine ever asked about it: prefill still holds the KV.
+            self._release_over_side_channel(source)
             return False, None
-        if load.block_ids is None:  # no blocks yet: nothing of ours to hold
-            del self._loads[request_id]
-            self._release_only(request_id, load.source)
-            return False, None
-        if not load.emitted:
+        state = load.state
+        if state is _L.REPORTED:
+            self._loads.move(request_id, _L.ENDED)
+        elif state is _L.REPORTED_RELEASING:
+            self._loads.move(request_id, _L.RELEASING)
+        elif state is _L.MATCHED:  # no blocks yet: nothing of ours to hold
+            self._release_only(request_id, load, _L.RELEASING)
+        elif state is _L.ALLOCATED:
             logger.info("request %s aborted before its load started; releasing prefill", request_id)
-            load.emitted = True
             self._pending_releases.append(ReleaseSpec(request_id, load.source))
-        load.engine_finished = True
-        return True, None
+            self._loads.move(request_id, _L.DRAINING)
+        elif state is _L.LOADING:
+            self._loads.move(request_id, _L.DRAINING)
+        return state in (_L.ALLOCATED, *_RANKS_ANSWER_LOAD), None
 
     def on_reports(self, reports: Iterable[WorkerReport]) -> None:
         for report in reports:
@@ -135,20 +144,20 @@ class Consumer:
         return finished, failed
 
     def _emit(self, request_id: str) -> LoadSpec | None:
-        load = self._loads[request_id]
-        if load.emitted or load.block_ids is None:
-            return None
+        load = self._loads.get(request_id)
+        if load is None or load.local_block_ids is None:
+            return None  # ALLOCATED loads always carry their blocks
         try:
             local_block_ids = uncached_suffix_blocks(
-                load.block_ids,
+                load.local_block_ids,
                 self._groups,
                 num_cached_tokens=load.num_cached_tokens,
                 num_tokens=load.num_tokens,
             )
         except TransferPlanError as exc:
-            self._fail_now(request_id, f"cannot plan the load: {exc}")
+            self._fail_now(request_id, load, f"cannot plan the load: {exc}")
             return None
-        load.emitted = True
+        self._loads.move(request_id, _L.LOADING)
         return LoadSpec(
             request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, load.source
         )
@@ -163,7 +172,7 @@ class Consumer:
         failed_ids = set(failed)
         for request_id in finished:
             load = self._loads.get(request_id)
-            if load is None or not load.emitted:
+            if load is None or load.state not in _RANKS_ANSWER_LOAD:
                 continue
             reason = "the engine reported the load as failed" if request_id in failed_ids else None
             for tp_rank in range(self._tp_size):
@@ -174,15 +183,17 @@ class Consumer:
             self._settle(request_id, load)
 
     def _record(self, request_id: str, tp_rank: int, reason: str | None) -> None:
-        ranks = self._releasing.get(request_id)
-        if ranks is not None:
-            ranks.add(tp_rank)
-            if len(ranks) == self._tp_size:
-                del self._releasing[request_id]
-            return
         load = self._loads.get(request_id)
-        if load is None or not load.emitted:
-            return  # not ours, already reported, or a report before any instruction
+        if load is None:
+            return  # not ours, or already forgotten
+        if load.state in _RANKS_ANSWER_RELEASE:
+            load.ranks_done.add(tp_rank)
+            if len(load.ranks_done) == self._tp_size:
+                done = _L.ENDED if load.state is _L.RELEASING else _L.REPORTED
+                self._loads.move(request_id, done)
+            return
+        if load.state not in _RANKS_ANSWER_LOAD:
+            return  # already reported, or a report before any instruction
         load.ranks_done.add(tp_rank)
         if reason is not None:
             load.failures.setdefault(tp_rank, reason)
@@ -191,19 +202,19 @@ class Consumer:
 
     def _settle(self, request_id: str, load: _Load) -> None:
         """Every rank is done with ``load``: report it once, as received or failed."""
-        del self._loads[request_id]
-        if not load.engine_finished:
-            self._done.add(request_id)  # until request_finished: gnnmt says (0, False)
         if load.failures:
             self._failed[request_id] = _failure_reason(load.failures)
             self._release_over_side_channel(load.source)
         else:
             self._finished.append(request_id)
+        # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
+        self._loads.move(request_id, _L.ENDED if load.state is _L.DRAINING else _L.REPORTED)
 
-    def _release_only(self, request_id: str, source: RemoteSource) -> None:
-        self._releasing[request_id] = set()
-        self._pending_releases.append(ReleaseSpec(request_id, source))
-        self._release_over_side_channel(source)
+    def _release_only(self, request_id: str, load: _Load, target: LoadState) -> None:
+        """Move ``load`` to a releasing state and tell prefill (ranks and side channel) to free."""
+        self._loads.move(request_id, target)
+        self._pending_releases.append(ReleaseSpec(request_id, load.source))
+        self._release_over_side_channel(load.source)
 
     def _release_over_side_channel(self, source: RemoteSource) -> None:
         # The ranks' free notifications need a NIXL handshake; when that is what failed (peer
@@ -213,11 +224,9 @@ class Consumer:
             source.host, source.port, [source.remote_request_id], engine_id=source.engine_id
         )
 
-    def _fail_now(self, request_id: str, reason: str) -> None:
-        load = self._loads.pop(request_id)
+    def _fail_now(self, request_id: str, load: _Load, reason: str) -> None:
         logger.warning("request %s failed: %s", request_id, reason)
-        self._release_only(request_id, load.source)
-        self._done.add(request_id)
+        self._release_only(request_id, load, _L.REPORTED_RELEASING)
         self._failed[request_id] = reason
 
     def _send_heartbeats_if_due(self) -> None:
@@ -227,7 +236,7 @@ class Consumer:
         self._next_heartbeat_s = now + self._heartbeat_interval_s
         # One heartbeat per prefill engine; its side channel refuses ids meant for another.
         by_engine: dict[tuple[str, int, str], list[str]] = {}
-        for load in self._loads.values():
+        for _, load in self._loads.records(*_HEARTBEATING):
             source = load.source
             by_engine.setdefault((source.host, source.port, source.engine_id), []).append(
                 source.remote_request_id
@@ -238,12 +247,12 @@ class Consumer:
     @property
     def has_pending_work(self) -> bool:
         """Loads or releases the ranks have not finished: the engine must keep stepping."""
-        return bool(self._loads or self._releasing or self._pending_releases)
+        return bool(self._pending_releases) or self._loads.count(*_PENDING) > 0
 
     @property
     def num_tracked(self) -> int:
         """Requests this class holds any state for (0 once every request finished and reported)."""
-        return len(self._loads) + len(self._releasing) + len(self._done)
+        return len(self._loads)
 
 
 def _failure_reason(failures: dict[int, str]) -> str:

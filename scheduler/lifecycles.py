@@ -1,0 +1,145 @@
+"""Scheduler-side request lifecycles as data: each record's states and the moves between them.
+
+Two lifecycles live here: a decode load in the scheduler (Consumer) and a prefill lease
+(Producer). ``Book`` holds one lifecycle's records by request id and is the only place their
+``state`` changes, always through the lifecycle's TransitionTable. A record that reaches a
+terminal state leaves the book: deleting it is the cleanup.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+from connector.errors import IllegalTransition
+from connector.lifecycle import TransitionTable
+
+
+class LoadState(enum.Enum):
+    """Where one decode load stands in the scheduler."""
+
+    NEW = enum.auto()  # record made; moved on before the call that made it returns
+    MATCHED = enum.auto()  # get_num_new_matched_tokens claimed its tokens; no blocks yet
+    ALLOCATED = enum.auto()  # decode's blocks known; its LoadSpec goes out at the next step
+    LOADING = enum.auto()  # LoadSpec sent; the engine waits for every rank's report
+    DRAINING = enum.auto()  # request finished while ranks hold its blocks; report, then forget
+    REPORTED = enum.auto()  # reported to the engine; forgotten at request_finished
+    REPORTED_RELEASING = enum.auto()  # reported failed (unplannable); ranks still ack a release
+    RELEASING = enum.auto()  # release only: ranks ack a ReleaseSpec; the engine waits for nothing
+    ENDED = enum.auto()
+
+
+_L = LoadState
+LOAD_LIFECYCLE = TransitionTable(
+    "decode load",
+    {
+        _L.NEW: {_L.MATCHED, _L.RELEASING},  # nothing to load (full prefix hit): release only
+        _L.MATCHED: {_L.MATCHED, _L.ALLOCATED, _L.RELEASING},  # MATCHED again: new prefix hit
+        _L.ALLOCATED: {_L.LOADING, _L.DRAINING, _L.REPORTED_RELEASING},
+        _L.LOADING: {_L.DRAINING, _L.REPORTED},
+        _L.DRAINING: {_L.ENDED},
+        _L.REPORTED: {_L.ENDED},
+        _L.REPORTED_RELEASING: {_L.REPORTED, _L.RELEASING},
+        _L.RELEASING: {_L.ENDED},
+        _L.ENDED: (),
+    },
+)
+
+
+class LeaseState(enum.Enum):
+    """Where one prefill lease stands: its blocks stay held until it ends."""
+
+    NEW = enum.auto()
+    LEASED = enum.auto()  # blocks held; the ranks hear of it in the next metadata's sends
+    ANNOUNCED = enum.auto()  # in a sends: the ranks count its decode readers' free notifications
+    COMPLETED = enum.auto()  # every rank saw its free notifications
+    EXPIRED = enum.auto()  # no heartbeat kept it alive
+    RELEASED = enum.auto()  # decode said over the side channel it will never read
+
+
+_P = LeaseState
+LEASE_LIFECYCLE = TransitionTable(
+    "prefill lease",
+    {
+        _P.NEW: {_P.LEASED},
+        _P.LEASED: {_P.ANNOUNCED, _P.COMPLETED, _P.EXPIRED, _P.RELEASED},
+        _P.ANNOUNCED: {_P.COMPLETED, _P.EXPIRED, _P.RELEASED},
+        _P.COMPLETED: (),
+        _P.EXPIRED: (),
+        _P.RELEASED: (),
+    },
+)
+
+State = TypeVar("State", bound=enum.Enum)
+
+
+class Stateful(Protocol):
+    state: Any  # the record's lifecycle state: read freely, written only by Book.move
+
+
+Record = TypeVar("Record", bound=Stateful)
+OnMove = Callable[[str, Any, Any], None]  # (request id, from state, to state): tests watch moves
+
+
+class Book(Generic[State, Record]):
+    """One lifecycle's records by request id, also indexed by state (in arrival order) so a
+    caller can walk e.g. the ALLOCATED loads without scanning every record."""
+
+    def __init__(
+        self, table: TransitionTable[State], *, what: str, on_move: OnMove | None = None
+    ) -> None:
+        self._table = table
+        self._what = what  # names the record in errors, e.g. "load"
+        self._on_move = on_move
+        self._terminal = table.terminal
+        self._records: dict[str, Record] = {}
+        self._by_state: dict[State, dict[str, None]] = {state: {} for state in table.moves}
+
+    def add(self, request_id: str, record: Record) -> Record:
+        """Take in a record in its first state; the caller moves it on."""
+        if request_id in self._records:
+            raise IllegalTransition(
+                f"{self._table.name}: request {request_id} already has a {self._what} in state "
+                f"{self._records[request_id].state.name}; this is a connector bug, please "
+                "report it with the log above"
+            )
+        self._records[request_id] = record
+        self._by_state[record.state][request_id] = None
+        return record
+
+    def move(self, request_id: str, target: State) -> Record:
+        """Move the record along the table (IllegalTransition if it may not); a terminal
+        target removes it. Returns the record."""
+        record = self._records[request_id]
+        current = record.state
+        subject = f"{self._what} of request {request_id}"
+        record.state = self._table.move(subject, current, target)
+        del self._by_state[current][request_id]
+        if target in self._terminal:
+            del self._records[request_id]
+        else:
+            self._by_state[target][request_id] = None
+        if self._on_move is not None:
+            self._on_move(request_id, current, target)
+        return record
+
+    def get(self, request_id: str) -> Record | None:
+        return self._records.get(request_id)
+
+    def ids(self, state: State) -> tuple[str, ...]:
+        """The ids in ``state``, oldest arrival first."""
+        return tuple(self._by_state[state])
+
+    def records(self, *states: State) -> Iterator[tuple[str, Record]]:
+        """The records in any of ``states``, oldest arrival first (a walk over every record)."""
+        wanted = frozenset(states)
+        for request_id, record in self._records.items():
+            if record.state in wanted:
+                yield request_id, record
+
+    def count(self, *states: State) -> int:
+        return sum(len(self._by_state[state]) for state in states)
+
+    def __len__(self) -> int:
+        return len(self._records)
