@@ -8,6 +8,8 @@ from the ranks (invalid params, unplannable loads, prefill frees) for the ranks 
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from vllm.v1.request import RequestStatus
 
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
+from connector.lifecycle import TransitionTable
 from connector.metadata import BlockIds
 from connector.protocol import WorkerHandshake
 from connector.vllm.messages import (
@@ -27,6 +30,7 @@ from connector.vllm.messages import (
 )
 from connector.vllm.semantics import clip_ssm_groups, loads_from_remote, ssm_scratch_blocks
 from scheduler.connector import SchedulerConnector
+from scheduler.lifecycles import Book, OnMove
 from scheduler.requests import FinishedRequests, RequestInfo
 
 if TYPE_CHECKING:
@@ -40,6 +44,36 @@ logger = logging.getLogger(__name__)
 # Finished statuses under which a prefill's KV is complete and may be offered to decode.
 _COMPLETE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 _handshake_decoder = msgspec.msgpack.Decoder(WorkerHandshake)
+
+
+class TrackedState(enum.Enum):
+    """What this adapter still owes vLLM for a request (most requests it never tracks)."""
+
+    NEW = enum.auto()
+    CLAIMED = enum.auto()  # params refused; tokens claimed so vLLM parks it as a pending load
+    REFUSED = enum.auto()  # params refused; never offered a load again (announced if parked)
+    RANKS_REPORT = enum.auto()  # a LoadSpec went out: the ranks tell vLLM its outcome themselves
+    ENDED = enum.auto()
+
+
+_T = TrackedState
+TRACKED_LIFECYCLE = TransitionTable(
+    "vLLM request tracking",
+    {
+        _T.NEW: {_T.CLAIMED, _T.REFUSED, _T.RANKS_REPORT},
+        _T.CLAIMED: {_T.REFUSED, _T.ENDED},
+        _T.REFUSED: {_T.ENDED},  # at request_finished
+        _T.RANKS_REPORT: {_T.ENDED},  # once SchedulerConnector reports it
+        _T.ENDED: (),
+    },
+)
+_REFUSED = (_T.CLAIMED, _T.REFUSED)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    state: TrackedState = TrackedState.NEW
+    reason: str = ""  # why its params were refused, announced as the failed load's reason
 
 
 def _request_info(request: Request, *, aborted: bool = False, backoff: int = 0) -> RequestInfo:
@@ -66,10 +100,11 @@ def _block_ids(groups: Iterable[Iterable[int]]) -> BlockIds:
 class SchedulerSide:
     """The scheduler process's half: request state via SchedulerConnector, plus the echo.
 
-    Requests with malformed params never reach SchedulerConnector. Their journey: claimed as
-    a pending load (``_invalid``), announced as a failed load once vLLM parked them, i.e. once
-    it called update_state_after_alloc with tokens to load (``_to_announce``), then never
-    offered a load again (``_settled``) so "recompute" computes them locally.
+    Requests with malformed params never reach SchedulerConnector. Their journey along
+    TRACKED_LIFECYCLE: CLAIMED as a pending load, announced as a failed load once vLLM parked
+    them (i.e. called update_state_after_alloc with tokens to load), then REFUSED: never
+    offered a load again, so "recompute" computes them locally. Loads whose LoadSpec went out
+    are RANKS_REPORT until reported: the ranks tell vLLM their outcome, so it is not echoed.
     """
 
     def __init__(
@@ -78,16 +113,18 @@ class SchedulerSide:
         kv_cache_config: KVCacheConfig,
         *,
         backoff_tokens: int = 0,
+        on_move: OnMove | None = None,  # sees every tracking state change (tests)
     ) -> None:
         self.connector = connector
         self._kv_cache_config = kv_cache_config
         self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (vllm_semantics)
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
-        self._announce = FinishedRequests()  # decided, not yet sent to the ranks to echo
-        self._ranks_report: set[str] = set()  # loads the ranks report to vLLM themselves
-        self._invalid: dict[str, str] = {}  # request id -> why its params were refused
-        self._to_announce: dict[str, str] = {}
-        self._settled: set[str] = set()
+        self._tracked: Book[TrackedState, _Tracked] = Book(
+            TRACKED_LIFECYCLE, what="tracking", on_move=on_move
+        )
+        # Outboxes: decided, not yet sent to the ranks to echo.
+        self._announce = FinishedRequests()
+        self._to_announce: dict[str, str] = {}  # parked refused requests -> reason
 
     def start_side_channel(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         handshakes = []
@@ -111,9 +148,10 @@ class SchedulerSide:
     ) -> tuple[int, bool]:
         request_id = request.request_id
         num_tokens = _num_loadable_tokens(request, self._backoff) - num_computed_tokens
-        if request_id in self._settled:
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.state is _T.REFUSED:
             return 0, False
-        if request_id in self._invalid:  # claimed before, not parked yet: claim again
+        if tracked is not None and tracked.state is _T.CLAIMED:  # not parked yet: claim again
             return (num_tokens, True) if num_tokens > 0 else (0, False)
         try:
             return self.connector.get_num_new_matched_tokens(
@@ -121,24 +159,26 @@ class SchedulerSide:
             )
         except InvalidTransferParams as exc:
             logger.warning("request %s: %s", request_id, exc)
-            if num_tokens <= 0:
-                self._settled.add(request_id)
+            if tracked is not None:  # its load already went out: claim nothing more
                 return 0, False
             # Claim the tokens so vLLM parks the request as a pending load, then announce
             # the load as failed: vLLM's kv_load_failure_policy decides its fate.
-            self._invalid[request_id] = f"invalid kv_transfer_params: {exc}"
-            return num_tokens, True
+            self._tracked.add(request_id, _Tracked(reason=f"invalid kv_transfer_params: {exc}"))
+            claimed = num_tokens > 0
+            self._tracked.move(request_id, _T.CLAIMED if claimed else _T.REFUSED)
+            return (num_tokens, True) if claimed else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         request_id = request.request_id
-        if request_id in self._invalid:
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.state is _T.CLAIMED:
             if num_external_tokens > 0:  # parked: vLLM now waits for our answer
-                self._to_announce[request_id] = self._invalid[request_id]
-            self._settled.add(request_id)
+                self._to_announce[request_id] = tracked.reason
+            self._tracked.move(request_id, _T.REFUSED)
             return
-        if request_id in self._settled:
+        if tracked is not None and tracked.state is _T.REFUSED:
             return
         self.connector.update_state_after_alloc(
             _request_info(request, backoff=self._backoff),
@@ -148,7 +188,10 @@ class SchedulerSide:
 
     def build_connector_meta(self) -> NixlPDMetadata:
         step = self.connector.build_connector_meta()
-        self._ranks_report.update(load.request_id for load in step.loads)
+        for load in step.loads:
+            if self._tracked.get(load.request_id) is None:
+                self._tracked.add(load.request_id, _Tracked())
+                self._tracked.move(load.request_id, _T.RANKS_REPORT)
         invalid = FinishedRequests(failed_recving=dict(self._to_announce))
         self._to_announce.clear()
         announce, self._announce = merge(self._announce, invalid), FinishedRequests()
@@ -174,10 +217,12 @@ class SchedulerSide:
         self._announce = merge(self._announce, self._not_reported_by_ranks(finished))
 
     def _not_reported_by_ranks(self, finished: FinishedRequests) -> FinishedRequests:
-        reported = self._ranks_report.intersection(
-            (*finished.finished_recving, *finished.failed_recving)
-        )
-        self._ranks_report -= reported
+        reported = set()
+        for request_id in (*finished.finished_recving, *finished.failed_recving):
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.state is _T.RANKS_REPORT:
+                self._tracked.move(request_id, _T.ENDED)
+                reported.add(request_id)
         return FinishedRequests(
             finished_sending=finished.finished_sending,
             finished_recving=tuple(i for i in finished.finished_recving if i not in reported),
@@ -190,10 +235,10 @@ class SchedulerSide:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
-        if self._invalid.pop(request_id, None) is not None:
-            self._settled.discard(request_id)
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.state in _REFUSED:
+            self._tracked.move(request_id, _T.ENDED)
             return False, None
-        self._settled.discard(request_id)
         info = _request_info(request, aborted=request.status not in _COMPLETE)
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 
