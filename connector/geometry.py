@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from connector.errors import UnsupportedConfiguration
 from connector.layout import (
     GroupGeometry,
@@ -64,9 +66,6 @@ def _plane_bytes_per_kernel_block(group: GroupSpec, layer: LayerSpec, tp_size: i
     return slots * num_heads * layer.head_dim * layer.dtype_bytes
 
 
-_PACKED = (MemoryLayout.NHD_PACKED, MemoryLayout.HND_PACKED)
-
-
 def _strides(
     group: GroupSpec, num_heads: int, cell_bytes: int, memory_layout: MemoryLayout
 ) -> tuple[int, int]:
@@ -77,7 +76,7 @@ def _strides(
     """
     if group.kind is GroupKind.SSM:
         return 0, cell_bytes
-    if memory_layout in (MemoryLayout.HND, MemoryLayout.HND_PACKED):
+    if memory_layout.head_major:
         return cell_bytes, group.kernel_block_size * cell_bytes
     return num_heads * cell_bytes, cell_bytes
 
@@ -95,7 +94,7 @@ def _per_layer_group(
         block_bytes = _plane_bytes_per_kernel_block(group, layer, tp_size)
         # Packed: K and V of one (token, head) are neighbours, e.g. NHD_PACKED with 2 heads:
         # [t0h0 K|V][t0h1 K|V][t1h0 K|V]...; V's plane starts head_bytes into the block.
-        packed = memory_layout in _PACKED
+        packed = memory_layout.packed
         cell_bytes = head_bytes * layer.num_planes if packed else head_bytes
         plane_offset_bytes = head_bytes if packed else num_kernel_blocks * block_bytes
         token_stride, head_stride = _strides(group, num_heads, cell_bytes, memory_layout)
@@ -120,28 +119,51 @@ def _per_layer_group(
     return planes, regions
 
 
+def _kernel_row_stride(group: GroupSpec, index: int, row_bytes: int, spec: KVCacheSpec) -> int:
+    """Bytes from one kernel block's row to the next: the group's own pages, or the engine's
+    padded logical row (``spec.block_stride_bytes``) split evenly into kernel blocks."""
+    if spec.block_stride_bytes is None:
+        return row_bytes
+    stride, remainder = divmod(spec.block_stride_bytes, group.ratio)
+    if remainder or stride < row_bytes:
+        raise UnsupportedConfiguration(
+            f"cache group {index}: block rows of {spec.block_stride_bytes} bytes cannot hold "
+            f"{group.ratio} kernel block(s) of {row_bytes} bytes (every layer's page); the "
+            "engine's block stride does not match its cache spec"
+        )
+    return stride
+
+
 def _block_outermost_group(
-    group: GroupSpec, tp_size: int, first_region: int
+    group: GroupSpec, index: int, spec: KVCacheSpec, tp_size: int, first_region: int
 ) -> tuple[list[PlaneGeometry], list[int]]:
-    """One region per group, shaped (kernel blocks, layers, planes, tokens, heads, head_dim)."""
-    sizes = [
-        (layer, _plane_bytes_per_kernel_block(group, layer, tp_size)) for layer in group.layers
-    ]
-    stride = sum(layer.num_planes * block_bytes for layer, block_bytes in sizes)
+    """One region per group, one row per kernel block holding every layer's page in order.
+
+    Unpacked (BLOCK_OUTERMOST), a page is (planes, tokens, heads, head_dim); packed
+    (BLOCK_NHD_PACKED / BLOCK_HND_PACKED), a page is (tokens, heads, C) or (heads, tokens, C)
+    with the cell C = K then V, so plane V starts head_bytes after plane K. Example, 2 layers
+    of 1 head, 2 tokens, packed NHD, head_bytes 4: row = [l0 t0 K|V][l0 t1 K|V][l1 t0 K|V]...,
+    layer 1 at byte 16, its V at byte 20.
+    """
+    memory_layout = spec.memory_layout
+    packed = memory_layout.packed
+    inner = memory_layout if packed else MemoryLayout.NHD
     planes: list[PlaneGeometry] = []
     offset = 0
-    for layer_index, (layer, block_bytes) in enumerate(sizes):
+    for layer_index, layer in enumerate(group.layers):
         num_heads, replicated = _layer_heads(layer, group.kind, tp_size)
         head_bytes = layer.head_dim * layer.dtype_bytes
-        token_stride, head_stride = _strides(group, num_heads, head_bytes, MemoryLayout.NHD)
+        plane_bytes = _plane_bytes_per_kernel_block(group, layer, tp_size)
+        cell_bytes = head_bytes * layer.num_planes if packed else head_bytes
+        token_stride, head_stride = _strides(group, num_heads, cell_bytes, inner)
         for plane in range(layer.num_planes):
             planes.append(
                 PlaneGeometry(
                     layer=layer_index,
                     plane=plane,
                     region=first_region,
-                    offset_bytes=offset,
-                    kernel_block_stride_bytes=stride,
+                    offset_bytes=offset + plane * (head_bytes if packed else plane_bytes),
+                    kernel_block_stride_bytes=0,  # set below, once the row is known
                     token_stride_bytes=token_stride,
                     head_stride_bytes=head_stride,
                     head_bytes=head_bytes,
@@ -150,7 +172,9 @@ def _block_outermost_group(
                     replicated=replicated,
                 )
             )
-            offset += block_bytes
+        offset += layer.num_planes * plane_bytes
+    stride = _kernel_row_stride(group, index, offset, spec)
+    planes = [msgspec.structs.replace(p, kernel_block_stride_bytes=stride) for p in planes]
     return planes, [stride * group.num_blocks * group.ratio]
 
 
@@ -168,8 +192,8 @@ def build_rank_layout(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> RankLayo
     region_bytes: list[int] = []
     for index, group in enumerate(spec.groups):
         _validate_group(group, index)
-        if spec.memory_layout is MemoryLayout.BLOCK_OUTERMOST:
-            planes, regions = _block_outermost_group(group, tp_size, len(region_bytes))
+        if spec.memory_layout.block_outermost:
+            planes, regions = _block_outermost_group(group, index, spec, tp_size, len(region_bytes))
         else:
             planes, regions = _per_layer_group(
                 group, tp_size, spec.memory_layout, len(region_bytes)

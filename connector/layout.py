@@ -15,7 +15,8 @@ Byte address of (kernel block k, token slot t, head h) in a plane:
 followed by ``head_bytes`` contiguous bytes. NHD (token-major) has token_stride_bytes ==
 num_heads * head_bytes; HND (head-major) has head_stride_bytes == kernel_block_size * head_bytes.
 A block-outermost region puts all layers of one kernel block together, so
-kernel_block_stride_bytes spans every layer.
+kernel_block_stride_bytes spans every layer: one block of a whole group is one contiguous
+span, and a request's blocks read as about one descriptor each.
 """
 
 from __future__ import annotations
@@ -42,6 +43,39 @@ class MemoryLayout(enum.Enum):
     # (its layouts LBNHC and LBHNC, cell C = K then V): planes sit head_bytes apart in a cell.
     NHD_PACKED = "nhd_packed"  # per layer: (kernel blocks, tokens, heads, planes * head_dim)
     HND_PACKED = "hnd_packed"  # per layer: (kernel blocks, heads, tokens, planes * head_dim)
+    # Block-outermost and packed, vLLM's BLNHC and BLHNC: one row per kernel block holding
+    # every layer's packed page back to back (rows may be padded: KVCacheSpec.block_stride_bytes).
+    BLOCK_NHD_PACKED = "block_nhd_packed"  # per group: (kernel blocks, layers, tokens, heads, C)
+    BLOCK_HND_PACKED = "block_hnd_packed"  # per group: (kernel blocks, layers, heads, tokens, C)
+
+    @property
+    def block_outermost(self) -> bool:
+        """One kernel block of every layer of a group is one contiguous row."""
+        return self in _BLOCK_OUTERMOST
+
+    @property
+    def packed(self) -> bool:
+        """K and V of one (token, head) sit side by side in one cell."""
+        return self in _PACKED
+
+    @property
+    def head_major(self) -> bool:
+        """Inside a layer's block, each head's tokens are contiguous."""
+        return self in _HEAD_MAJOR
+
+
+_BLOCK_OUTERMOST = frozenset(
+    {MemoryLayout.BLOCK_OUTERMOST, MemoryLayout.BLOCK_NHD_PACKED, MemoryLayout.BLOCK_HND_PACKED}
+)
+_PACKED = frozenset(
+    {
+        MemoryLayout.NHD_PACKED,
+        MemoryLayout.HND_PACKED,
+        MemoryLayout.BLOCK_NHD_PACKED,
+        MemoryLayout.BLOCK_HND_PACKED,
+    }
+)
+_HEAD_MAJOR = frozenset({MemoryLayout.HND, MemoryLayout.HND_PACKED, MemoryLayout.BLOCK_HND_PACKED})
 
 
 class BlockFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -104,6 +138,10 @@ class KVCacheSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_dtype: str  # the KV cache's dtype name
     groups: tuple[GroupSpec, ...]
     memory_layout: MemoryLayout = MemoryLayout.NHD
+    # Block-outermost layouts only: bytes from one logical block's row to the next on this
+    # engine's ranks, when the engine pads rows (vLLM sizes every group's row like its largest
+    # group's). None: a group's row holds exactly its own pages.
+    block_stride_bytes: int | None = None
 
 
 class PlaneGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

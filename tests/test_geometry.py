@@ -20,7 +20,13 @@ from connector.layout import (
 
 
 def _spec(
-    kind=GroupKind.FULL, memory_layout=MemoryLayout.NHD, heads=(4, 2), head_dim=3, planes=2, **group
+    kind=GroupKind.FULL,
+    memory_layout=MemoryLayout.NHD,
+    heads=(4, 2),
+    head_dim=3,
+    planes=2,
+    block_stride_bytes=None,
+    **group,
 ):
     layers = tuple(
         LayerSpec(name=f"l{i}", num_kv_heads=h, head_dim=head_dim, dtype_bytes=2, num_planes=planes)
@@ -29,7 +35,7 @@ def _spec(
     fields = {"block_size": 8, "kernel_block_size": 4, "num_blocks": 3, "window": None} | group
     return KVCacheSpec(
         model="m", dtype="bf16", cache_dtype="bf16", memory_layout=memory_layout,
-        groups=(GroupSpec(kind=kind, layers=layers, **fields),),
+        groups=(GroupSpec(kind=kind, layers=layers, **fields),), block_stride_bytes=block_stride_bytes,
     )  # fmt: skip
 
 
@@ -83,6 +89,38 @@ def test_block_outermost_puts_all_layers_of_a_block_together():
         for kb, t, h in itertools.product(range(6), range(4), range(plane.num_heads)):
             expected = kb * block_bytes + int(starts[index]) + (t * plane.num_heads + h) * 6
             assert _address(plane, kb, t, h) == expected
+
+
+@pytest.mark.parametrize(
+    ("memory_layout", "order"),
+    [(MemoryLayout.BLOCK_NHD_PACKED, "nhd"), (MemoryLayout.BLOCK_HND_PACKED, "hnd")],
+    ids=["blnhc", "blhnc"],
+)
+@pytest.mark.parametrize("pad_bytes", [0, 40], ids=["dense-rows", "padded-rows"])
+def test_packed_block_outermost_rows_hold_every_layers_packed_page(memory_layout, order, pad_bytes):
+    """vLLM's BLNHC / BLHNC: per kernel block, layer 0's page then layer 1's, each page
+    (tokens, heads, K|V) or (heads, tokens, K|V); rows may be padded to the engine's stride."""
+    unpadded = build_rank_layout(_spec(memory_layout=memory_layout), 0, 1)
+    row_bytes = unpadded.groups[0].planes[0].kernel_block_stride_bytes
+    spec = _spec(memory_layout=memory_layout, block_stride_bytes=2 * (row_bytes + pad_bytes))
+    layout = build_rank_layout(spec, 0, 1)
+    group = layout.groups[0]
+    stride = row_bytes + pad_bytes  # two kernel blocks per logical block
+    assert row_bytes == 4 * 2 * (4 + 2) * 6  # 4 tokens, K and V, 4 + 2 heads, 6 bytes a head
+    assert layout.region_bytes == (stride * group.num_kernel_blocks,)
+    layer_starts = [0, 4 * 4 * 2 * 6]
+    for plane in group.planes:
+        assert plane.kernel_block_stride_bytes == stride
+        for kb, t, h in itertools.product(range(6), range(4), range(plane.num_heads)):
+            cell = (t * plane.num_heads + h) if order == "nhd" else (h * 4 + t)
+            expected = kb * stride + layer_starts[plane.layer] + cell * 12 + plane.plane * 6
+            assert _address(plane, kb, t, h) == expected
+
+
+def test_block_stride_too_small_for_the_rows_is_refused():
+    spec = _spec(memory_layout=MemoryLayout.BLOCK_NHD_PACKED, block_stride_bytes=100)
+    with pytest.raises(UnsupportedConfiguration, match="block rows of 100 bytes cannot hold 2"):
+        build_rank_layout(spec, 0, 1)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
@@ -16,6 +17,8 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
         allow_module_level=True,
     )
 
+from vllm.config import CacheConfig, DeviceConfig, VllmConfig  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -28,6 +31,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     create_kv_cache_views,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from connector.errors import UnsupportedConfiguration  # noqa: E402
 from connector.geometry import build_rank_layout  # noqa: E402
@@ -172,16 +176,23 @@ def test_unsupported_vllm_configs_are_refused(vllm_spec: Any, tp_size: int, mess
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("LBNHC", MemoryLayout.NHD_PACKED), ("LBHNC", MemoryLayout.HND_PACKED), (None, None)],
-    ids=["tokens-outer", "heads-outer", "default-is-lbnhc"],
+    [
+        ("LBNHC", MemoryLayout.NHD_PACKED),
+        ("LBHNC", MemoryLayout.HND_PACKED),
+        ("BLNHC", MemoryLayout.BLOCK_NHD_PACKED),
+        ("BLHNC", MemoryLayout.BLOCK_HND_PACKED),
+        (None, None),
+    ],
+    ids=["tokens-outer", "heads-outer", "blocks-outer-tokens", "blocks-outer-heads", "default"],
 )
 def test_vllm_layout_names(name: str | None, expected: MemoryLayout | None) -> None:
     assert memory_layout_of(name) is (expected or MemoryLayout.NHD_PACKED)
 
 
-def test_block_outermost_vllm_layout_is_refused() -> None:
-    with pytest.raises(UnsupportedConfiguration, match="layout 'BLNHC' is not supported"):
-        memory_layout_of("BLNHC")
+@pytest.mark.parametrize("name", ["BHLNC", "LHBNC"])
+def test_layouts_with_heads_outside_layers_or_blocks_are_refused(name: str) -> None:
+    with pytest.raises(UnsupportedConfiguration, match=f"layout '{name}' is not supported"):
+        memory_layout_of(name)
 
 
 @pytest.mark.parametrize(
@@ -263,3 +274,126 @@ def test_our_packed_geometry_matches_vllm_kv_cache_views(vllm_layout: str) -> No
             ours_value = flat[offset // 4 : offset // 4 + 4]
             theirs = view[block, head, token, plane.plane * 4 : plane.plane * 4 + 4]
             assert torch.equal(ours_value, theirs), (plane, block, head, token)
+
+
+def _vllm_planned(
+    layout_name: str, groups: list[Any], *, num_blocks: int = 6, kernel: int | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The cache config and per-layer views vLLM's own planner and allocator make."""
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=num_blocks),
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.kv_cache_layout = layout_name
+    cache = get_kv_cache_config_from_groups(config, groups, 1 << 30)
+    cache.kv_cache_layout = layout_name  # as vLLM's engine core records it
+    kernels = None if kernel is None else [kernel] * len(groups)
+    tensors = allocate_kv_cache(cache, torch.device("cpu"), KVCacheLayout[layout_name], kernels)
+    return cache, tensors
+
+
+def _our_view(cache: Any, tensors: dict[str, torch.Tensor], layout_name: str) -> Any:
+    spec = kv_cache_spec_from_vllm(
+        cache,
+        model="m",
+        dtype="float32",
+        cache_dtype="float32",
+        model_kv_heads=2,
+        tp_size=1,
+        memory_layout=memory_layout_of(layout_name),
+        kernel_block_sizes=kernel_block_sizes_of(cache, tensors),
+    )
+    layout = build_rank_layout(spec, 0, 1)
+    return spec, layout, region_addresses(layout, spec, tensors)
+
+
+_HYBRID = [
+    KVCacheGroupSpec(
+        ["full.0", "full.1", "full.2"],
+        FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=4, dtype=_F32),
+    ),
+    KVCacheGroupSpec(
+        ["window.0"],
+        SlidingWindowSpec(
+            block_size=16, num_kv_heads=2, head_size=4, dtype=_F32, sliding_window=32
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("layout_name", ["BLNHC", "BLHNC"])
+def test_block_outermost_geometry_matches_vllm_planned_rows(layout_name: str) -> None:
+    """vLLM plans one buffer whose row per block holds all 3 full-attention pages; the
+    one-layer sliding-window group aliases the same rows, padded to the same stride. Values
+    written through vLLM's views are found where our planes say, in both groups."""
+    cache, tensors = _vllm_planned(layout_name, _HYBRID)
+    spec, layout, addresses = _our_view(cache, tensors, layout_name)
+    row_bytes = 3 * 16 * 2 * 8 * 4  # 3 layers x 16 tokens x 2 heads x (K|V of 4 floats)
+    assert spec.block_stride_bytes == row_bytes
+    assert layout.region_bytes == (6 * row_bytes, 6 * row_bytes)
+    assert addresses[0] == addresses[1] == tensors["full.0"].data_ptr()  # groups alias
+    for name, view in tensors.items():
+        values = torch.arange(view.numel(), dtype=_F32).reshape(view.shape)
+        view.copy_(values + 1000 * list(tensors).index(name))
+    for group_index, group in enumerate(spec.groups):
+        for plane in layout.groups[group_index].planes:
+            view = tensors[group.layers[plane.layer].name]
+            for block, head, token in [(0, 0, 0), (1, 1, 3), (5, 1, 15), (3, 0, 9)]:
+                address = (
+                    addresses[plane.region]
+                    + plane.offset_bytes
+                    + block * plane.kernel_block_stride_bytes
+                    + token * plane.token_stride_bytes
+                    + head * plane.head_stride_bytes
+                )
+                ours = _floats_at(address, 4)
+                theirs = view[block, head, token, plane.plane * 4 : plane.plane * 4 + 4]
+                assert torch.equal(ours, theirs), (group_index, plane, block, head, token)
+
+
+def _floats_at(address: int, count: int) -> torch.Tensor:
+    buffer = (ctypes.c_float * count).from_address(address)
+    return torch.tensor(list(buffer), dtype=_F32)
+
+
+def test_block_outermost_kernel_split_of_a_single_layer() -> None:
+    """vLLM splits blocks into kernel blocks in a block-outermost layout only when a row is
+    one layer's dense page: kernel block k of the row sits k * page / ratio further."""
+    single = [
+        KVCacheGroupSpec(
+            ["full.0"], FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=4, dtype=_F32)
+        )
+    ]
+    cache, tensors = _vllm_planned("BLHNC", single, kernel=8)
+    spec, layout, _ = _our_view(cache, tensors, "BLHNC")
+    (plane, _) = layout.groups[0].planes
+    assert spec.groups[0].kernel_block_size == 8
+    assert plane.kernel_block_stride_bytes == tensors["full.0"].stride(0) * 4 == 8 * 2 * 8 * 4
+
+
+@pytest.mark.parametrize(
+    ("layout_name", "message"),
+    [("BLNHC", "view does not stride as our block-outermost layout"), ("LBNHC", "spans")],
+    ids=["rows-expected-layer-tensors-given", "dense-expected-rows-given"],
+)
+def test_views_that_disagree_with_the_reported_layout_are_refused(
+    layout_name: str, message: str
+) -> None:
+    """The engine says one layout but its tensors are laid out in the other."""
+    other = "LBNHC" if layout_name == "BLNHC" else "BLNHC"
+    cache, _ = _vllm_planned(layout_name, _HYBRID[:1])
+    _, tensors = _vllm_planned(other, _HYBRID[:1])
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        _our_view(cache, tensors, layout_name)
+
+
+def test_device_tensors_are_not_refused_by_the_layout() -> None:
+    """Which memory a region is (host or GPU) is decided elsewhere (connector/vllm/devices.py);
+    the layout translation takes any device's tensor as its data_ptr()."""
+    spec = _translate(_cache(_FULL))
+    layout = build_rank_layout(spec, 0, 1)
+    dense = {
+        name: torch.empty(layout.region_bytes[0] // 4, dtype=_F32, device="meta")
+        for name in ("g0.l0", "g0.l1")
+    }
+    assert region_addresses(layout, spec, dense) == (0, 0)  # meta tensors have no address

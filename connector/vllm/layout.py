@@ -3,8 +3,10 @@
 vLLM describes the cache as groups of layers sharing a block table (``KVCacheConfig``), each
 with a spec class (full attention, sliding window, MLA, Mamba) whose head counts are already
 per TP rank. Each layer's tensor is a logical ``[kernel blocks, H, N, C]`` view in which the
-cell C packs K then V (``head_size + head_size_v`` elements); the engine's layout (LBNHC or
-LBHNC) says whether tokens or heads come first in memory. Only vLLM's own modules import this.
+cell C packs K then V (``head_size + head_size_v`` elements); the engine's layout says whether
+tokens or heads come first in memory (LBNHC, LBHNC: one dense region per layer) and whether
+blocks are outermost (BLNHC, BLHNC: one buffer whose row per block holds every layer's page,
+each layer's view striding over the rows). Only vLLM's own modules import this.
 """
 
 from __future__ import annotations
@@ -26,19 +28,23 @@ from connector.errors import UnsupportedConfiguration
 from connector.layout import (
     TOKEN_ADDRESSABLE,
     BlockFormat,
+    GroupGeometry,
     GroupKind,
     GroupSpec,
     KVCacheSpec,
     LayerSpec,
     MemoryLayout,
+    PlaneGeometry,
     RankLayout,
 )
 
-# vLLM layout name -> ours. Block-outermost layouts (BLNHC...) interleave layers per block in
-# one tensor per group; they are not translated yet.
+# vLLM layout name -> ours. Not translated: LHBNC (heads outside blocks) and BHLNC (heads
+# outside layers inside a block row), which no backend prefers.
 VLLM_LAYOUTS: dict[str, MemoryLayout] = {
     "LBNHC": MemoryLayout.NHD_PACKED,
     "LBHNC": MemoryLayout.HND_PACKED,
+    "BLNHC": MemoryLayout.BLOCK_NHD_PACKED,
+    "BLHNC": MemoryLayout.BLOCK_HND_PACKED,
 }
 DEFAULT_VLLM_LAYOUT = "LBNHC"  # what vLLM picks when the backend has no preference
 
@@ -50,9 +56,30 @@ def memory_layout_of(vllm_layout: str | None) -> MemoryLayout:
     if layout is None:
         raise UnsupportedConfiguration(
             f"vLLM KV cache layout {name!r} is not supported by NixlPDConnector; supported: "
-            f"{', '.join(sorted(VLLM_LAYOUTS))}; set VLLM_KV_CACHE_LAYOUT=LBNHC (or LBHNC)"
+            f"{', '.join(sorted(VLLM_LAYOUTS))}; set VLLM_KV_CACHE_LAYOUT to one of them "
+            "(BLNHC or BLHNC keep a block of every layer in one span: the fewest descriptors)"
         )
     return layout
+
+
+def block_stride_bytes_of(
+    kv_cache_config: KVCacheConfig, memory_layout: MemoryLayout
+) -> int | None:
+    """Block-outermost layouts: the bytes between logical block rows that vLLM planned.
+
+    vLLM sizes every group's row like its largest group's (and rounds it to the kernels'
+    alignment), so the row can be longer than a group's own pages. None where the layout is
+    layer-outermost or the config carries no tensors (the scheduler's hand-made configs).
+    """
+    if not memory_layout.block_outermost:
+        return None
+    strides = {t.block_stride for t in kv_cache_config.kv_cache_tensors if t.block_stride}
+    if len(strides) > 1:
+        raise UnsupportedConfiguration(
+            f"vLLM planned block rows of {sorted(strides)} bytes for one block-outermost KV "
+            "cache; NixlPDConnector needs one row size per engine"
+        )
+    return strides.pop() if strides else None
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -180,7 +207,14 @@ def kv_cache_spec_from_vllm(
         raise UnsupportedConfiguration(
             "the vLLM KV cache config has no transferable cache group; nothing to transfer"
         )
-    return KVCacheSpec(model, dtype, cache_dtype, tuple(groups), memory_layout)
+    return KVCacheSpec(
+        model,
+        dtype,
+        cache_dtype,
+        tuple(groups),
+        memory_layout,
+        block_stride_bytes=block_stride_bytes_of(kv_cache_config, memory_layout),
+    )
 
 
 def kernel_block_sizes_of(
@@ -212,7 +246,16 @@ def kernel_block_sizes_of(
 def region_addresses(
     layout: RankLayout, spec: KVCacheSpec, kv_caches: Mapping[str, torch.Tensor]
 ) -> tuple[int, ...]:
-    """One base address per region of ``layout``: each layer's tensor, checked for size."""
+    """One base address per region of ``layout``, each layer's tensor checked against it.
+
+    Layer-outermost: a region is one layer's dense tensor. Block-outermost: a region is a
+    group's rows; each layer's view must start at its page's offset in the rows and stride
+    as our geometry says, and the rows must lie inside the views' storage. Host or device
+    memory alike: a region's address is its tensor's data_ptr() (the memory kind is decided
+    with the tensors' devices, connector/vllm/devices.py).
+    """
+    if spec.memory_layout.block_outermost:
+        return _block_outermost_addresses(layout, spec, kv_caches)
     addresses: list[int] = []
     for group_index, group in enumerate(spec.groups):
         geometry = layout.groups[group_index]
@@ -224,16 +267,80 @@ def region_addresses(
     return tuple(addresses)
 
 
+def _block_outermost_addresses(
+    layout: RankLayout, spec: KVCacheSpec, kv_caches: Mapping[str, torch.Tensor]
+) -> tuple[int, ...]:
+    bases: dict[int, int] = {}
+    for group_index, group in enumerate(spec.groups):
+        geometry = layout.groups[group_index]
+        first_planes = {plane.layer: plane for plane in reversed(geometry.planes)}
+        for layer_index, layer in enumerate(group.layers):
+            plane = first_planes[layer_index]
+            tensor = _layer_tensor(kv_caches, layer.name, group_index)
+            base = int(tensor.data_ptr()) - plane.offset_bytes
+            expected = bases.setdefault(plane.region, base)
+            if base != expected:
+                raise UnsupportedConfiguration(
+                    f"layer {layer.name!r} starts {base - expected:+d} bytes away from where "
+                    f"its page sits in cache group {group_index}'s block rows (byte "
+                    f"{plane.offset_bytes} of each row); the KV cache layout does not match"
+                )
+            _check_row_view(tensor, layer.name, plane, geometry)
+            _check_rows_inside(tensor, layer.name, base, layout.region_bytes[plane.region])
+    return tuple(bases[region] for region in range(len(layout.region_bytes)))
+
+
+def _check_row_view(
+    tensor: torch.Tensor, name: str, plane: PlaneGeometry, group: GroupGeometry
+) -> None:
+    """The view ``[kernel blocks, H, N, C]`` strides over rows exactly as ``plane`` says."""
+    element_bytes = tensor.element_size()
+    seen = tuple(stride * element_bytes for stride in tensor.stride())
+    problems = []
+    if tensor.dim() != 4 or tensor.shape[0] != group.num_kernel_blocks:
+        problems.append(f"shape {tuple(tensor.shape)} is not [{group.num_kernel_blocks}, H, N, C]")
+    elif seen[0] != plane.kernel_block_stride_bytes:
+        problems.append(f"block stride {seen[0]} != {plane.kernel_block_stride_bytes} bytes")
+    elif group.kind is not GroupKind.SSM:
+        cell_bytes = tensor.shape[3] * element_bytes
+        expected = (plane.num_heads, group.kernel_block_size)
+        if (tensor.shape[1], tensor.shape[2]) != expected or seen[3] != element_bytes:
+            problems.append(f"a block is {tuple(tensor.shape[1:])}, not {expected} cells")
+        elif cell_bytes % plane.head_bytes:
+            problems.append(f"a {cell_bytes}-byte cell holds no whole {plane.head_bytes}-byte head")
+        else:
+            for what, size, ours, theirs in (
+                ("head", plane.num_heads, plane.head_stride_bytes, seen[1]),
+                ("token", group.kernel_block_size, plane.token_stride_bytes, seen[2]),
+            ):
+                if size > 1 and ours != theirs:
+                    problems.append(f"{what} stride {theirs} != {ours} bytes")
+    if problems:
+        raise UnsupportedConfiguration(
+            f"layer {name!r}: its KV cache view does not stride as our block-outermost layout "
+            f"expects ({'; '.join(problems)}; strides {tuple(tensor.stride())}); the engine's "
+            "KV cache layout does not match the one it reported"
+        )
+
+
+def _check_rows_inside(tensor: torch.Tensor, name: str, base: int, region_bytes: int) -> None:
+    """The rows we register (every block of the group) must be memory the tensor owns."""
+    storage = tensor.untyped_storage()
+    start = int(storage.data_ptr())
+    if base < start or base + region_bytes > start + storage.nbytes():
+        raise UnsupportedConfiguration(
+            f"layer {name!r}: the block rows [{base:#x}, {base + region_bytes:#x}) are not "
+            f"inside its tensor's storage [{start:#x}, {start + storage.nbytes():#x}); "
+            "the KV cache layout does not match"
+        )
+
+
 def _layer_tensor(kv_caches: Mapping[str, torch.Tensor], name: str, group: int) -> torch.Tensor:
     tensor = kv_caches.get(name)
     if tensor is None:
         raise UnsupportedConfiguration(
             f"register_kv_caches has no tensor for layer {name!r} of cache group {group} "
             f"(got {len(kv_caches)} layers, e.g. {sorted(kv_caches)[:3]})"
-        )
-    if tensor.device.type != "cpu":
-        raise UnsupportedConfiguration(
-            f"layer {name!r} lives on {tensor.device}; this build registers host (DRAM) memory only"
         )
     return tensor
 
