@@ -40,7 +40,7 @@ def logical_to_kernel_block_ids(
 
 def apply_prefix_caching(
     local_ids: Sequence[Sequence[int]],
-    remote_block_ids: Sequence[Sequence[int]],
+    remote_ids: Sequence[Sequence[int]],  # the DESIGN contract's name, called by keyword outside
     *,
     ssm_groups: Collection[int] = (),
     local_ratio: int = 1,
@@ -48,19 +48,19 @@ def apply_prefix_caching(
     num_tokens: int | None = None,
     kernel_block_size: int | None = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Pair decode's uncached kernel blocks (``local_ids``) with prefill's (``remote_block_ids``).
+    """Pair decode's uncached kernel blocks (``local_ids``) with prefill's (``remote_ids``).
 
     Both inputs are kernel-level ids per group. Returns equal-length (local, remote) lists per
     group, element i of one read into element i of the other. See DESIGN.md for the rules.
     """
     ssm = _ssm_groups(ssm_groups, _num_groups("local_ids", local_ids))
-    if len(local_ids) != _num_groups("remote_block_ids", remote_block_ids):
+    if len(local_ids) != _num_groups("remote_ids", remote_ids):
         raise TransferPlanError(
-            f"decode has {len(local_ids)} cache groups but prefill sent {len(remote_block_ids)}; "
+            f"decode has {len(local_ids)} cache groups but prefill sent {len(remote_ids)}; "
             "both engines must serve the same model"
         )
     local_groups = _groups("local_ids", local_ids, ssm)
-    remote_groups = _groups("remote_block_ids", remote_block_ids, ssm)
+    remote_groups = _groups("remote_ids", remote_ids, ssm)
     local_ratio = _ratio("local_ratio", local_ratio)
     remote_ratio = _ratio("remote_ratio", remote_ratio)
     locals_out: list[list[int]] = []
