@@ -11,7 +11,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -41,6 +41,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 5.0  # "heartbeat_interval"
     side_channel_secret: str | None = None  # "side_channel_secret"
     max_message_bytes: int = 16 * 2**20  # "max_message_bytes"
+    # "kv_buffer_device": "cpu" stages KV through a host buffer (the NIC reads host memory
+    # only); None follows vLLM's own kv_transfer_config.kv_buffer_device (connector/vllm/staging.py)
+    kv_buffer_device: str | None = None
 
     def __repr__(self) -> str:
         """Every field, with the secret masked: configs get logged."""
@@ -114,6 +117,11 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         "max_message_bytes",
         Annotated[int, msgspec.Meta(ge=2**16, le=2**31 - 1)],
         f"an integer number of bytes in {2**16}..{2**31 - 1}",
+    ),
+    "kv_buffer_device": (
+        "kv_buffer_device",
+        Literal["cpu", "cuda", "xpu"],
+        '"cpu" (stage KV through a host buffer) or "cuda"/"xpu" (register device memory)',
     ),
 }
 

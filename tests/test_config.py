@@ -26,6 +26,7 @@ def test_every_key_maps_to_its_field() -> None:
             "heartbeat_interval": 1,
             "side_channel_secret": "0123456789abcdef",
             "max_message_bytes": 2**20,
+            "kv_buffer_device": "cpu",
         },
         {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "6100"},
     )
@@ -41,6 +42,7 @@ def test_every_key_maps_to_its_field() -> None:
         heartbeat_interval_s=1.0,
         side_channel_secret="0123456789abcdef",
         max_message_bytes=2**20,
+        kv_buffer_device="cpu",
     )
 
 
@@ -59,6 +61,7 @@ BAD_EXTRA: list[tuple[str, dict[str, Any], str]] = [
     ("backends as a string", {"backends": "UCX"}, r"\['backends'\]: value 'UCX'.*non-empty list"),
     ("an empty backends list", {"backends": []}, r"'backends'\]: value \[\]"),
     ("an empty backend name", {"backends": [""]}, "'backends'"),
+    ("kv_buffer_device gpu", {"kv_buffer_device": "gpu"}, r"'kv_buffer_device'.*\"cpu\""),
     ("num_threads as a bool", {"num_threads": True}, "'num_threads'.*got `bool`"),
     ("num_threads 0", {"num_threads": 0}, "'num_threads'.*value 0.*1..1024"),
     ("num_threads as a float", {"num_threads": 2.0}, "'num_threads'.*got `float`"),

@@ -49,6 +49,7 @@ from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.layout import BlockFormat, KVCacheSpec
 from connector.metrics import default_recorder
+from connector.staging import SaveTracker
 from connector.vllm.backends import block_formats_of
 from connector.vllm.layout import (
     dtype_name,
@@ -58,6 +59,7 @@ from connector.vllm.layout import (
 from connector.vllm.messages import NixlPDMetadata, NixlPDStats
 from connector.vllm.scheduler import SchedulerSide
 from connector.vllm.semantics import prefill_backoff_tokens, truncate_for_prefill
+from connector.vllm.staging import CopyBlocksOp, scheduled_rows, staging_enabled
 from connector.vllm.worker import WorkerSide
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import Role
@@ -126,6 +128,9 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._backoff = prefill_backoff_tokens(vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        staging = staging_enabled(config, transfer.kv_buffer_device, _platform_device())
+        # Prefill with host staging: requests whose blocks go device->host when prefill ends.
+        self._saves: SaveTracker | None = SaveTracker() if staging else None
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self._connector(config, _ROLES[transfer.kv_role]),
@@ -144,6 +149,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
                 spec_for=lambda kernels: self.kv_cache_spec(
                     kernels, block_formats or block_formats_of(vllm_config, kv_cache_config)
                 ),
+                staging=staging,
             )
 
     # ---- configuration shared by both roles --------------------------------------------
@@ -225,9 +231,20 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._require_scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+        params = request.kv_transfer_params
+        if (
+            self._saves is not None
+            and isinstance(params, dict)
+            and params.get("do_remote_decode") is True
+        ):
+            self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._require_scheduler().build_connector_meta()
+        metadata = self._require_scheduler().build_connector_meta()
+        if self._saves is None or not len(self._saves):
+            return metadata
+        saves = self._saves.step(scheduled_rows(scheduler_output))
+        return NixlPDMetadata(metadata.step, metadata.announce, saves)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._require_scheduler().update_connector_output(connector_output)
@@ -235,11 +252,13 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._require_scheduler().request_finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._saves is not None:
+            self._saves.forget(request.request_id)  # aborted mid-prefill: nothing to stage
         return self._require_scheduler().request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
@@ -281,7 +300,17 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         """Pull mode: decode reads prefill's blocks; prefill saves nothing."""
 
     def wait_for_save(self) -> None:
-        """Pull mode: nothing to save."""
+        """Pull mode saves nothing, except with host staging: then the blocks of requests
+        whose prefill completed this step are copied device->host before the step ends."""
+        if self._worker is not None and self.has_connector_metadata():
+            metadata = self._get_connector_metadata()
+            if isinstance(metadata, NixlPDMetadata):
+                self._worker.wait_for_save(metadata)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        """vLLM's model runner hands over its platform's block copy (used when staging)."""
+        if self._worker is not None:
+            self._worker.set_copy_op(copy_operation)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
@@ -329,6 +358,12 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.connector.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _platform_device() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
 
 
 def _tp_rank(tp_size: int) -> int:

@@ -19,15 +19,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connector.metadata import ConnectorMetadata, WorkerReport
 from connector.metrics import MetricsInterval
+from connector.staging import StagedBlocks
 from scheduler.requests import FinishedRequests
 
 
 class NixlPDMetadata(KVConnectorMetadata):
-    """Scheduler -> every worker rank, one per step: our instructions plus what to echo."""
+    """Scheduler -> every worker rank, one per step: our instructions plus what to echo.
 
-    def __init__(self, step: ConnectorMetadata, announce: FinishedRequests) -> None:
+    ``saves`` (host staging only): requests whose prefill completes this step; each rank
+    copies their blocks device->host in wait_for_save.
+    """
+
+    def __init__(
+        self,
+        step: ConnectorMetadata,
+        announce: FinishedRequests,
+        saves: tuple[StagedBlocks, ...] = (),
+    ) -> None:
         self.step = step
         self.announce = announce
+        self.saves = saves
 
 
 class NixlPDWorkerMeta(KVConnectorWorkerMetadata):

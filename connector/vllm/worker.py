@@ -18,8 +18,10 @@ from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
-from connector.metadata import WorkerReport
+from connector.memory import HOST_MEMORY
+from connector.metadata import BlockIds, WorkerReport
 from connector.metrics import default_recorder
+from connector.vllm.devices import memory_of
 from connector.vllm.layout import kernel_block_sizes_of, region_addresses
 from connector.vllm.messages import (
     NixlPDHandshakeMetadata,
@@ -28,6 +30,7 @@ from connector.vllm.messages import (
     NixlPDWorkerMeta,
     merge,
 )
+from connector.vllm.staging import CopyBlocksOp, HostBuffer
 from scheduler.requests import FinishedRequests
 from worker.connector import WorkerConnector
 from worker.nixl_api import NixlAgent
@@ -49,6 +52,7 @@ class WorkerSide:
         agent: NixlAgent,
         kv_cache_config: KVCacheConfig,
         spec_for: Callable[[tuple[int, ...]], KVCacheSpec],
+        staging: bool = False,
     ) -> None:
         self._config = config
         self._engine_id = engine_id
@@ -62,9 +66,21 @@ class WorkerSide:
         self._echo = FinishedRequests()  # announced by the scheduler, not yet echoed
         self._awaited: set[str] = set()  # LoadSpecs run here: this rank reports them to vLLM
         self._last_run: NixlPDMetadata | None = None
+        self._staging = staging
+        self._host: HostBuffer | None = None  # staging: what NIXL registers instead
+        self._staged_loads: dict[str, BlockIds] = {}  # staging: blocks each awaited load fills
+        self._last_saved: NixlPDMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the KV tensors (host or one GPU), or with staging a host mirror of them."""
         spec = self._spec_for(kernel_block_sizes_of(self._kv_cache_config, kv_caches))
+        registered, memory = kv_caches, HOST_MEMORY
+        if self._staging:
+            on_gpu = any(tensor.is_cuda for tensor in kv_caches.values())
+            self._host = HostBuffer(kv_caches, spec, pin=on_gpu and torch.cuda.is_available())
+            registered = self._host.host
+        else:
+            memory = memory_of(kv_caches.values())
         connector = WorkerConnector(
             self._config,
             engine_id=self._engine_id,
@@ -74,8 +90,21 @@ class WorkerSide:
             agent=self._agent,
         )
         layout = build_rank_layout(spec, self._tp_rank, self._tp_size)
-        connector.register_kv_caches(region_addresses(layout, spec, kv_caches))
+        connector.register_kv_caches(region_addresses(layout, spec, registered), memory)
         self._connector = connector
+
+    def set_copy_op(self, copy_op: CopyBlocksOp) -> None:
+        """vLLM's own block copy for this platform (set_host_xfer_buffer_ops); staging only."""
+        if self._host is not None:
+            self._host.copy_op = copy_op
+
+    def wait_for_save(self, metadata: NixlPDMetadata) -> None:
+        """Prefill with staging: copy the blocks of requests whose prefill completed this step
+        device->host, before the step ends (their params reach decode only after it)."""
+        if self._host is None or metadata is self._last_saved:
+            return
+        self._last_saved = metadata
+        self._host.to_host([save.block_ids for save in metadata.saves])
 
     def get_handshake_metadata(self) -> NixlPDHandshakeMetadata:
         handshake = self._require().get_handshake_metadata()
@@ -88,6 +117,10 @@ class WorkerSide:
         self._last_run = metadata
         self._require().start_load_kv(metadata.step)
         self._awaited.update(load.request_id for load in metadata.step.loads)
+        if self._host is not None:
+            self._staged_loads.update(
+                (load.request_id, load.local_block_ids) for load in metadata.step.loads
+            )
         self._echo = merge(self._echo, metadata.announce)
 
     def get_transfer_results(self, metadata: NixlPDMetadata | None) -> KVConnectorTransferResults:
@@ -106,12 +139,25 @@ class WorkerSide:
         ended = self._awaited.intersection((*report.finished_recving, *report.failed_recving))
         self._awaited -= ended
         failed = set(echo.failed_recving) | ended.intersection(report.failed_recving)
+        self._copy_loaded_to_device(ended - failed)
         return KVConnectorTransferResults(
             finished_sending=set(echo.finished_sending),
             # vLLM 0.33 wants failed loads in finished_recving too: that ends their wait.
             finished_recving=set(echo.finished_recving) | failed | ended,
             failed_recving=failed,
         )
+
+    def _copy_loaded_to_device(self, loaded: set[str]) -> None:
+        """Staging: the host buffer holds what the READs brought; the device needs it before
+        vLLM hears the load finished. One batched copy for every load ended this step."""
+        if self._host is None:
+            return
+        blocks = [self._staged_loads[rid] for rid in sorted(loaded) if rid in self._staged_loads]
+        # Loads no longer awaited (finished or failed) leave; failed ones copy nothing.
+        self._staged_loads = {
+            rid: ids for rid, ids in self._staged_loads.items() if rid in self._awaited
+        }
+        self._host.to_device(blocks)
 
     def stats(self) -> NixlPDStats | None:
         """Counters of the reports not yet handed to the scheduler (this step's), and what

@@ -1,0 +1,145 @@
+"""Host staging inside vLLM: when to stage, the scheduler's rows, and the host buffer's copies.
+
+The pure decisions (which blocks, when) live in connector.staging; this module reads vLLM's
+objects and moves bytes with torch (or with the copy op vLLM's model runner hands over in
+``set_host_xfer_buffer_ops``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from connector.config import ConnectorConfig
+from connector.errors import UnsupportedConfiguration
+from connector.layout import KVCacheSpec
+from connector.metadata import BlockIds
+from connector.staging import KernelIds, ScheduledRow, kernel_block_ids
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+Direction = Literal["h2d", "d2h"]
+# vLLM's CopyBlocksOp: (src caches, dst caches, src block ids, dst block ids, direction).
+CopyBlocksOp = Callable[
+    [dict[str, torch.Tensor], dict[str, torch.Tensor], list[int], list[int], Direction], None
+]
+
+
+def staging_enabled(
+    config: ConnectorConfig, vllm_kv_buffer_device: str | None, platform_device: str
+) -> bool:
+    """Stage through host memory? Both roles of an engine decide the same way, from config.
+
+    Our key ``kv_buffer_device`` decides when set ("cpu": stage, also in front of a CPU cache,
+    which is how the tests stand CPU tensors in for a GPU cache). Unset, vLLM's own
+    ``kv_transfer_config.kv_buffer_device`` decides as for vLLM's NixlConnector: "cpu" stages
+    on an accelerator platform; on a CPU platform the cache is host memory already.
+    """
+    if config.kv_buffer_device is not None:
+        return config.kv_buffer_device == "cpu"
+    return vllm_kv_buffer_device == "cpu" and platform_device != "cpu"
+
+
+def scheduled_rows(scheduler_output: SchedulerOutput) -> Iterator[ScheduledRow]:
+    """Every request scheduled this step, with its blocks as vLLM's scheduler output has them."""
+    tokens = scheduler_output.num_scheduled_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        yield ScheduledRow(
+            new.req_id,
+            _block_ids(new.block_ids),
+            True,
+            int(new.num_computed_tokens),
+            int(tokens.get(new.req_id, 0)),
+        )
+    cached = scheduler_output.scheduled_cached_reqs
+    for index, request_id in enumerate(cached.req_ids):
+        yield ScheduledRow(
+            request_id,
+            _block_ids(cached.new_block_ids[index]),
+            request_id in cached.resumed_req_ids,
+            int(cached.num_computed_tokens[index]),
+            int(tokens.get(request_id, 0)),
+        )
+
+
+def _block_ids(groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
+    return None if groups is None else tuple(tuple(int(b) for b in group) for group in groups)
+
+
+def torch_copy_blocks(
+    src: dict[str, torch.Tensor],
+    dst: dict[str, torch.Tensor],
+    src_ids: list[int],
+    dst_ids: list[int],
+    direction: Direction,
+) -> None:
+    """The copy op when the engine gives none: one gather and one scatter per layer."""
+    for name, source in src.items():
+        target = dst[name]
+        src_index = torch.tensor(src_ids, dtype=torch.long, device=source.device)
+        dst_index = torch.tensor(dst_ids, dtype=torch.long, device=target.device)
+        target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device))
+
+
+class HostBuffer:
+    """Host tensors laid out like a rank's device KV tensors; NIXL registers these instead.
+
+    Dim 0 of every layer tensor counts kernel blocks (vLLM's layer-outermost layouts), so a
+    block copy is an index_select/index_copy along dim 0 of whole block tensors, batched: one
+    copy op call per cache group per step.
+    """
+
+    def __init__(
+        self, device_caches: Mapping[str, torch.Tensor], spec: KVCacheSpec, *, pin: bool
+    ) -> None:
+        self._groups = [[layer.name for layer in group.layers] for group in spec.groups]
+        names = [name for group in self._groups for name in group]
+        missing = [name for name in names if name not in device_caches]
+        if missing:
+            raise UnsupportedConfiguration(
+                f"register_kv_caches has no tensor for layers {missing[:3]} of the KV cache "
+                f"groups (got {len(device_caches)} layers); cannot mirror them in host memory"
+            )
+        self.device = {name: device_caches[name] for name in names}
+        # empty_like keeps each dense tensor's strides, so the host layout is the device's.
+        self.host = {
+            name: torch.empty_like(self.device[name], device="cpu", pin_memory=pin).zero_()
+            for name in names
+        }
+        self._ratios = [group.ratio for group in spec.groups]
+        self.copy_op: CopyBlocksOp = torch_copy_blocks
+
+    def to_host(self, entries: Sequence[BlockIds]) -> int:
+        """Copy these logical blocks device->host; returns the kernel blocks copied."""
+        return self._copy(entries, "d2h")
+
+    def to_device(self, entries: Sequence[BlockIds]) -> int:
+        """Copy these logical blocks host->device; returns the kernel blocks copied."""
+        return self._copy(entries, "h2d")
+
+    def _copy(self, entries: Sequence[BlockIds], direction: Direction) -> int:
+        if not entries:
+            return 0
+        source, target = (
+            (self.device, self.host) if direction == "d2h" else (self.host, self.device)
+        )
+        copied = 0
+        for names, ids in zip(self._groups, self._kernel_ids(entries), strict=True):
+            if len(ids) == 0:
+                continue
+            id_list = ids.tolist()
+            self.copy_op(
+                {name: source[name] for name in names},
+                {name: target[name] for name in names},
+                id_list,
+                id_list,
+                direction,
+            )
+            copied += len(id_list)
+        return copied
+
+    def _kernel_ids(self, entries: Sequence[BlockIds]) -> tuple[KernelIds, ...]:
+        return kernel_block_ids(entries, self._ratios)

@@ -1,0 +1,236 @@
+"""Host staging through vLLM 0.33's real Scheduler: CPU tensors stand in for the device cache.
+
+A stand-in model runner writes each step's KV (only the token positions the step computes,
+so chunked prefill half-fills blocks), then calls ``wait_for_save`` as vLLM's runner does.
+With ``kv_buffer_device: "cpu"`` NIXL (FakeNixl, moving real bytes) reads host buffers only,
+and decode's device blocks must end byte-identical to the direct path's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQUIRE_VLLM"):
+    pytest.skip("vllm is not installed (scripts/install_vllm.sh)", allow_module_level=True)
+
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from tests import vllm_harness as h  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+STAGED = {"kv_buffer_device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return h.model_config(h.write_tiny_model(Path(tmp_path_factory.mktemp("tiny-llama"))))
+
+
+def _value(request_id: str, rank: int, layer: str, position: int) -> float:
+    """The KV value the stand-in model writes for one token: deterministic, per rank/layer."""
+    return float(sum(map(ord, request_id)) * 1000 + rank * 100 + int(layer[-1]) * 10) + position
+
+
+def _forward(engine: h.Engine, scheduled: Any, rank: int) -> None:
+    """Write the KV of every prompt position scheduled this step on a prefill engine."""
+    manager = engine.scheduler.kv_cache_manager
+    caches = engine.kv_caches[rank]
+    for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
+        request = engine.scheduler.requests[request_id]
+        # vLLM's scheduler advanced num_computed_tokens when it scheduled the step.
+        start = request.num_computed_tokens - num_tokens
+        end = min(start + num_tokens, request.num_prompt_tokens)
+        blocks = manager.get_block_ids(request_id)[0]
+        for position in range(start, end):
+            block, slot = blocks[position // BLOCK_SIZE], position % BLOCK_SIZE
+            for name, tensor in caches.items():
+                tensor[block, :, slot] = _value(request_id, rank, name, position)
+
+
+def _partial(request: Any) -> bool:
+    return bool(request.num_computed_tokens < request.num_prompt_tokens)
+
+
+def _run_rank_like_the_model_runner(
+    self: h.Engine, worker: Any, scheduled: Any, *, save: bool
+) -> ModelRunnerOutput:
+    """vLLM's order: bind, start_load_kv, forward, wait_for_save, get_transfer_results."""
+    worker.bind_connector_metadata(h._across_processes(scheduled.kv_connector_metadata))
+    worker.start_load_kv(None)
+    if self.name == "prefill":
+        _forward(self, scheduled, self.workers.index(worker))
+    if save:
+        worker.wait_for_save()
+    results = worker.get_transfer_results(scheduled.finished_req_ids)
+    kv_output = KVConnectorOutput(
+        finished_sending=results.finished_sending or None,
+        finished_recving=results.finished_recving or None,
+        failed_recving=results.failed_recving,
+        kv_connector_worker_meta=h._across_processes(worker.build_connector_worker_meta()),
+    )
+    worker.clear_connector_metadata()
+    req_ids = list(scheduled.num_scheduled_tokens)
+    requests = self.scheduler.requests
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: index for index, rid in enumerate(req_ids)},
+        # A partial prefill samples nothing (vLLM's runner drops its token).
+        sampled_token_ids=[
+            [h.SAMPLED_TOKEN] if not _partial(requests[rid]) else [] for rid in req_ids
+        ],
+        kv_connector_output=kv_output,
+    )
+
+
+@pytest.fixture
+def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    engines: list[h.Engine] = []
+
+    def make(
+        extra: dict[str, Any] | None,
+        *,
+        tp_sizes: tuple[int, int] = (1, 1),
+        chunk_tokens: int | None = None,
+        save: bool = True,
+    ) -> tuple[h.Engine, h.Engine]:
+        pair = []
+        for (name, role), tp_size in zip(
+            (("prefill", "kv_producer"), ("decode", "kv_consumer")), tp_sizes, strict=True
+        ):
+            config = h.vllm_config(model, kv_role=role, extra_config=extra, tp_size=tp_size)
+            if chunk_tokens is not None and name == "prefill":
+                config.scheduler_config.max_num_batched_tokens = chunk_tokens
+            cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, tp_size=tp_size)
+            engine = h.build_engine(name, config, cache, port=h.free_port(), env=monkeypatch)
+            run = types.MethodType(_run_rank_like_the_model_runner, engine)
+            engine._run_rank = lambda worker, scheduled, run=run: run(  # type: ignore[method-assign]
+                worker, scheduled, save=save
+            )
+            engines.append(engine)
+            pair.append(engine)
+        return pair[0], pair[1]
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def _transfer(prefill: h.Engine, decode: h.Engine, request_id: str, num_tokens: int) -> Any:
+    """Prefill then decode one request; returns (decode's loaded blocks, prefill's blocks)."""
+    prefill.add(
+        h.make_request(
+            request_id,
+            num_tokens,
+            block_size=BLOCK_SIZE,
+            kv_transfer_params={"do_remote_decode": True},
+            max_tokens=1,
+        )
+    )
+    prefill.run_until(lambda e: e.finished(request_id) is not None)
+    params = dict(prefill.finished(request_id).kv_transfer_params)
+    decode.add(
+        h.make_request(
+            request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3
+        )
+    )
+    loaded: list[int] = []
+
+    def received(engine: h.Engine) -> bool:
+        request = engine.scheduler.requests.get(request_id)
+        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+        return True
+
+    decode.run_until(received)
+    return loaded, list(params["remote_block_ids"][0])
+
+
+def _prompt_bytes(engine: h.Engine, blocks: list[int], num_tokens: int) -> list[bytes]:
+    """Every rank's every layer's KV of tokens [0, num_tokens), in token order."""
+    result = []
+    for caches in engine.kv_caches:
+        for name in sorted(caches):
+            tensor = caches[name]
+            rows = [tensor[blocks[p // BLOCK_SIZE], :, p % BLOCK_SIZE] for p in range(num_tokens)]
+            result.append(torch.stack(rows).numpy().tobytes())
+    return result
+
+
+CASES = [
+    pytest.param(3 * BLOCK_SIZE, (1, 1), None, id="whole-blocks"),
+    pytest.param(2 * BLOCK_SIZE + 5, (1, 1), None, id="a-partial-last-block"),
+    pytest.param(100, (1, 1), 40, id="chunked-prefill-half-fills-blocks-between-steps"),
+    pytest.param(3 * BLOCK_SIZE, (1, 2), None, id="prefill-tp1-to-decode-tp2"),
+]
+
+
+@pytest.mark.parametrize(("num_tokens", "tp_sizes", "chunk_tokens"), CASES)
+def test_staged_path_gives_the_direct_paths_bytes(
+    make_pair: Any, num_tokens: int, tp_sizes: tuple[int, int], chunk_tokens: int | None
+) -> None:
+    results = {}
+    for mode, extra in (("direct", None), ("staged", STAGED)):
+        prefill, decode = make_pair(extra, tp_sizes=tp_sizes, chunk_tokens=chunk_tokens)
+        loaded, prefill_blocks = _transfer(prefill, decode, f"req-{num_tokens}", num_tokens)
+        expected = _prompt_bytes(prefill, prefill_blocks, num_tokens - 1)
+        got = _prompt_bytes(decode, loaded, num_tokens - 1)
+        results[mode] = got
+        if tp_sizes[0] == tp_sizes[1]:
+            assert got == expected, f"{mode}: decode's KV differs from prefill's"
+    assert results["staged"] == results["direct"]
+    assert any(b != bytes(len(b)) for b in results["staged"]), "nothing was written"
+
+
+def test_staging_registers_the_host_buffer_not_the_device_cache(make_pair: Any) -> None:
+    prefill, decode = make_pair(STAGED)
+    for engine in (prefill, decode):
+        device_addresses = {t.data_ptr() for t in engine.kv_caches[0].values()}
+        registered = {
+            address
+            for reg in engine.agents[0]._registrations.values()
+            for address, _ in reg.regions
+        }
+        assert registered and not registered & device_addresses
+
+
+def test_without_the_device_to_host_copy_decode_gets_no_kv(make_pair: Any) -> None:
+    """The control: the staged path's bytes come through wait_for_save's copy, nothing else."""
+    prefill, decode = make_pair(STAGED, save=False)
+    num_tokens = 2 * BLOCK_SIZE
+    loaded, _ = _transfer(prefill, decode, "req-unsaved", num_tokens)
+    got = _prompt_bytes(decode, loaded, num_tokens - 1)
+    assert all(b == bytes(len(b)) for b in got)
+
+
+def test_set_host_xfer_buffer_ops_is_used_for_every_copy(make_pair: Any) -> None:
+    prefill, decode = make_pair(STAGED)
+    calls: list[tuple[str, int]] = []
+
+    def copy_op(src: Any, dst: Any, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
+        calls.append((direction, len(src_ids)))
+        for name, tensor in src.items():
+            dst[name][dst_ids] = tensor[src_ids].to(dst[name].device)
+
+    for engine in (prefill, decode):
+        for worker in engine.workers:
+            worker.set_host_xfer_buffer_ops(copy_op)
+    num_tokens = 3 * BLOCK_SIZE
+    loaded, prefill_blocks = _transfer(prefill, decode, "req-op", num_tokens)
+    # One batched call per direction: 3 blocks out on prefill, 3 blocks in on decode.
+    assert calls == [("d2h", 3), ("h2d", 3)]
+    assert _prompt_bytes(decode, loaded, num_tokens - 1) == _prompt_bytes(
+        prefill, prefill_blocks, num_tokens - 1
+    )
