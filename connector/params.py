@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -41,21 +41,28 @@ TRANSFER_MODE = "pull"
 
 _NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+_Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+_TpSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
+_NumTokens = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Validated kv_transfer_params. With do_remote_prefill, every remote_* field is set."""
+    """Validated kv_transfer_params. With do_remote_prefill, every remote_* field is set.
+
+    The field types are the rules themselves: the common dict converts into this Struct in
+    one msgspec call (see parse_kv_transfer_params).
+    """
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
-    remote_block_ids: BlockIds | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    tp_size: int | None = None
-    remote_num_tokens: int | None = None
-    transfer_mode: str | None = None
+    remote_engine_id: _NonEmptyStr | None = None
+    remote_request_id: _NonEmptyStr | None = None
+    remote_block_ids: tuple[tuple[_BlockId, ...], ...] | None = None
+    remote_host: _NonEmptyStr | None = None
+    remote_port: _Port | None = None
+    tp_size: _TpSize | None = None
+    remote_num_tokens: _NumTokens | None = None
+    transfer_mode: Literal["pull"] | None = None
     ignored_keys: tuple[str, ...] = ()  # unknown keys seen in the dict (tolerated, for logging)
 
     def remote_source(self) -> RemoteSource:
@@ -81,12 +88,9 @@ _KEY_RULES: dict[str, tuple[Any, str]] = {
     "remote_request_id": (_NonEmptyStr, "a non-empty string"),
     "remote_block_ids": (list[Any], "a list of block-id lists, one per cache group"),
     "remote_host": (_NonEmptyStr, "a non-empty host name or IP address"),
-    "remote_port": (
-        Annotated[int, msgspec.Meta(ge=1, le=65535)],
-        "an integer TCP port in 1..65535",
-    ),
-    "tp_size": (Annotated[int, msgspec.Meta(ge=1, le=65536)], "an integer >= 1"),
-    "remote_num_tokens": (Annotated[int, msgspec.Meta(ge=0, le=2**40)], "an integer >= 0"),
+    "remote_port": (_Port, "an integer TCP port in 1..65535"),
+    "tp_size": (_TpSize, "an integer >= 1"),
+    "remote_num_tokens": (_NumTokens, "an integer >= 0"),
     "transfer_mode": (str, f"{TRANSFER_MODE!r} (decode reads the KV from prefill)"),
 }
 _REQUIRED_FOR_PREFILL = (
@@ -99,7 +103,55 @@ _REQUIRED_FOR_PREFILL = (
 
 
 def parse_kv_transfer_params(raw: Mapping[Any, Any] | None) -> KVTransferParams | None:
-    """Validate ``raw``; None or {} -> None. Raises InvalidTransferParams naming the bad key."""
+    """Validate ``raw``; None or {} -> None. Raises InvalidTransferParams naming the bad key.
+
+    A plain dict of known keys with well-typed values (what prefill returns) is accepted by
+    one msgspec convert; anything else, refusals included, takes the key-by-key path, which
+    decides alike and names what is wrong.
+    """
+    if type(raw) is dict and raw:
+        params = _convert_whole(raw)
+        if params is not None:
+            return params
+    return _parse_key_by_key(raw)
+
+
+def _convert_whole(raw: dict[Any, Any]) -> KVTransferParams | None:
+    """``raw`` as KVTransferParams in one convert, or None to leave it to the key-by-key path.
+
+    The Struct's types enforce every per-key rule except three, checked after: the rules
+    that join keys, a non-empty remote_block_ids, and UTF-8 strings (msgspec does not
+    encode what it converts; ASCII, the usual case, is always valid). Unknown keys, nulls
+    for flags, a string port and a flat block list all fail the convert and go the long way.
+    """
+    if "ignored_keys" in raw:  # a router's key of that name is unknown to us, not our field
+        return None
+    try:
+        params = msgspec.convert(raw, KVTransferParams)
+    except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate in a key
+        return None
+    return params if _joint_rules_hold(params) else None
+
+
+def _joint_rules_hold(params: KVTransferParams) -> bool:
+    """The rules KVTransferParams' field types cannot state (see _convert_whole)."""
+    if params.do_remote_prefill:
+        required = (
+            params.remote_engine_id,
+            params.remote_request_id,
+            params.remote_block_ids,
+            params.remote_host,
+            params.remote_port,
+        )
+        if params.do_remote_decode or None in required:
+            return False
+    if params.remote_block_ids == ():
+        return False
+    texts = (params.remote_engine_id, params.remote_request_id, params.remote_host)
+    return all(text is None or text.isascii() for text in texts)
+
+
+def _parse_key_by_key(raw: Mapping[Any, Any] | None) -> KVTransferParams | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
@@ -218,16 +270,14 @@ def _check_utf8(path: str, text: str) -> None:
         ) from None
 
 
-def validate_block_groups(params: KVTransferParams, num_groups: int) -> None:
+def validate_block_groups(block_ids: BlockIds | None, num_groups: int) -> None:
     """Raise InvalidTransferParams unless remote_block_ids has exactly ``num_groups`` groups."""
-    if params.remote_block_ids is None:
+    if block_ids is None or len(block_ids) == num_groups:
         return
-    seen = len(params.remote_block_ids)
-    if seen != num_groups:
-        raise InvalidTransferParams(
-            f"kv_transfer_params['remote_block_ids']: {seen} cache group(s) given, this engine "
-            f"has {num_groups}; both engines must serve the same model and cache configuration"
-        )
+    raise InvalidTransferParams(
+        f"kv_transfer_params['remote_block_ids']: {len(block_ids)} cache group(s) given, this "
+        f"engine has {num_groups}; both engines must serve the same model and cache configuration"
+    )
 
 
 def params_for_decode(

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
-from connector.metadata import BlockIds, ConnectorMetadata, WorkerReport
+from connector.metadata import BlockIds, ConnectorMetadata, RemoteSource, WorkerReport
 from connector.params import KVTransferParams, parse_kv_transfer_params, validate_block_groups
 from connector.protocol import WorkerHandshake
 from scheduler.consumer import Consumer
@@ -35,6 +34,14 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
 
 
 MAX_PARSED_REQUESTS = 65536  # parsed params kept for requests not yet finished; oldest go first
+
+
+class _Parsed(NamedTuple):
+    """One request's params as parsed: ``source`` is set for a load from a prefill engine."""
+
+    raw: object  # the params object parsed: reused only while the request carries it
+    params: KVTransferParams | None
+    source: RemoteSource | None
 
 
 class SchedulerConnector:
@@ -61,12 +68,14 @@ class SchedulerConnector:
         self._engine_id = engine_id
         self._role = role
         self._spec = spec
+        self._num_groups = len(spec.groups)
         self._tp_size = tp_size
         self._clock = clock
         self._leases = LeaseTable(config.kv_lease_duration_s)
-        # request id -> (the raw params object, its parse): each request's params are parsed
-        # once, however often vLLM asks get_num_new_matched_tokens, and reused at its end.
-        self._parsed: OrderedDict[str, tuple[object, KVTransferParams | None]] = OrderedDict()
+        # request id -> its parsed params: parsed once, however often vLLM asks
+        # get_num_new_matched_tokens, and reused at the request's end. Insertion-ordered, so
+        # the first key is the oldest.
+        self._parsed: dict[str, _Parsed] = {}
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
             secret=config.side_channel_secret, timeout_s=config.handshake_timeout_s, clock=clock
@@ -129,20 +138,12 @@ class SchedulerConnector:
         Raises InvalidTransferParams for malformed params (the engine fails that request);
         no state is kept for it then.
         """
-        params = self._parse(request)
-        if params is None:
-            return 0, False
-        if params.do_remote_prefill:
-            self._note_other_role(request, params)
-            validate_block_groups(params, len(self._spec.groups))
+        parsed = self._parse(request)
+        if parsed.source is not None:
+            validate_block_groups(parsed.source.remote_block_ids, self._num_groups)
             return self._consumer.get_num_new_matched_tokens(
-                request.request_id,
-                params.remote_source(),
-                request.num_prompt_tokens,
-                num_computed_tokens,
+                request.request_id, parsed.source, request.num_prompt_tokens, num_computed_tokens
             )
-        if params.do_remote_decode:
-            self._note_other_role(request, params)
         return 0, False
 
     def update_state_after_alloc(
@@ -160,15 +161,14 @@ class SchedulerConnector:
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks?, kv_transfer_params to return to the client)."""
         try:
-            params = self._parse(request, last_use=True)
+            parsed = self._parse(request, last_use=True)
         except InvalidTransferParams as exc:
             logger.warning("request %s finished with invalid params: %s", request.request_id, exc)
             return False, None
-        if params is None:
-            return False, None
-        if params.do_remote_prefill:
-            return self._consumer.request_finished(request.request_id, params.remote_source())
-        if request.aborted or not params.do_remote_decode:
+        if parsed.source is not None:
+            return self._consumer.request_finished(request.request_id, parsed.source)
+        params = parsed.params
+        if params is None or request.aborted or not params.do_remote_decode:
             return False, None
         delay, returned = self._producer.request_finished(request.request_id, block_ids)
         if returned is None:
@@ -211,32 +211,42 @@ class SchedulerConnector:
             self._side_channel = None
         self._heartbeats.stop()
 
-    def _parse(self, request: RequestInfo, *, last_use: bool = False) -> KVTransferParams | None:
+    def _parse(self, request: RequestInfo, *, last_use: bool = False) -> _Parsed:
         """The request's params, parsed on first use; ``last_use`` drops the kept parse.
 
         A kept parse is reused only while the request still carries the very same params
         object (a new dict is parsed afresh). Refusals are not kept: they raise each time.
         """
         raw = request.kv_transfer_params
-        kept = (
+        parsed = (
             self._parsed.pop(request.request_id, None)
             if last_use
             else self._parsed.get(request.request_id)
         )
-        if kept is not None and kept[0] is raw:
-            return kept[1]
-        params = parse_kv_transfer_params(raw)
+        if parsed is not None and parsed.raw is raw:
+            return parsed
+        parsed = self._parse_afresh(request)
         if not last_use and raw is not None:
-            self._parsed[request.request_id] = (raw, params)
+            self._parsed[request.request_id] = parsed
             if len(self._parsed) > MAX_PARSED_REQUESTS:
-                self._parsed.popitem(last=False)
-        if params is not None and params.ignored_keys:
+                del self._parsed[next(iter(self._parsed))]
+        return parsed
+
+    def _parse_afresh(self, request: RequestInfo) -> _Parsed:
+        raw = request.kv_transfer_params
+        params = parse_kv_transfer_params(raw)
+        if params is None:
+            return _Parsed(raw, None, None)
+        if params.ignored_keys:
             logger.debug(
                 "request %s: ignoring unknown kv_transfer_params keys %s",
                 request.request_id,
                 ", ".join(params.ignored_keys),
             )
-        return params
+        if params.do_remote_prefill or params.do_remote_decode:
+            self._note_other_role(request, params)
+        source = params.remote_source() if params.do_remote_prefill else None
+        return _Parsed(raw, params, source)
 
     def _note_other_role(self, request: RequestInfo, params: KVTransferParams) -> None:
         usual = self._role.produces if params.do_remote_decode else self._role.consumes

@@ -299,8 +299,8 @@ def test_params_for_decode_round_trip_through_the_parser() -> None:
         host="127.0.0.5",
         port=5600,
         tp_size=2,
-        request_id="cmpl-1",
-        block_ids=((1, 2, 3), (7,)),
+        remote_request_id="cmpl-1",
+        remote_block_ids=((1, 2, 3), (7,)),
     )
 
 
@@ -328,10 +328,10 @@ def test_validate_block_groups(block_ids: Any, num_groups: int, message: str | N
     params = parse_kv_transfer_params(decode_params(remote_block_ids=block_ids))
     assert params is not None
     if message is None:
-        validate_block_groups(params, num_groups)
+        validate_block_groups(params.remote_block_ids, num_groups)
     else:
         with pytest.raises(InvalidTransferParams, match=message):
-            validate_block_groups(params, num_groups)
+            validate_block_groups(params.remote_block_ids, num_groups)
 
 
 # ---------------------------------------------------------------- fuzz: nothing untyped escapes
