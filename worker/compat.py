@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from connector.errors import HandshakeError, UnsupportedConfiguration
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec
+from connector.memory import Memory
 from connector.protocol import PROTOCOL_VERSION
 
 PROTOCOL_FACT = "protocol_version"
@@ -115,3 +116,35 @@ def check_compatible(
             "enforce_handshake_compat=false to proceed at your own risk"
         )
     return reasons
+
+
+def check_transport(
+    local_backends: Sequence[str],
+    local_memory: Memory,
+    remote_backends: Sequence[str],
+    remote_memory: Memory,
+    *,
+    backend_memory_types: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[str, ...]:
+    """The NIXL backends both ranks have, in the local order; raises UnsupportedConfiguration
+    when there is none, or (given what each backend can register, as NIXL's
+    ``get_backend_mem_types`` reports it) when no common backend handles both memory kinds."""
+    common = tuple(backend for backend in local_backends if backend in remote_backends)
+    if not common:
+        raise UnsupportedConfiguration(
+            f"no NIXL backend in common: this rank has {list(local_backends)}, the peer "
+            f"{list(remote_backends)}; list a shared backend (e.g. UCX) in "
+            'kv_connector_extra_config["backends"] on both engines'
+        )
+    if backend_memory_types is None:
+        return common
+    needed = {local_memory.kind.nixl_name, remote_memory.kind.nixl_name}
+    usable = tuple(b for b in common if needed <= set(backend_memory_types.get(b, ())))
+    if not usable:
+        raise UnsupportedConfiguration(
+            f"no common NIXL backend ({', '.join(common)}) handles both this rank's "
+            f"{local_memory.describe()} ({local_memory.kind.nixl_name}) and the peer's "
+            f"{remote_memory.describe()} ({remote_memory.kind.nixl_name}); use a backend built "
+            'with GPU support, or stage through host memory ("kv_buffer_device": "cpu")'
+        )
+    return usable
