@@ -1,27 +1,24 @@
 """The `nixl-pd` command: argument parsing only; the work lives in examples.demo/serve/route.
 
 The CLI sits on top of the import layers (docs/architecture.md): it wires the example engine
-and the doctor together. The example engine ships with the source tree, not the wheel (which
-installs only connector, scheduler and worker), so demo/serve/route import it from the clone
-this file sits in, inside the command, and say what to do when there is none.
+and the doctor together, importing each inside the command that runs it. The example engine
+ships with the source tree, not the wheel (connector/source_tree.py finds it).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import signal
 import sys
 import threading
-from pathlib import Path
-from types import ModuleType
 from typing import NoReturn
 
 import msgspec
 
-from connector.errors import ConnectorError, UnsupportedConfiguration
+from connector import source_tree
+from connector.errors import ConnectorError
 
 MODELS = ("dense", "mla", "hybrid-swa", "hybrid-ssm")
 
@@ -244,49 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"demo": _demo, "serve": _serve, "route": _route, "doctor": _doctor}
     try:
         return commands[args.command](args)
-    except ExampleEngineMissing as exc:
+    except source_tree.ExampleEngineMissing as exc:
         print(f"nixl-pd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
 
-class ExampleEngineMissing(UnsupportedConfiguration):
-    """demo/serve/route need the example engine, which only a source checkout has."""
-
-
-def _source_tree() -> Path | None:
-    """The clone this package was installed from (editable), or None for a wheel install."""
-    root = Path(__file__).resolve().parent.parent
-    has_engine = (root / "examples" / "__init__.py").is_file()
-    return root if has_engine and (root / "pyproject.toml").is_file() else None
-
-
-def _example(name: str) -> ModuleType:
-    """Import ``examples.<name>`` from the source tree, for this process and the engines it starts."""
-    root = _source_tree()
-    if root is None:
-        raise ExampleEngineMissing(
-            "this command runs the example engine, which is not part of the installed wheel; "
-            "clone the repository and run scripts/setup.sh (an editable install), then run "
-            "nixl-pd from that environment"
-        )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    # Engine subprocesses (python -m examples.server) inherit the path through the environment.
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(root) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, paths)])
-    module = importlib.import_module(f"examples.{name}")
-    if not Path(module.__file__ or "").resolve().is_relative_to(root / "examples"):
-        raise ExampleEngineMissing(
-            f"'examples' resolves to {module.__file__}, another package of that name, not the "
-            f"example engine in {root / 'examples'}; uninstall that package or run from a "
-            "fresh environment"
-        )
-    return module
-
-
 def _demo(args: argparse.Namespace) -> int:
-    demo = _example("demo")
+    demo = source_tree.import_example("demo")
 
     options = demo.DemoOptions(
         prefill_tp=args.prefill_tp,
@@ -333,7 +294,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.trace:
         logging.getLogger("nixl_pd.trace").setLevel(logging.DEBUG)
-    serve = _example("serve")
+    serve = source_tree.import_example("serve")
 
     options = serve.ServeOptions(
         role=args.role,
@@ -378,7 +339,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _route(args: argparse.Namespace) -> int:
-    route = _example("route")
+    route = source_tree.import_example("route")
 
     options = route.RouteOptions(
         prefill=args.prefill,

@@ -46,7 +46,7 @@ CONTRACTS = frozenset(
     )
 ) | {"connector"}
 TOP_IN_CONNECTOR = frozenset(
-    {"connector.cli"}
+    {"connector.cli", "connector.source_tree"}
     | {f"connector.{name}" for name in ("doctor", "doctor_checks", "doctor_env")}
     | {f"connector.{name}" for name in ("doctor_loopback", "doctor_peer", "doctor_ucx")}
 )
@@ -209,13 +209,16 @@ def test_top_layer_parts_do_not_import_each_other(
 
 
 def test_cli_imports_the_example_engine_only_inside_commands() -> None:
+    """At load the CLI and its source-tree finder import contracts only (and each other)."""
+    cli = ("connector.cli", "connector.source_tree")
     at_load = [
         i
         for i in IMPORTS
-        if i.importer == "connector.cli"
+        if i.importer in cli
         and i.module_level
         and i.target.split(".")[0] in PRODUCT_PACKAGES
         and not _is_contract(i.target)
+        and not any(_within(i.target, name) for name in cli)
     ]
     assert not at_load, _describe(at_load)
 

@@ -92,3 +92,25 @@ def test_installed_wheel_leaves_a_foreign_examples_alone_and_says_what_to_do(
         "installed wheel; clone the repository and run scripts/setup.sh"
     ), ran.stderr
     assert (stand_in / "__init__.py").is_file()
+
+
+def test_a_foreign_examples_loaded_first_is_refused_by_name(tmp_path: Path) -> None:
+    """In a clone, an `examples` imported from elsewhere is named, never used as the engine."""
+    foreign = tmp_path / "examples"
+    foreign.mkdir()
+    (foreign / "__init__.py").write_text("")
+    probe = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import examples\n"
+        "from connector.cli import main\n"
+        "sys.exit(main(['route', '--prefill', '127.0.0.1:1', '--decode', '127.0.0.1:2']))\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert ran.returncode == 2, ran.stdout + ran.stderr
+    assert ran.stderr.startswith(
+        f"nixl-pd route: error: 'examples' resolves to {foreign / '__init__.py'}, another "
+        "package of that name"
+    ), ran.stderr
