@@ -70,14 +70,14 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not self.do_remote_prefill:
             raise InvalidTransferParams("kv_transfer_params: do_remote_prefill is not set")
         # parse_kv_transfer_params guarantees these are set when do_remote_prefill is.
-        return RemoteSource(
-            engine_id=_required(self.remote_engine_id, "remote_engine_id"),
-            host=_required(self.remote_host, "remote_host"),
-            port=_required(self.remote_port, "remote_port"),
-            tp_size=1 if self.tp_size is None else self.tp_size,
-            remote_request_id=_required(self.remote_request_id, "remote_request_id"),
-            remote_block_ids=_required(self.remote_block_ids, "remote_block_ids"),
-        )
+        engine_id, host, port = self.remote_engine_id, self.remote_host, self.remote_port
+        request_id, block_ids = self.remote_request_id, self.remote_block_ids
+        if engine_id is None or host is None or port is None or request_id is None:
+            raise InvalidTransferParams("kv_transfer_params: a remote_* key is missing")
+        if block_ids is None:
+            raise InvalidTransferParams("kv_transfer_params: remote_block_ids is missing")
+        tp_size = 1 if self.tp_size is None else self.tp_size
+        return RemoteSource(engine_id, host, port, tp_size, request_id, block_ids)
 
 
 # key -> (msgspec type, accepted values for the error message)
@@ -343,12 +343,6 @@ def _bad_value(key: str, value: object, exc: msgspec.ValidationError, accepted: 
         f"kv_transfer_params[{key!r}]: value {short_repr(value)} is not accepted ({detail}); "
         f"expected {accepted}"
     )
-
-
-def _required(value: Any, key: str) -> Any:
-    if value is None:
-        raise InvalidTransferParams(f"kv_transfer_params: {key} is missing")
-    return value
 
 
 def short_repr(value: object) -> str:

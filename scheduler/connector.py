@@ -67,6 +67,7 @@ class SchedulerConnector:
         self._config = config
         self._engine_id = engine_id
         self._role = role
+        self._consumes, self._produces = role.consumes, role.produces
         self._spec = spec
         self._num_groups = len(spec.groups)
         self._tp_size = tp_size
@@ -243,20 +244,20 @@ class SchedulerConnector:
                 request.request_id,
                 ", ".join(params.ignored_keys),
             )
-        if params.do_remote_prefill or params.do_remote_decode:
+        if (params.do_remote_prefill and not self._consumes) or (
+            params.do_remote_decode and not self._produces
+        ):
             self._note_other_role(request, params)
         source = params.remote_source() if params.do_remote_prefill else None
         return _Parsed(raw, params, source)
 
     def _note_other_role(self, request: RequestInfo, params: KVTransferParams) -> None:
-        usual = self._role.produces if params.do_remote_decode else self._role.consumes
-        if not usual:
-            logger.debug(
-                "request %s: %s on an engine whose role is %s; serving it (the role is advisory)",
-                request.request_id,
-                "do_remote_decode" if params.do_remote_decode else "do_remote_prefill",
-                self._role.value,
-            )
+        logger.debug(
+            "request %s: %s on an engine whose role is %s; serving it (the role is advisory)",
+            request.request_id,
+            "do_remote_decode" if params.do_remote_decode else "do_remote_prefill",
+            self._role.value,
+        )
 
     def _side_channel_address(self) -> tuple[str, int]:
         if self._side_channel is not None:
