@@ -32,6 +32,7 @@ from connector.layout import MemoryLayout
 from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, build_spec
 from examples.metering import MeteredAgent, TransferStats
 from examples.model import ModelKind, TinyModel
+from examples.staging import HostStaging
 from scheduler.requests import RequestInfo
 
 AgentFactory = Callable[[str], Any]  # agent name -> NixlAgent
@@ -50,6 +51,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: int = 256  # logical blocks per cache group, block 0 is the null block
     layout: str = "nhd"
     seed: int = 0
+    staged: bool = False  # host staging: NIXL reads a host mirror (examples/staging.py)
 
 
 class EngineRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -148,6 +150,9 @@ class Engine:
         self.scheduler: Any = None
         self.workers: list[Any] = []
         self.agents: list[MeteredAgent] = []
+        self.staging: HostStaging | None = None
+        if config.staged and config.role != "local":
+            self.staging = HostStaging(self.spec, config.tp_size)
         if config.role != "local":
             try:
                 self._start_connector(connector_config, agent_factory, clock)
@@ -189,7 +194,8 @@ class Engine:
                 agent=agent,
                 clock=clock,
             )
-            worker.register_kv_caches(buffers.region_addresses)
+            registered = self.staging.region_addresses(rank) if self.staging else None
+            worker.register_kv_caches(registered or buffers.region_addresses)
             self.workers.append(worker)
         self.scheduler = SchedulerConnector(
             connector_config,
@@ -234,6 +240,8 @@ class Engine:
         if self.scheduler is not None:
             metadata = self.scheduler.build_connector_meta()
             self.stats.note_loads(metadata)
+            if self.staging is not None:
+                self.staging.note_loads(metadata)
             for worker in self.workers:
                 worker.start_load_kv(metadata)
         outputs += self._run_model()
@@ -316,6 +324,7 @@ class Engine:
 
     def _run_model(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        finishing: list[_Request] = []
         for request in list(self.running):
             try:
                 self._compute(request)
@@ -325,8 +334,16 @@ class Engine:
                 continue
             if len(request.output) >= request.spec.max_tokens:
                 self.running.remove(request)
-                outputs.append(self._finish(request))
-        return outputs
+                finishing.append(request)
+        self._stage_out(finishing)
+        return outputs + [self._finish(request) for request in finishing]
+
+    def _stage_out(self, finishing: list[_Request]) -> None:
+        """Staging: remote-decode requests' KV goes device->host before their params go out."""
+        if self.staging is None:
+            return
+        remote = [r for r in finishing if (r.spec.kv_transfer_params or {}).get("do_remote_decode")]
+        self.staging.save(self.ranks, [self.blocks.block_ids(r.request_id) for r in remote])
 
     def _compute(self, request: _Request) -> None:
         """Feed every not-yet-computed token; the last one yields the next output token."""
@@ -387,6 +404,9 @@ class Engine:
 
     def _apply_finished(self, finished: Any) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        if self.staging is not None:
+            self.staging.load(self.ranks, finished.finished_recving)
+            self.staging.forget(finished.failed_recving)
         for request_id in finished.finished_recving:
             request = self.loading.pop(request_id, None)
             if request is not None:

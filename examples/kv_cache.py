@@ -47,6 +47,7 @@ __all__ = [
     "RankBuffers",
     "block_hashes",
     "build_spec",
+    "copy_kernel_blocks",
     "layer_locations",
 ]
 
@@ -267,3 +268,18 @@ class PagedRequestCache:
                 return b"replicas-differ"
             return parts[0].tobytes()
         return np.concatenate(parts, axis=1).tobytes()
+
+
+def copy_kernel_blocks(
+    source: RankBuffers, target: RankBuffers, kernel_ids: Sequence[npt.NDArray[np.int64]]
+) -> None:
+    """Copy kernel blocks ``kernel_ids[group]`` of every layer and plane from one rank's buffers
+    to another laid out the same way: one gather/scatter per plane, never a loop over blocks."""
+    for group, ids in enumerate(kernel_ids):
+        if len(ids) == 0:
+            continue
+        for source_layer, target_layer in zip(
+            source.views[group], target.views[group], strict=True
+        ):
+            for source_plane, target_plane in zip(source_layer, target_layer, strict=True):
+                target_plane[ids] = source_plane[ids]
