@@ -16,15 +16,26 @@ with our settings (UCX, progress thread delay 1000 us).
    time from post until decode sees DONE and until the prefill agent's get_new_notifs returns
    the notification (the child polls every 0.1 ms; a real prefill adds its own poll period).
 
+3. Block-outermost rows against the ceiling (issue 10 item 3): the same model laid out as
+   vLLM's BLNHC (MemoryLayout.BLOCK_NHD_PACKED: one 2 MiB row per block holding every layer's
+   K|V page), 2k/8k requests with contiguous and fragmented ids, OURS (the planner's merged
+   rows) interleaved with the ceiling: the same number of bytes in the fewest, biggest
+   descriptors the regions allow (one, here), in the same run, with a fresh child.
+
+Sections 1 and 3 also time the ceiling; each strategy's "of ceiling" is its GB/s over the
+ceiling's in the same case.
+
 Model: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks (2 MiB per block, 32 KiB per
 layer plane), NHD, a 576-block pool per side: 1.125 GiB per process, 2.25 GiB in all (the 8k
-prompt is 1 GiB). About 30 s on the 2-core machine.
-Run: ``.venv/bin/python -m benchmarks.transfer_bench`` (sets UCX_NET_DEVICES=lo if unset).
+prompt is 1 GiB). About 30 s on the 2-core machine, plus about as much for section 3.
+Run: ``.venv/bin/python -m benchmarks.transfer_bench [--sections descriptors,notif,block-major]``
+(sets UCX_NET_DEVICES=lo if unset).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -33,7 +44,7 @@ import random
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +53,14 @@ import numpy.typing as npt
 
 from benchmarks.transfer_peer import PeerChild, expected_words
 from connector.geometry import build_rank_layout
-from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, RankLayout
+from connector.layout import (
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+    RankLayout,
+)
 from worker.loads import build_descriptors
 from worker.nixl_api import Descriptors, TransferState
 from worker.nixl_real import RealNixlAgent
@@ -59,7 +77,7 @@ CASES = ((2048, False), (2048, True), (8192, False), (8192, True))  # (num_token
 NOTIF_SIZES_BYTES = (64 << 10, 8 << 20)
 
 
-def _layout() -> RankLayout:
+def _layout(memory_layout: MemoryLayout = MemoryLayout.NHD) -> RankLayout:
     layer = LayerSpec(
         name="l", num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=DTYPE_BYTES
     )
@@ -70,7 +88,13 @@ def _layout() -> RankLayout:
         num_blocks=POOL_BLOCKS,
         layers=(layer,) * NUM_LAYERS,
     )
-    spec = KVCacheSpec(model="bench", dtype="bfloat16", cache_dtype="bfloat16", groups=(group,))
+    spec = KVCacheSpec(
+        model="bench",
+        dtype="bfloat16",
+        cache_dtype="bfloat16",
+        groups=(group,),
+        memory_layout=memory_layout,
+    )
     return build_rank_layout(spec, 0, 1)
 
 
@@ -94,6 +118,17 @@ def per_block_reads(
     remote_regions, remote_offsets, _ = _plane_offsets(layout, remote_ids)
     lengths = np.full(len(local_offsets), block_bytes, dtype=np.int64)
     return RankReads(0, local_regions, local_offsets, remote_regions, remote_offsets, lengths)
+
+
+def ceiling_reads(layout: RankLayout, num_bytes: int) -> RankReads:
+    """``num_bytes`` in the fewest, biggest descriptors: each region read from its start, in
+    order, until the bytes are covered (one descriptor when a region holds them all)."""
+    sizes = np.array(layout.region_bytes, dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    lengths = np.clip(num_bytes - starts, 0, sizes)
+    regions = np.flatnonzero(lengths).astype(np.int64)
+    zeros = np.zeros(len(regions), dtype=np.int64)
+    return RankReads(0, regions, zeros, regions, zeros, lengths[regions])
 
 
 def split_reads(reads: RankReads, max_bytes: int) -> RankReads:
@@ -247,8 +282,9 @@ class Row:
 
 
 SPLIT_BYTES = 256 << 10
+CEILING = "ceiling (fewest descriptors)"
 STRATEGIES = ("OURS (merged, initialize_xfer)", "per block, initialize_xfer",
-              "per block, prepped (vLLM)", "OURS split at 256 KiB")  # fmt: skip
+              "per block, prepped (vLLM)", "OURS split at 256 KiB", CEILING)  # fmt: skip
 DECODE_POLLS_S = {"busy": 0.0, "1 ms": 0.001}
 
 
@@ -279,13 +315,15 @@ def descriptor_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[Ro
                                 num_cached_tokens=0).reads[0]  # fmt: skip
 
         blocks = per_block_reads(layout, local_ids, remote_ids)
+        ceiling = ceiling_reads(layout, int(blocks.lengths.sum()))
         runs: dict[str, Callable[[float], Timing]] = {
             STRATEGIES[0]: functools.partial(decode.read, ours),
             STRATEGIES[1]: functools.partial(decode.read, blocks),
             STRATEGIES[2]: functools.partial(decode.prepped_read, dlists, local_ids, remote_ids),
             STRATEGIES[3]: functools.partial(decode.read, functools.partial(_split, ours)),
+            CEILING: functools.partial(decode.read, ceiling),
         }
-        checked = (ours(), blocks, blocks, split_reads(ours(), SPLIT_BYTES))
+        checked = (ours(), blocks, blocks, split_reads(ours(), SPLIT_BYTES), ceiling)
         counts = tuple(len(reads.lengths) for reads in checked)
         for (name, run), reads in zip(runs.items(), checked, strict=True):
             decode.verify(reads, run, f"{case} {name}")
@@ -296,6 +334,45 @@ def descriptor_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[Ro
                     samples[name].append(run(step_s))
             for (name, timings), count in zip(samples.items(), counts, strict=True):
                 rows.append(Row(case, name, poll, count, int(blocks.lengths.sum()), timings))
+    return rows
+
+
+BLOCK_MAJOR = "OURS (block rows, initialize_xfer)"
+
+
+def block_major_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[Row]:
+    """OURS on block-outermost rows and the ceiling, interleaved, decode checking busily."""
+    planner = TransferPlanner(layout, layout)
+    rows: list[Row] = []
+    for num_tokens, fragmented in CASES:
+        local_ids, remote_ids = (
+            _block_ids(num_tokens // BLOCK_SIZE, fragmented, seed) for seed in (1, 2)
+        )
+        case = f"{num_tokens // 1024}k {'fragmented' if fragmented else 'contiguous'}"
+
+        def ours(
+            local_ids: list[int] = local_ids,
+            remote_ids: list[int] = remote_ids,
+            num_tokens: int = num_tokens,
+        ) -> RankReads:
+            return planner.plan((local_ids,), (remote_ids,), num_tokens=num_tokens,
+                                num_cached_tokens=0).reads[0]  # fmt: skip
+
+        planned = ours()
+        ceiling = ceiling_reads(layout, int(planned.lengths.sum()))
+        runs: dict[str, Callable[[float], Timing]] = {
+            BLOCK_MAJOR: functools.partial(decode.read, ours),
+            CEILING: functools.partial(decode.read, ceiling),
+        }
+        for (name, run), reads in zip(runs.items(), (planned, ceiling), strict=True):
+            decode.verify(reads, run, f"{case} {name}")
+        samples: dict[str, list[Timing]] = {name: [] for name in runs}
+        for _ in range(repeats):  # interleaved: load changes hit both alike
+            for name, run in runs.items():
+                samples[name].append(run(0.0))
+        for (name, timings), reads in zip(samples.items(), (planned, ceiling), strict=True):
+            num_bytes = int(reads.lengths.sum())
+            rows.append(Row(case, name, "busy", len(reads.lengths), num_bytes, timings))
     return rows
 
 
@@ -372,20 +449,40 @@ def notif_rows(
     return rows
 
 
-def print_descriptor_tables(rows: list[Row]) -> None:
-    ours = {(r.case, r.poll): r for r in rows if r.strategy == STRATEGIES[0]}
-    print("\nDecode checks busily (post -> DONE as fast as it can be seen):")
+def print_busy_table(rows: list[Row], title: str) -> None:
+    """post -> DONE per strategy; "vs OURS" is the time over the first strategy's, "of
+    ceiling" the GB/s over the ceiling's in the same case (both medians)."""
+    first = {r.case: r for r in reversed(rows)}
+    ceiling = {r.case: r for r in rows if r.strategy == CEILING}
+    print(f"\n{title}")
     print("| case | strategy | descriptors | prepare ms | post->DONE ms [min-max] | GB/s "
-          "| vs OURS |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for row in (r for r in rows if r.poll == "busy"):
+          "| vs OURS | of ceiling [min-max] |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
         done_s = row.median_s("done_s")
         values = [t.done_s * 1e3 for t in row.timings]
         print(f"| {row.case} | {row.strategy} | {row.descriptors:,} "
               f"| {row.median_s('prepare_s') * 1e3:.2f} "
               f"| {done_s * 1e3:.1f} [{min(values):.0f}-{max(values):.0f}] "
               f"| {row.num_bytes / done_s / 1e9:.1f} "
-              f"| {done_s / ours[row.case, row.poll].median_s('done_s'):.2f}x |")  # fmt: skip
+              f"| {done_s / first[row.case].median_s('done_s'):.2f}x "
+              f"| {_of_ceiling(row, ceiling.get(row.case))} |")  # fmt: skip
+
+
+def _of_ceiling(row: Row, ceiling: Row | None) -> str:
+    """Median GB/s over the ceiling's median, and the range over paired (interleaved) trials."""
+    if ceiling is None:
+        return "-"
+    ratios = [c.done_s / t.done_s for t, c in zip(row.timings, ceiling.timings, strict=True)]
+    median = ceiling.median_s("done_s") / row.median_s("done_s")
+    return f"{median:.0%} [{min(ratios):.0%}-{max(ratios):.0%}]"
+
+
+def print_descriptor_tables(rows: list[Row]) -> None:
+    print_busy_table(
+        [r for r in rows if r.poll == "busy"],
+        "Decode checks busily (post -> DONE as fast as it can be seen):",
+    )
     print("\nDecode checks once per 1 ms (an engine step); the thread's time inside NIXL calls:")
     print("| case | strategy | post->DONE ms | inside post() ms | inside post()+check() ms |")
     print("|---|---|---:|---:|---:|")
@@ -427,21 +524,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=7, help="READs per descriptor cell")
     parser.add_argument("--notif-repeats", type=int, default=60, help="trials per notif cell")
+    parser.add_argument(
+        "--sections",
+        default="descriptors,notif,block-major",
+        help="comma-separated: descriptors, notif, block-major",
+    )
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     started = time.monotonic()
-    layout = _layout()
+    if sections & {"descriptors", "notif"}:
+        layout = _layout()
+        with _session(layout) as (decode, child):
+            if "descriptors" in sections:
+                print_descriptor_tables(descriptor_rows(decode, layout, args.repeats))
+            if "notif" in sections:
+                print_notif_table(notif_rows(decode, child, layout, args.notif_repeats))
+    if "block-major" in sections:
+        layout = _layout(MemoryLayout.BLOCK_NHD_PACKED)
+        with _session(layout) as (decode, _):
+            rows = block_major_rows(decode, layout, args.repeats)
+        print_busy_table(rows, "Block-outermost rows (vLLM's BLNHC) against the ceiling, "
+                         "decode checking busily:")  # fmt: skip
+    print(f"\nwall time {time.monotonic() - started:.0f} s")
+
+
+@contextlib.contextmanager
+def _session(layout: RankLayout) -> Iterator[tuple[Decode, PeerChild]]:
+    """A child serving ``layout``'s regions and this process's agent reading them."""
     total_gib = 2 * sum(layout.region_bytes) / (1 << 30)
-    print(f"KV regions: {len(layout.region_bytes)} per side, {total_gib:.2f} GiB in both processes")
+    print(f"\n{layout.memory_layout.value}: {len(layout.region_bytes)} KV regions per side, "
+          f"{total_gib:.2f} GiB in both processes")  # fmt: skip
     with PeerChild(layout.region_bytes, lifetime_s=600.0) as child:
         metadata, remote_addresses = child.wait_ready(timeout_s=120.0)
         decode = Decode(layout, metadata, remote_addresses)
         try:
-            print_descriptor_tables(descriptor_rows(decode, layout, args.repeats))
-            print_notif_table(notif_rows(decode, child, layout, args.notif_repeats))
+            yield decode, child
         finally:
             decode.agent.close()
-    print(f"\nwall time {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":

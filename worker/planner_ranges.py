@@ -217,9 +217,21 @@ def _atom_major(runs: tuple[Int64Array, Int64Array, Int64Array], cls: PlaneClass
     )
 
 
+def _planes_share_rows(cls: PlaneClass) -> bool:
+    """Decode's planes of the class all sit inside one kernel block's row of one region
+    (a block-outermost layout, whatever the engine called it): run by run, plane by plane
+    is then decode's memory order, and whole pages of neighbouring planes join."""
+    regions, offsets = cls.local_regions, cls.local_offsets
+    return (
+        len(offsets) > 1
+        and bool(np.all(regions == regions[0]))
+        and int(offsets.max()) < cls.local.kernel_block_bytes
+    )
+
+
 def broadcast(runs: tuple[Int64Array, Int64Array, Int64Array], cls: PlaneClass) -> Runs:
     """The class's relative runs placed in every plane of the class."""
-    if cls.atom_major:  # block-outermost: planes of one block sit side by side
+    if cls.atom_major or _planes_share_rows(cls):  # planes of one block sit side by side
         return _atom_major(runs, cls)
     local, remote, lengths = runs
     num_planes, num_runs = len(cls.local_offsets), len(local)
