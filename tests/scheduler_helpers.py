@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import enum
 from collections.abc import Sequence
 from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec
+from connector.lifecycle import TransitionTable
 from connector.metadata import LoadSpec, RemoteSource, WorkerReport
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
@@ -65,6 +68,30 @@ class RecordingHeartbeats(HeartbeatSender):
     ) -> bool:
         self.released.append((engine_id, host, port, tuple(remote_request_ids)))
         return True
+
+
+class MoveLog:
+    """Watches a lifecycle's moves (a Book's on_move): each must be an edge of ``table`` that
+    continues the record's last state; a record's life starts at ``start`` and ends in a
+    terminal state exactly once (a second end would have to start from ``start`` again)."""
+
+    def __init__(self, table: TransitionTable[Any], start: enum.Enum) -> None:
+        self.table = table
+        self.start = start
+        self.live: dict[str, enum.Enum] = {}  # request id -> state, for records not yet ended
+        self.lives_ended: collections.Counter[str] = collections.Counter()
+        self.edges: set[tuple[enum.Enum, enum.Enum]] = set()
+
+    def __call__(self, request_id: str, current: enum.Enum, target: enum.Enum) -> None:
+        assert self.table.allows(current, target), f"{request_id}: {current} -> {target}"
+        last = self.live.get(request_id, self.start)
+        assert last is current, f"{request_id} moved from {current} but stood at {last}"
+        self.edges.add((current, target))
+        if target in self.table.terminal:
+            self.live.pop(request_id, None)
+            self.lives_ended[request_id] += 1
+        else:
+            self.live[request_id] = target
 
 
 def make_decode(

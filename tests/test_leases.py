@@ -12,9 +12,10 @@ from connector.errors import TransferPlanError
 from connector.metadata import RemoteSource, WorkerReport
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseStats, LeaseTable
+from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, LeaseState, LoadState
 from scheduler.producer import Producer
 from scheduler.suffix import uncached_suffix_blocks
-from tests.scheduler_helpers import FULL_16, SSM_64, FakeClock, RecordingHeartbeats
+from tests.scheduler_helpers import FULL_16, SSM_64, FakeClock, MoveLog, RecordingHeartbeats
 
 # ---------------------------------------------------------------- LeaseTable
 
@@ -200,8 +201,14 @@ def test_every_prefill_request_finishes_sending_exactly_once(
 ) -> None:
     clock = FakeClock()
     leases = LeaseTable(30.0)
+    log = MoveLog(LEASE_LIFECYCLE, LeaseState.NEW)  # only table edges, one end per lease
     producer = Producer(
-        engine_id="p", tp_size=TP_SIZE, leases=leases, clock=clock, address=lambda: ("h", 1)
+        engine_id="p",
+        tp_size=TP_SIZE,
+        leases=leases,
+        clock=clock,
+        address=lambda: ("h", 1),
+        on_move=log,
     )
     leased: set[str] = set()
     announced: set[str] = set()  # ids the ranks were told to count (sends, not yet forgotten)
@@ -230,6 +237,7 @@ def test_every_prefill_request_finishes_sending_exactly_once(
     finished += producer.take_finished()
     assert sorted(finished) == sorted(leased)
     assert producer.num_leased == 0 and len(leases) == 0
+    assert not log.live and log.lives_ended == dict.fromkeys(leased, 1)
 
 
 # ---------------------------------------------------------------- exactly once: decode
@@ -273,12 +281,14 @@ class FakeRanks:
 def test_every_awaited_decode_request_is_reported_exactly_once(
     actions: list[tuple[str, object]],
 ) -> None:
+    log = MoveLog(LOAD_LIFECYCLE, LoadState.NEW)  # only table edges, one end per life
     consumer = Consumer(
         groups=(FULL_16,),
         tp_size=TP_SIZE,
         heartbeats=RecordingHeartbeats(),
         heartbeat_interval_s=5.0,
         clock=FakeClock(),
+        on_move=log,
     )
     workers = FakeRanks()
     matched: set[str] = set()  # gnnmt said (n, True) and the engine has not finished the request
@@ -338,4 +348,4 @@ def test_every_awaited_decode_request_is_reported_exactly_once(
         collect()
     assert len(reported) == len(set(reported)), f"reported twice: {reported}"
     assert not held, f"held but never reported: {held}"
-    assert consumer.num_tracked == 0
+    assert consumer.num_tracked == 0 and not log.live

@@ -1,0 +1,199 @@
+"""The decode load lifecycle under any engine order: a hypothesis state machine drives Consumer
+with vLLM's calls in any interleaving (repeated, late, for unknown ids, ids reused after they
+finished) and the ranks answering in any order, while MoveLog checks only table edges are taken.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from connector.metadata import RemoteSource, WorkerReport
+from scheduler.consumer import Consumer
+from scheduler.lifecycles import LOAD_LIFECYCLE, LoadState
+from tests.scheduler_helpers import FULL_16, FakeClock, MoveLog, RecordingHeartbeats
+
+TP_SIZE = 2
+NUM_TOKENS = 40
+REQUEST_IDS = ("r0", "r1")
+IDS = st.sampled_from(REQUEST_IDS)
+RANKS = st.integers(0, TP_SIZE - 1)
+SOURCE = RemoteSource("p", "h", 1, 1, "remote", ((1, 2, 3),))
+
+
+class DecodeEngine(RuleBasedStateMachine):
+    """The engine's view of each request, next to the Consumer under test.
+
+    ``waiting``: parked for a load (claimed, then allocated with tokens to load) and not yet
+    reported. ``held``: request_finished was told to keep the blocks, until reported. Every
+    report must be awaited in one of those ways; blocks are kept exactly while ranks may write.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = MoveLog(LOAD_LIFECYCLE, LoadState.NEW)
+        self.consumer = Consumer(
+            groups=(FULL_16,),
+            tp_size=TP_SIZE,
+            heartbeats=RecordingHeartbeats(),
+            heartbeat_interval_s=5.0,
+            clock=FakeClock(),
+            on_move=self.log,
+        )
+        self.claimed: set[str] = set()  # the last get_num_new_matched_tokens said (n, True)
+        self.waiting: set[str] = set()
+        self.held: set[str] = set()
+        self.reported: set[str] = set()  # reported while the engine still runs the request
+        self.instructed: collections.Counter[tuple[str, int]] = collections.Counter()
+
+    @rule(request_id=IDS, num_cached=st.sampled_from([0, 16, 40]))
+    def match(self, request_id: str, num_cached: int) -> None:
+        if request_id in self.held:
+            return  # finished: the engine never asks again for this life
+        num_tokens, pending = self.consumer.get_num_new_matched_tokens(
+            request_id, SOURCE, NUM_TOKENS, num_cached
+        )
+        assert pending is (num_tokens > 0)
+        if request_id in self.waiting | self.reported:
+            assert not pending, "a parked or reported load was offered again"
+        elif pending:
+            self.claimed.add(request_id)
+        else:
+            self.claimed.discard(request_id)
+
+    @precondition(lambda self: bool(self.claimed))
+    @rule(request_id=IDS, load=st.booleans(), num_blocks=st.sampled_from([1, 3]))
+    def alloc(self, request_id: str, load: bool, num_blocks: int) -> None:
+        """One block is too few for the prompt: the load cannot be planned and fails."""
+        if request_id not in self.claimed:
+            return  # vLLM allocates external tokens only for a claimed load
+        self.claimed.discard(request_id)
+        block_ids = ((10, 11, 12)[:num_blocks],)
+        self.consumer.update_state_after_alloc(request_id, block_ids, 24 if load else 0)
+        if load:
+            self.waiting.add(request_id)
+
+    @rule()
+    def step(self) -> None:
+        loads, releases = self.consumer.take_step()
+        for spec in [*loads, *releases]:
+            for tp_rank in range(TP_SIZE):
+                self.instructed[spec.request_id, tp_rank] += 1
+        self.collect()
+
+    @rule(request_id=IDS, tp_rank=RANKS, ok=st.booleans(), asked=st.booleans())
+    def respond(self, request_id: str, tp_rank: int, ok: bool, asked: bool) -> None:
+        """A rank answers an instruction, or (``asked`` False) reports out of the blue."""
+        if asked:
+            if self.instructed[request_id, tp_rank] == 0:
+                return
+            self.instructed[request_id, tp_rank] -= 1
+        failed = {} if ok else {request_id: "boom"}
+        finished = (request_id,) if ok else ()
+        report = WorkerReport(tp_rank, finished_recving=finished, failed_recving=failed)
+        self.consumer.on_reports([report])
+        self.collect()
+
+    @precondition(lambda self: any(self.instructed.values()))
+    @rule(request_id=IDS, ok=st.booleans())
+    def answer_all(self, request_id: str, ok: bool) -> None:
+        """Every rank answers every instruction it holds for ``request_id``."""
+        for tp_rank in range(TP_SIZE):
+            for _ in range(self.instructed[request_id, tp_rank]):
+                self.respond(request_id, tp_rank, ok, True)
+
+    @rule(request_id=IDS, failed=st.booleans())
+    def engine_outcome(self, request_id: str, failed: bool) -> None:
+        self.consumer.on_engine_outcomes([request_id], [request_id] if failed else [])
+        self.collect()
+
+    @rule(request_id=IDS)
+    def finish(self, request_id: str) -> None:
+        if request_id in self.held:
+            return  # vLLM finishes a request once
+        delay, _ = self.consumer.request_finished(request_id, SOURCE)
+        assert delay is (request_id in self.waiting), "blocks kept iff ranks may still write"
+        self.claimed.discard(request_id)
+        self.reported.discard(request_id)
+        if delay:
+            self.waiting.discard(request_id)
+            self.held.add(request_id)
+
+    def collect(self) -> None:
+        done, failed = self.consumer.take_finished()
+        for request_id in [*done, *failed]:
+            assert request_id in self.waiting | self.held, f"{request_id} reported unawaited"
+            if request_id in self.waiting:
+                self.reported.add(request_id)
+            self.waiting.discard(request_id)
+            self.held.discard(request_id)
+
+    @invariant()
+    def the_book_matches_the_moves(self) -> None:
+        assert self.consumer.num_tracked == len(self.log.live)
+
+    def teardown(self) -> None:
+        """The engine finishes everything and the ranks answer every instruction."""
+        for request_id in REQUEST_IDS:
+            self.finish(request_id)
+        for _ in range(3):
+            self.step()
+            for request_id in REQUEST_IDS:
+                self.answer_all(request_id, True)
+        assert not self.held, f"blocks held but never reported: {self.held}"
+        assert self.consumer.num_tracked == 0 and not self.log.live
+        assert not self.consumer.has_pending_work
+
+
+# Named paths that together take every edge of the table, each ending in teardown's checks.
+PATHS = {
+    "load, report, finish": "match 16, alloc 3, step, answer ok, finish",
+    "load fails on a rank": "match 0, alloc 3, step, answer fail, finish",
+    "abort while loading": "match 16, alloc 3, step, finish, answer ok",
+    "abort after allocation": "match 16, alloc 3, finish, step, answer fail",
+    "the prefix hit grows to full": "match 0, match 16, match 40, step, answer ok",
+    "the engine loads nothing after all": "match 16, alloc 0, step, answer ok",
+    "full prefix hit": "match 40, step, answer ok, finish",
+    "unplannable, ranks ack first": "match 16, alloc 1, step, answer ok, finish",
+    "unplannable, finished first": "match 16, alloc 1, step, finish, step, answer ok",
+    "abort before allocation": "match 16, finish, step, answer ok",
+}
+
+
+@pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
+def test_named_paths_end_cleanly(path: str) -> None:
+    walk(path)
+
+
+def test_the_named_paths_take_every_edge_of_the_load_table() -> None:
+    taken = set().union(*(walk(path).log.edges for path in PATHS.values()))
+    every = {
+        (current, target) for current, targets in LOAD_LIFECYCLE.moves.items() for target in targets
+    }
+    assert every - taken == set()
+
+
+def walk(path: str) -> DecodeEngine:
+    engine = DecodeEngine()
+    for call in path.split(", "):
+        name, _, arg = call.partition(" ")
+        if name == "match":
+            engine.match("r0", int(arg))
+        elif name == "alloc":
+            engine.alloc("r0", arg != "0", int(arg) or 3)
+        elif name == "answer":
+            engine.answer_all("r0", arg == "ok")
+        elif name == "finish":
+            engine.finish("r0")
+        else:
+            engine.step()
+    engine.teardown()
+    return engine
+
+
+DecodeEngine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+test_the_decode_load_lifecycle_under_any_engine_order = DecodeEngine.TestCase
