@@ -1,6 +1,7 @@
-"""The decode load lifecycle under any engine order: a hypothesis state machine drives Consumer
-with vLLM's calls in any interleaving (repeated, late, for unknown ids, ids reused after they
-finished) and the ranks answering in any order, while MoveLog checks only table edges are taken.
+"""The scheduler's lifecycles walked: a hypothesis state machine drives Consumer with vLLM's
+calls in any interleaving (repeated, late, for unknown ids, ids reused after they finished)
+and the ranks answering in any order, while MoveLog checks only table edges are taken; named
+paths through Consumer and Producer together take every edge of the load and lease tables.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from connector.metadata import RemoteSource, WorkerReport
 from scheduler.consumer import Consumer
-from scheduler.lifecycles import LOAD_LIFECYCLE, LoadState
+from scheduler.leases import LeaseTable
+from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, LeaseState, LoadState
+from scheduler.producer import Producer
 from tests.scheduler_helpers import FULL_16, FakeClock, MoveLog, RecordingHeartbeats
 
 TP_SIZE = 2
@@ -197,3 +200,70 @@ def walk(path: str) -> DecodeEngine:
 
 DecodeEngine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_the_decode_load_lifecycle_under_any_engine_order = DecodeEngine.TestCase
+
+
+# ---------------------------------------------------------------- the prefill lease
+
+# path -> (ids in sends, ids in forgotten): the ranks forget only what they were sent.
+LEASE_PATHS = {
+    "announced, then every rank freed it": ("finish, step, report 0, report 1", 1, 0),
+    "every rank reported before the sends went out": ("finish, report 0, report 1, step", 0, 0),
+    "expired before the sends went out": ("finish, expire, step", 0, 0),
+    "expired after the sends": ("finish, step, expire, step", 1, 1),
+    "released before the sends went out": ("finish, release, step", 0, 0),
+    "released after the sends": ("finish, step, release, step", 1, 1),
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "num_sends", "num_forgotten"), LEASE_PATHS.values(), ids=LEASE_PATHS.keys()
+)
+def test_every_lease_path_frees_once_and_tells_the_ranks_consistently(
+    path: str, num_sends: int, num_forgotten: int
+) -> None:
+    log, sends, forgotten, finished = lease_walk(path)
+    assert finished == ["p1"] and log.lives_ended == {"p1": 1}
+    assert sends == ["p1"] * num_sends and forgotten == ["p1"] * num_forgotten
+
+
+def test_the_lease_paths_take_every_edge_of_the_lease_table() -> None:
+    taken = set().union(*(lease_walk(path)[0].edges for path, _, _ in LEASE_PATHS.values()))
+    every = {
+        (current, target)
+        for current, targets in LEASE_LIFECYCLE.moves.items()
+        for target in targets
+    }
+    assert every - taken == set()
+
+
+def lease_walk(path: str) -> tuple[MoveLog, list[str], list[str], list[str]]:
+    """Drive one prefill request "p1" along ``path``: (moves, sends, forgotten, finished)."""
+    clock = FakeClock()
+    leases = LeaseTable(30.0)
+    log = MoveLog(LEASE_LIFECYCLE, LeaseState.NEW)
+    producer = Producer(
+        engine_id="p",
+        tp_size=TP_SIZE,
+        leases=leases,
+        clock=clock,
+        address=lambda: ("h", 1),
+        on_move=log,
+    )
+    sends: list[str] = []
+    forgotten: list[str] = []
+    for call in path.split(", "):
+        name, _, arg = call.partition(" ")
+        if name == "finish":
+            assert producer.request_finished("p1", ((1,),))[0] is True
+        elif name == "report":
+            producer.on_reports([WorkerReport(int(arg), finished_sending=("p1",))])
+        elif name == "expire":
+            clock.advance(31.0)
+        elif name == "release":
+            leases.release(["p1"])
+        else:
+            step_sends, step_forgotten = producer.take_step()
+            sends += step_sends
+            forgotten += step_forgotten
+    assert not producer.has_pending_work and len(leases) == 0 and not log.live
+    return log, sends, forgotten, list(producer.take_finished())
