@@ -117,8 +117,14 @@ def _api_module(recorder: Recorder) -> types.ModuleType:
     module.nixl_agent_config = nixl_agent_config  # type: ignore[attr-defined]
     module.nixl_xfer_handle = nixl_xfer_handle  # type: ignore[attr-defined]
     # Handle types the agent only names (annotations): any other name is a plain class.
-    module.__getattr__ = lambda name: type(name, (), {})  # type: ignore[method-assign]
+    module.__getattr__ = _handle_type  # type: ignore[method-assign]
     return module
+
+
+def _handle_type(name: str) -> type:
+    if not name.startswith("nixl_"):
+        raise AttributeError(name)
+    return type(name, (), {})
 
 
 def load_recorded_nixl_real(monkeypatch: pytest.MonkeyPatch, recorder: Recorder) -> Any:

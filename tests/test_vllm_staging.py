@@ -234,3 +234,91 @@ def test_set_host_xfer_buffer_ops_is_used_for_every_copy(make_pair: Any) -> None
     assert _prompt_bytes(decode, loaded, num_tokens - 1) == _prompt_bytes(
         prefill, prefill_blocks, num_tokens - 1
     )
+
+
+class _OnCuda(torch.Tensor):
+    """A host tensor that says it lives on cuda:1: what the adapter reads off vLLM's caches."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 1)
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def _worker(model: Any, extra: dict[str, Any] | None, agent: Any = None) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.vllm import NixlPDConnector
+
+    config = h.vllm_config(model, kv_role="kv_producer", extra_config=extra)
+    cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    worker = NixlPDConnector(config, KVConnectorRole.WORKER, cache, tp_rank=0, agent=agent)
+    return worker, cache
+
+
+def test_a_gpu_kv_cache_is_registered_as_vram_of_its_device(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import msgspec
+
+    from connector.memory import Memory, MemoryKind
+    from connector.protocol import WorkerHandshake
+    from tests.nixl_recorder import Recorder, load_recorded_nixl_real
+
+    recorder = Recorder()
+    nixl_real = load_recorded_nixl_real(monkeypatch, recorder)
+    worker, cache = _worker(model, None, nixl_real.RealNixlAgent("p", backends=("UCX",)))
+    caches = {
+        name: torch.Tensor._make_subclass(_OnCuda, tensor)
+        for name, tensor in h.allocate_kv_caches(cache).items()
+    }
+    try:
+        worker.register_kv_caches(caches)
+        handshake = msgspec.msgpack.decode(
+            worker.get_handshake_metadata().payload, type=WorkerHandshake
+        )
+    finally:
+        worker.shutdown()
+    ((rows, mem_type),) = recorder.of("register_memory")
+    assert mem_type == "VRAM"
+    assert sorted(address for address, _, _ in rows) == sorted(
+        t.data_ptr() for t in caches.values()
+    )
+    assert {device for _, _, device in rows} == {1}
+    assert handshake.memory == Memory(MemoryKind.GPU, 1)
+
+
+def test_a_gpu_kv_cache_staged_registers_host_memory(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.nixl_recorder import Recorder, load_recorded_nixl_real
+
+    recorder = Recorder()
+    nixl_real = load_recorded_nixl_real(monkeypatch, recorder)
+    worker, cache = _worker(model, STAGED, nixl_real.RealNixlAgent("p", backends=("UCX",)))
+    caches = {
+        name: torch.Tensor._make_subclass(_OnCuda, tensor)
+        for name, tensor in h.allocate_kv_caches(cache).items()
+    }
+    try:
+        worker.register_kv_caches(caches)
+    finally:
+        worker.shutdown()
+    ((rows, mem_type),) = recorder.of("register_memory")
+    assert mem_type == "DRAM"
+    assert not {address for address, _, _ in rows} & {t.data_ptr() for t in caches.values()}
+
+
+def test_the_backends_key_builds_the_agent_with_every_backend(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.nixl_recorder import Recorder, load_recorded_nixl_real
+
+    recorder = Recorder()
+    load_recorded_nixl_real(monkeypatch, recorder)
+    worker, _ = _worker(model, {"backends": ["UCX", "POSIX"], "num_threads": 2})
+    worker.shutdown()
+    assert recorder.of("create_backend") == [("UCX", {"num_threads": "2"}), ("POSIX", {})]
