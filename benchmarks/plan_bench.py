@@ -1,5 +1,11 @@
 """Transfer planning cost: microseconds and descriptors per request, against one per (layer, block).
 
+The "by index" columns: the per-request work of a READ by index from prepared lists
+(worker/planner_prepped.py: segments, then indices of whole blocks and the partial block's
+ranges), its index count, and what choose_prepared picks ("-": the pairing cannot be read
+by whole-block index). Real NIXL's make_read / make_prepped_xfer costs on top are measured
+in benchmarks/README.md ("prepared lists").
+
 Model: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks (K and V planes per layer).
 Run: ``.venv/bin/python -m benchmarks.plan_bench`` or ``python benchmarks/plan_bench.py``.
 """
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from worker.planner import TransferPlanner
+from worker.planner_prepped import plan_rank, prepared_request, prepared_rows
 
 NUM_LAYERS = 32
 NUM_KV_HEADS = 8
@@ -75,8 +82,34 @@ def _median_us(
     return statistics.median(samples) * 1e6
 
 
-def run(case: Case) -> tuple[float, int, int]:
-    """(median plan time in µs, descriptors, descriptors of one per (layer plane, block))."""
+def _index_us(
+    planner: TransferPlanner, local: Sequence[int], remote: Sequence[int], num_tokens: int
+) -> tuple[str, str, str]:
+    """(median µs of the per-request work by index, indices, the rule's choice), or dashes."""
+    rows = prepared_rows(
+        planner.groups, 0, local_addresses=[1 << 30] * 64, local_device=0,
+        remote_addresses=[1 << 40] * 64, remote_device=0,
+    )  # fmt: skip
+    ids = ((local,), (remote,))
+    segments = planner.segments(*ids, num_tokens=num_tokens, num_cached_tokens=0)
+    chosen = plan_rank(planner, segments, 0, rows)
+    choice = "index" if chosen is not None and chosen.by_index is not None else "ranges"
+    if rows is None:
+        return "-", "-", choice
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        segments = planner.segments(*ids, num_tokens=num_tokens, num_cached_tokens=0)
+        request = prepared_request(rows, segments)
+        planner.rank_runs(segments, 0, request.partial)  # the partial block's ranges, if any
+        samples.append(time.perf_counter() - start)
+    num_indices = len(request.local_indices)
+    return f"{statistics.median(samples) * 1e6:.0f}", str(num_indices), choice
+
+
+def run(case: Case) -> tuple[float, int, int, tuple[str, str, str]]:
+    """(median plan time in µs, descriptors, descriptors of one per (layer plane, block),
+    the by-index columns)."""
     decode_spec = _spec(case.memory_layout)
     prefill_spec = _spec(case.prefill_layout or case.memory_layout)
     planner = TransferPlanner(
@@ -88,7 +121,8 @@ def run(case: Case) -> tuple[float, int, int]:
     plan = planner.plan((local,), (remote,), num_tokens=case.num_tokens, num_cached_tokens=0)
     descriptors = sum(len(r.lengths) for r in plan.reads)
     per_block = NUM_LAYERS * 2 * num_blocks
-    return _median_us(planner, local, remote, case.num_tokens), descriptors, per_block
+    by_index = _index_us(planner, local, remote, case.num_tokens)
+    return _median_us(planner, local, remote, case.num_tokens), descriptors, per_block, by_index
 
 
 CASES = [
@@ -115,12 +149,18 @@ CASES = [
 
 
 def main() -> None:
-    header = f"{'case':<38} {'plan µs':>9} {'descriptors':>12} {'per (layer,block)':>18}"
+    header = (
+        f"{'case':<38} {'plan µs':>9} {'descriptors':>12} {'per (layer,block)':>18} "
+        f"{'by index µs':>12} {'indices':>8} {'rule':>7}"
+    )
     print(header)
     print("-" * len(header))
     for case in CASES:
-        micros, descriptors, per_block = run(case)
-        print(f"{case.name:<38} {micros:>9.0f} {descriptors:>12} {per_block:>18}")
+        micros, descriptors, per_block, (index_us, indices, rule) = run(case)
+        print(
+            f"{case.name:<38} {micros:>9.0f} {descriptors:>12} {per_block:>18} "
+            f"{index_us:>12} {indices:>8} {rule:>7}"
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import msgspec
 
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import ConnectorMetadata
-from worker.nixl_api import Descriptors, NixlAgent, TransferState
+from worker.descriptors import expand
+from worker.nixl_api import Descriptors, Indices, NixlAgent, StridedRows, TransferState
 
 
 class StatsSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,6 +76,7 @@ class MeteredAgent:
         self.inner = agent
         self._stats = stats
         self._posted_s: dict[int, float] = {}  # id(transfer) -> post time, until DONE
+        self._rows: dict[int, StridedRows] = {}  # id(prepared list) -> its rows, until released
 
     @property
     def name(self) -> str:
@@ -115,6 +117,35 @@ class MeteredAgent:
             local_memory=local_memory,
             remote_memory=remote_memory,
         )
+        self._count_read(local)
+        return transfer
+
+    def prepare_list(
+        self, owner: str | None, rows: StridedRows, memory: Memory = HOST_MEMORY
+    ) -> Any:
+        prepared = self.inner.prepare_list(owner, rows, memory)
+        self._rows[id(prepared)] = rows
+        return prepared
+
+    def make_prepped_read(
+        self,
+        local_list: Any,
+        local_indices: Indices,
+        remote_list: Any,
+        remote_indices: Indices,
+        notif: bytes = b"",
+    ) -> Any:
+        transfer = self.inner.make_prepped_read(
+            local_list, local_indices, remote_list, remote_indices, notif
+        )
+        self._count_read(expand(self._rows[id(local_list)], local_indices))
+        return transfer
+
+    def release_list(self, prepared: Any) -> None:
+        self._rows.pop(id(prepared), None)
+        self.inner.release_list(prepared)
+
+    def _count_read(self, local: Descriptors) -> None:
         stats = self._stats
         with stats.lock:
             if stats.first_read_s is None:
@@ -122,7 +153,6 @@ class MeteredAgent:
             stats.num_reads += 1
             stats.num_descriptors += int(local.shape[0])
             stats.bytes_transferred += int(local[:, 1].sum()) if local.shape[0] else 0
-        return transfer
 
     def post(self, transfer: Any) -> TransferState:
         self._posted_s[id(transfer)] = self._stats.clock()

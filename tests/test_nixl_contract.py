@@ -229,6 +229,106 @@ def test_bad_read_is_rejected_with_a_clear_message(
     np.testing.assert_array_equal(world.reader_buffer, READER_FILL)
 
 
+# Prepared lists: strided rows (offset_bytes, length_bytes, stride_bytes, count) on each side.
+LOCAL_ROWS = [(0, 256, 1024, 16), (512, 128, 256, 8)]  # entries 0-15, then 16-23
+REMOTE_ROWS = [(4096, 256, 512, 64), (100, 128, 1000, 10)]  # entries 0-63, then 64-73
+
+
+def strided(rows: list[tuple[int, int, int, int]], base: int) -> np.ndarray:
+    return np.array([(base + o, n, 0, s, c) for o, n, s, c in rows], dtype=np.int64)
+
+
+def entry(rows: list[tuple[int, int, int, int]], index: int) -> tuple[int, int]:
+    """(offset_bytes, length_bytes) of entry ``index`` of a prepared list."""
+    for offset, length, stride, count in rows:
+        if index < count:
+            return offset + index * stride, length
+        index -= count
+    raise IndexError(index)
+
+
+PREPPED_READS = {
+    "one entry": ([3], [10]),
+    "adjacent entries, merged by NIXL or not": ([0, 1, 2], [5, 6, 7]),
+    "scattered, out of order, both rows": ([15, 16, 2, 23], [63, 64, 0, 73]),
+}
+
+
+@pytest.mark.parametrize(("local", "remote"), PREPPED_READS.values(), ids=PREPPED_READS.keys())
+def test_read_by_index_lands_exactly_the_indexed_entries(
+    world: World, local: list[int], remote: list[int]
+) -> None:
+    expected = world.reader_buffer.copy()
+    for local_index, remote_index in zip(local, remote, strict=True):
+        local_offset, length = entry(LOCAL_ROWS, local_index)
+        remote_offset, _ = entry(REMOTE_ROWS, remote_index)
+        expected[local_offset : local_offset + length] = world.owner_buffer[
+            remote_offset : remote_offset + length
+        ]
+    local_list = world.reader.prepare_list(None, strided(LOCAL_ROWS, world.reader_base))
+    remote_list = world.reader.prepare_list(
+        world.owner.name, strided(REMOTE_ROWS, world.owner_base)
+    )
+    transfer = world.reader.make_prepped_read(
+        local_list, np.array(local), remote_list, np.array(remote), b"req:1"
+    )
+    run_read(world.reader, transfer)
+    world.reader.release(transfer)
+    world.reader.release_list(local_list)
+    world.reader.release_list(remote_list)
+
+    np.testing.assert_array_equal(world.reader_buffer, expected)
+    assert wait_notifs(world.owner) == {world.reader.name: [b"req:1"]}
+
+
+BAD_PREPPED = {
+    "local index past the list": ([24], [0], "local index 24 is outside the prepared list of 24"),
+    "negative remote index": ([0], [-1], "remote index -1 is outside the prepared list of 74"),
+    "count mismatch": ([0, 1], [0], "as many local as remote indices.*2 local and 1 remote"),
+    "no indices": ([], [], "at least one: got 0 local and 0 remote"),
+}
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "message"), BAD_PREPPED.values(), ids=BAD_PREPPED.keys()
+)
+def test_bad_read_by_index_is_rejected_with_a_clear_message(
+    world: World, local: list[int], remote: list[int], message: str
+) -> None:
+    local_list = world.reader.prepare_list(None, strided(LOCAL_ROWS, world.reader_base))
+    remote_list = world.reader.prepare_list(
+        world.owner.name, strided(REMOTE_ROWS, world.owner_base)
+    )
+    with pytest.raises(TransferFailed, match=message):
+        world.reader.make_prepped_read(
+            local_list,
+            np.array(local, dtype=np.int64),
+            remote_list,
+            np.array(remote, dtype=np.int64),
+        )
+    with pytest.raises(TransferFailed, match="local side and a remote agent's|wrong side"):
+        world.reader.make_prepped_read(local_list, np.array([0]), local_list, np.array([0]))
+    world.reader.release_list(local_list)
+    world.reader.release_list(remote_list)
+    np.testing.assert_array_equal(world.reader_buffer, READER_FILL)
+
+
+@pytest.mark.parametrize(
+    ("owner", "rows", "message"),
+    [
+        ("nobody", [(0, 8, 8, 1)], "unknown remote agent 'nobody'"),
+        (None, [(0, 0, 8, 1)], "positive length_bytes, stride_bytes and count"),
+        (None, [], r"expected \(M, 5\) rows"),
+    ],
+    ids=["unknown owner", "zero length", "no rows"],
+)
+def test_bad_prepared_list_is_rejected(
+    world: World, owner: str | None, rows: list[tuple[int, int, int, int]], message: str
+) -> None:
+    with pytest.raises(TransferFailed, match=message):
+        world.reader.prepare_list(owner, strided(rows, world.reader_base).reshape(-1, 5))
+
+
 def test_send_notif_to_unknown_agent_is_rejected(world: World) -> None:
     with pytest.raises(TransferFailed, match="unknown remote agent 'nobody'"):
         world.reader.send_notif("nobody", b"x:1")

@@ -20,6 +20,7 @@ from connector.config import ConnectorConfig
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, KVCacheSpec
+from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from tests.test_worker_parts import BASE, Clock, make_spec
@@ -40,6 +41,14 @@ class Read:
     state: TransferState = TransferState.IN_PROGRESS
     error: str | None = None
     released: bool = False
+    by_index: bool = False
+
+
+@dataclass
+class PreparedList:
+    owner: str
+    rows: Any
+    released: bool = False
 
 
 @dataclass
@@ -52,6 +61,7 @@ class RecordingAgent:
     regions: list[tuple[int, int]] = field(default_factory=list)
     remotes: set[str] = field(default_factory=set)
     reads: list[Read] = field(default_factory=list)
+    lists: list[PreparedList] = field(default_factory=list)
     sent: list[tuple[str, bytes]] = field(default_factory=list)
     inbox: dict[str, list[bytes]] = field(default_factory=dict)
     broken_metadata: bool = False
@@ -60,7 +70,7 @@ class RecordingAgent:
         self.threads.add(threading.get_ident())
         self.calls.append((sys._getframe(1).f_code.co_name, threading.current_thread().name))
 
-    def register_regions(self, regions: Any) -> Any:
+    def register_regions(self, regions: Any, memory: Memory = HOST_MEMORY) -> Any:
         self._call()
         self.regions = list(regions)
         return "registration"
@@ -83,12 +93,34 @@ class RecordingAgent:
         self._call()
         self.remotes.discard(agent_name)
 
-    def make_read(self, remote_agent: str, local: Any, remote: Any, notif: bytes = b"") -> Any:
+    def make_read(
+        self, remote_agent: str, local: Any, remote: Any, notif: bytes = b"", **memory: Memory
+    ) -> Any:
         self._call()
         if remote_agent not in self.remotes:
             raise TransferFailed(f"unknown agent {remote_agent}")
         self.reads.append(Read(remote_agent, local, remote, notif))
         return self.reads[-1]
+
+    def prepare_list(self, owner: str | None, rows: Any, memory: Memory = HOST_MEMORY) -> Any:
+        self._call()
+        if owner is not None and owner not in self.remotes:
+            raise TransferFailed(f"unknown agent {owner}")
+        self.lists.append(PreparedList(owner or self.name, rows))
+        return self.lists[-1]
+
+    def make_prepped_read(
+        self, local_list: Any, local: Any, remote_list: Any, remote: Any, notif: bytes = b""
+    ) -> Any:
+        self._call()
+        if local_list.released or remote_list.released:
+            raise TransferFailed("prepared list released")
+        self.reads.append(Read(remote_list.owner, local, remote, notif, by_index=True))
+        return self.reads[-1]
+
+    def release_list(self, prepared: Any) -> None:
+        self._call()
+        prepared.released = True
 
     def post(self, transfer: Read) -> TransferState:
         self._call()
@@ -289,7 +321,8 @@ def test_the_engine_thread_never_calls_nixl_between_registration_and_shutdown(ri
     ]
     hot_path = calls[first_transfer_call:]
     assert {name for _, name in hot_path} == {"nixl-pd-transfer-r0"}
-    assert {"add_remote_agent", "make_read", "post", "check", "release", "get_new_notifs"} <= {
+    by_index = {"prepare_list", "make_prepped_read"}  # an 8-token request of whole blocks
+    assert {"add_remote_agent", *by_index, "post", "check", "release", "get_new_notifs"} <= {
         method for method, _ in hot_path
     }
     assert rig.channels.threads and threading.get_ident() not in rig.channels.threads
@@ -516,3 +549,73 @@ def test_transfer_thread_survives_a_failing_pass_and_stops() -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
 def test_plan_memory_stays_mapped_on_glibc() -> None:
     assert keep_plan_memory_mapped()
+
+
+# --- reads by index from prepared lists (worker/planner_prepped.py) --------------------------
+
+FRAGMENTED = make_spec(num_layers=8, num_blocks=256)  # 16 planes: many ranges when fragmented
+
+
+def _fragmented_load(request_id: str, remote_id: str, *, num_tokens: int) -> LoadSpec:
+    num_blocks = -(-num_tokens // 4)
+    local_ids = tuple(range(0, 2 * num_blocks, 2))  # every other block: no two runs join
+    remote_ids = tuple(range(255, 255 - 3 * num_blocks, -3))
+    remote = source(remote_id, block_ids=(remote_ids,))
+    return LoadSpec(request_id, (local_ids,), num_tokens, 0, remote)
+
+
+def test_fragmented_whole_blocks_go_in_one_read_by_index_carrying_the_notification() -> None:
+    rig = Rig(spec=FRAGMENTED)
+    rig.channels.serve("p", 1, spec=FRAGMENTED)
+    rig.step(loads=(_fragmented_load("a", "pa", num_tokens=4 * 64),))
+    rig.until(lambda: bool(rig.agent.reads))
+    [read] = rig.agent.reads
+    assert read.by_index and read.notif == b"pa:1" and len(read.local) == 16 * 64
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("a"))
+    assert rig.finished == ["a"] and rig.agent.sent == []
+    rig.close()
+
+
+def test_a_partial_block_is_a_second_read_and_the_notification_waits_for_both() -> None:
+    rig = Rig(spec=FRAGMENTED)
+    rig.channels.serve("p", 1, spec=FRAGMENTED)
+    rig.step(loads=(_fragmented_load("a", "pa", num_tokens=4 * 64 + 2),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    by_index, by_ranges = rig.agent.reads
+    assert by_index.by_index and not by_ranges.by_index
+    assert by_index.notif == by_ranges.notif == b""  # neither READ may free prefill's blocks
+    by_index.state = TransferState.DONE
+    rig.step()
+    assert rig.agent.sent == [] and not rig.reported("a")
+    by_ranges.state = TransferState.DONE
+    rig.until(lambda: rig.reported("a"))
+    assert rig.finished == ["a"] and rig.agent.sent == [("p-r0", b"pa:1")]
+    rig.close()
+
+
+def test_a_failed_part_fails_the_request_and_still_frees_prefill_once() -> None:
+    rig = Rig(spec=FRAGMENTED)
+    rig.channels.serve("p", 1, spec=FRAGMENTED)
+    rig.step(loads=(_fragmented_load("a", "pa", num_tokens=4 * 64 + 2),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    rig.agent.reads[0].error = "remote disconnected"
+    rig.agent.reads[1].state = TransferState.DONE
+    rig.until(lambda: rig.reported("a"))
+    assert "remote disconnected" in rig.failed["a"]
+    assert rig.agent.sent == [("p-r0", b"pa:1")]
+    assert all(read.released for read in rig.agent.reads)
+    rig.close()
+
+
+def test_prepared_lists_are_made_once_per_peer_and_freed_at_shutdown() -> None:
+    rig = Rig(spec=FRAGMENTED)
+    rig.channels.serve("p", 1, spec=FRAGMENTED)
+    rig.step(loads=(_fragmented_load("a", "pa", num_tokens=4 * 64),))
+    rig.step(loads=(_fragmented_load("b", "pb", num_tokens=4 * 64),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    assert [prepared.owner for prepared in rig.agent.lists] == ["decode-r0", "p-r0"]
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("a") and rig.reported("b"))
+    rig.close()
+    assert all(prepared.released for prepared in rig.agent.lists)

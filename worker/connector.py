@@ -37,6 +37,7 @@ from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
 from worker.peers import PeerTable
+from worker.prepped import PreparedLists
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class WorkerConnector:
             on_peer_failure=self._peers.retire,
         )
         self._agent_metadata = self._agent.get_agent_metadata()
+        self._peers.use_prepared_lists(PreparedLists(self._agent, self._region_addresses, memory))
         keep_plan_memory_mapped()
         loads = self._loads
         self._transfer = TransferThread(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from connector.errors import TransferFailed
-from worker.nixl_api import Descriptors
+from worker.nixl_api import Descriptors, Indices, StridedRows
 
 
 def checked_regions(regions: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -63,3 +63,59 @@ def _descriptor_rows(descriptors: Descriptors, side: str) -> Descriptors:
     if (rows[:, 1] <= 0).any():
         raise TransferFailed(f"{side} descriptors contain a non-positive length_bytes")
     return rows
+
+
+def checked_strided_rows(rows: StridedRows) -> StridedRows:
+    """A prepared list's rows as a fresh (M, 5) int64 array, M > 0, every field sane."""
+    checked = np.array(rows, dtype=np.int64)
+    if checked.ndim != 2 or checked.shape[1] != 5 or len(checked) == 0:
+        raise TransferFailed(
+            f"prepared list rows have shape {checked.shape}; expected (M, 5) rows of "
+            "(address, length_bytes, device_id, stride_bytes, count), M > 0"
+        )
+    if (checked[:, 1] <= 0).any() or (checked[:, 3] <= 0).any() or (checked[:, 4] <= 0).any():
+        raise TransferFailed(
+            "prepared list rows need positive length_bytes, stride_bytes and count"
+        )
+    return checked
+
+
+def list_entries(rows: StridedRows) -> int:
+    """How many entries (indices) a prepared list of these rows has."""
+    return int(rows[:, 4].sum())
+
+
+def checked_indices(
+    local_entries: int, local: Indices, remote_entries: int, remote: Indices
+) -> tuple[Indices, Indices]:
+    """Both index arrays as int64, equally long, non-empty and inside their lists."""
+    local_idx = np.asarray(local, dtype=np.int64).ravel()
+    remote_idx = np.asarray(remote, dtype=np.int64).ravel()
+    if len(local_idx) != len(remote_idx) or len(local_idx) == 0:
+        raise TransferFailed(
+            f"a READ by index needs as many local as remote indices, at least one: got "
+            f"{len(local_idx)} local and {len(remote_idx)} remote"
+        )
+    for side, indices, entries in (
+        ("local", local_idx, local_entries),
+        ("remote", remote_idx, remote_entries),
+    ):
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= entries:
+            bad = low if low < 0 else high
+            raise TransferFailed(
+                f"{side} index {bad} is outside the prepared list of {entries} entries; "
+                "prepare the list again after the peer's handshake"
+            )
+    return local_idx, remote_idx
+
+
+def expand(rows: StridedRows, indices: Indices) -> Descriptors:
+    """The (N, 3) descriptors that entries ``indices`` of a prepared list stand for."""
+    firsts = np.cumsum(rows[:, 4]) - rows[:, 4]
+    row = np.searchsorted(firsts, indices, side="right") - 1
+    expanded = np.empty((len(indices), 3), dtype=np.int64)
+    expanded[:, 0] = rows[row, 0] + (indices - firsts[row]) * rows[row, 3]
+    expanded[:, 1] = rows[row, 1]
+    expanded[:, 2] = rows[row, 2]
+    return expanded

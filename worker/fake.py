@@ -35,8 +35,15 @@ import numpy as np
 
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
 from connector.memory import HOST_MEMORY, Memory
-from worker.descriptors import checked_read_descriptors, checked_regions
-from worker.nixl_api import Descriptors, TransferState
+from worker.descriptors import (
+    checked_indices,
+    checked_read_descriptors,
+    checked_regions,
+    checked_strided_rows,
+    expand,
+    list_entries,
+)
+from worker.nixl_api import Descriptors, Indices, StridedRows, TransferState
 
 CORRUPT_PREFIX = b"\xff\xfe"  # prepended to corrupted notifications: never valid UTF-8
 
@@ -65,6 +72,18 @@ class FakeRegistration:
     registration_id: int
     regions: tuple[tuple[int, int], ...]  # (address, length_bytes)
     memory: Memory = HOST_MEMORY
+
+
+@dataclass
+class FakePreparedList:
+    """A prepared list: strided rows of ``owner``'s memory (this agent's for the local side)."""
+
+    owner: str
+    rows: StridedRows
+    num_entries: int
+    memory: Memory
+    local: bool
+    released: bool = False
 
 
 @dataclass
@@ -213,6 +232,48 @@ class FakeNixl:
         with self._fabric.lock:
             self._check_ranges(transfer)
         return transfer
+
+    def prepare_list(
+        self, owner: str | None, rows: StridedRows, memory: Memory = HOST_MEMORY
+    ) -> FakePreparedList:
+        """Entries are checked against registered memory when a READ uses them, like make_read."""
+        self._live()
+        checked = checked_strided_rows(rows)
+        if owner is not None:
+            self._require_remote(owner)
+        name = self._name if owner is None else owner
+        return FakePreparedList(name, checked, list_entries(checked), memory, owner is None)
+
+    def make_prepped_read(
+        self,
+        local_list: FakePreparedList,
+        local_indices: Indices,
+        remote_list: FakePreparedList,
+        remote_indices: Indices,
+        notif: bytes = b"",
+    ) -> FakeRead:
+        self._live()
+        for side, prepared, local in (("local", local_list, True), ("remote", remote_list, False)):
+            if prepared.released or prepared.local != local:
+                state = "released" if prepared.released else "of the wrong side"
+                raise TransferFailed(
+                    f"cannot READ by index: the {side} prepared list is {state}; prepare it "
+                    "again (local lists with owner None, remote ones with the peer's name)"
+                )
+        local_idx, remote_idx = checked_indices(
+            local_list.num_entries, local_indices, remote_list.num_entries, remote_indices
+        )
+        return self.make_read(
+            remote_list.owner,
+            expand(local_list.rows, local_idx),
+            expand(remote_list.rows, remote_idx),
+            notif,
+            local_memory=local_list.memory,
+            remote_memory=remote_list.memory,
+        )
+
+    def release_list(self, prepared: FakePreparedList) -> None:
+        prepared.released = True
 
     def post(self, transfer: FakeRead) -> TransferState:
         self._live()

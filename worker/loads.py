@@ -15,6 +15,7 @@ Transfer thread only (worker/transfer_thread.py): this module calls the NIXL age
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from connector.trace import LoadTimeline, load_ended
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peers import Peer, PeerState
 from worker.planner import RankReads
+from worker.planner_prepped import PreparedRows, RankPlan, plan_rank
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ ABORTED = "aborted"
 MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
 
 Outcome = tuple[str, str | None]  # (request id, failure reason or None for success)
+BY_INDEX, BY_RANGES = 0, 1  # the parts of a remote rank's reads (worker/planner_prepped.py)
+ReadKey = tuple[int, int]  # (remote rank, part)
 
 
 def build_descriptors(
@@ -76,7 +80,8 @@ class Load:
     aborted: bool = False
     failure: str | None = None  # the first failure; the outcome once nothing is live
     started: bool = False  # the plan was posted, or given up on
-    posted: dict[int, Any] = field(default_factory=dict)  # remote rank -> live READ handle
+    posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
+    riding: set[int] = field(default_factory=set)  # ranks whose notification rides a READ
     counts: dict[int, int] = field(default_factory=dict)  # remote rank -> notification count
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
     timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
@@ -87,6 +92,11 @@ class Load:
     def fail(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason
+
+
+def _rows(peer: Peer, remote_rank: int) -> PreparedRows | None:
+    prepared = peer.prepared.get(remote_rank)
+    return None if prepared is None else prepared.rows
 
 
 class LoadTable:
@@ -173,12 +183,12 @@ class LoadTable:
         self._loads.clear()
 
     def _drop_handles(self, load: Load) -> None:
-        for remote_rank in list(load.posted):
+        for key in list(load.posted):
             try:
-                self._release(load, remote_rank)
+                self._release(load, key)
             except Exception:  # the agent is in an unknown state: forget the handle anyway
                 logger.exception("request %s: dropping READ handle", load.request_id)
-                del load.posted[remote_rank]
+                del load.posted[key]
                 load.peer.num_live_transfers -= 1
 
     def _step(self, load: Load) -> None:
@@ -210,35 +220,68 @@ class LoadTable:
             self._post(load, load.spec, peer)
 
     def _post(self, load: Load, spec: LoadSpec, peer: Peer) -> None:
-        if peer.planner is None:
+        planner = peer.planner
+        if planner is None:
             raise RuntimeError(f"peer {peer.engine_id} is READY without a planner")
         try:
-            plan = peer.planner.plan(
+            segments = planner.segments(
                 spec.local_block_ids,
                 spec.remote.remote_block_ids,
                 num_tokens=spec.num_tokens,
                 num_cached_tokens=spec.num_cached_tokens,
             )
+            plans = [
+                found
+                for rank in planner.read_ranks
+                if (found := plan_rank(planner, segments, rank, _rows(peer, rank))) is not None
+            ]
         except ConnectorError as error:
             load.fail(f"cannot plan the transfer: {error}")
             return
-        unknown = sorted({reads.remote_rank for reads in plan.reads} - set(peer.agent_names))
+        unknown = sorted({plan.remote_rank for plan in plans} - set(peer.agent_names))
         if unknown:
             load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
             return
-        load.timeline.planned(self._clock(), ((r.remote_rank, r.lengths) for r in plan.reads))
-        load.counts = dict(plan.consumers)
-        read_ranks = {reads.remote_rank for reads in plan.reads}
-        for reads in plan.reads:
-            if not self._post_read(load, peer, reads):
+        load.timeline.planned(
+            self._clock(), ((p.remote_rank, lengths) for p in plans for lengths in p.lengths())
+        )
+        load.counts = planner.consumers
+        for plan in plans:
+            if not self._post_rank(load, peer, plan):
                 return
         load.timeline.posted_s = self._clock()
-        for remote_rank in sorted((set(plan.consumers) | set(plan.notify_only)) - read_ranks):
+        read_ranks = {plan.remote_rank for plan in plans}
+        for remote_rank in sorted(set(load.counts) - read_ranks):
             self._notify(load, remote_rank)
 
-    def _post_read(self, load: Load, peer: Peer, reads: RankReads) -> bool:
-        remote_rank = reads.remote_rank
-        handshake = peer.handshakes[remote_rank]
+    def _post_rank(self, load: Load, peer: Peer, plan: RankPlan) -> bool:
+        """Post the one or two READs of a remote rank. A single READ carries the rank's free
+        notification; with two, it is sent once both are done (neither may free early)."""
+        remote_rank = plan.remote_rank
+        notif = b""
+        if plan.num_reads == 1:
+            notif = encode_free_notif(load.remote.remote_request_id, self._count(load, remote_rank))
+            load.riding.add(remote_rank)
+        if plan.by_index is not None:
+            prepared = peer.prepared[remote_rank]
+            make = functools.partial(
+                self._agent.make_prepped_read,
+                prepared.local_list,
+                plan.by_index.local_indices,
+                prepared.remote_list,
+                plan.by_index.remote_indices,
+                notif,
+            )
+            if not self._post_read(load, (remote_rank, BY_INDEX), make):
+                return False
+        if plan.ranges is not None:
+            make = functools.partial(self._make_range_read, peer, plan.ranges, notif)
+            if not self._post_read(load, (remote_rank, BY_RANGES), make):
+                return False
+        return True
+
+    def _make_range_read(self, peer: Peer, reads: RankReads, notif: bytes) -> Any:
+        handshake = peer.handshakes[reads.remote_rank]
         local = build_descriptors(
             self._local_addresses,
             reads.local_regions,
@@ -253,48 +296,60 @@ class LoadTable:
             reads.lengths,
             handshake.memory.device,
         )
-        notif = encode_free_notif(load.remote.remote_request_id, self._count(load, remote_rank))
+        return self._agent.make_read(
+            peer.agent_names[reads.remote_rank],
+            local,
+            remote,
+            notif,
+            local_memory=self._local_memory,
+            remote_memory=handshake.memory,
+        )
+
+    def _post_read(self, load: Load, key: ReadKey, make: Callable[[], Any]) -> bool:
         try:
-            handle = self._agent.make_read(
-                peer.agent_names[remote_rank],
-                local,
-                remote,
-                notif,
-                local_memory=self._local_memory,
-                remote_memory=handshake.memory,
-            )
+            handle = make()
         except ConnectorError as error:
-            self._transfer_failed(load, remote_rank, error)
+            self._transfer_failed(load, key[0], error)
             return False
-        load.posted[remote_rank] = handle
-        peer.num_live_transfers += 1
+        load.posted[key] = handle
+        load.peer.num_live_transfers += 1
         try:
             self._agent.post(handle)
         except ConnectorError as error:
-            self._transfer_failed(load, remote_rank, error)
-            self._release(load, remote_rank)
+            self._transfer_failed(load, key[0], error)
+            self._release(load, key)
             return False
         return True
 
     def _poll(self, load: Load) -> None:
-        for remote_rank, handle in list(load.posted.items()):
+        for key, handle in list(load.posted.items()):
+            remote_rank = key[0]
             try:
                 state = self._agent.check(handle)
             except ConnectorError as error:
                 self._transfer_failed(load, remote_rank, error)
-                self._release(load, remote_rank)
+                self._release(load, key)
                 continue
             if state is TransferState.DONE:
-                load.notified.add(remote_rank)  # the free notification rode on the READ
                 load.timeline.done_s = self._clock()
-                self._release(load, remote_rank)
+                self._release(load, key)
+                if not any(k[0] == remote_rank for k in load.posted):
+                    self._rank_done(load, remote_rank)
             elif self._clock() - load.created_s > self._transfer_timeout_s:
                 load.fail(
                     f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} did not "
                     f"finish within {self._transfer_timeout_s} s"
                 )
                 # A READ the backend cannot cancel stays live: keep waiting for it.
-                self._release(load, remote_rank, keep_if_live=True)
+                self._release(load, key, keep_if_live=True)
+
+    def _rank_done(self, load: Load, remote_rank: int) -> None:
+        """Every READ from ``remote_rank`` landed: its free notification rode on the READ, or
+        goes now (a request read in two parts, unless one of them failed)."""
+        if remote_rank in load.riding:
+            load.notified.add(remote_rank)
+        elif load.failure is None:
+            self._notify(load, remote_rank)
 
     def _finish(self, load: Load) -> Outcome:
         del self._loads[load.request_id]
@@ -362,13 +417,13 @@ class LoadTable:
         )
         self._on_peer_failure(load.peer)
 
-    def _release(self, load: Load, remote_rank: int, *, keep_if_live: bool = False) -> None:
+    def _release(self, load: Load, key: ReadKey, *, keep_if_live: bool = False) -> None:
         """Release a READ handle; with ``keep_if_live`` a handle that will not release stays."""
         try:
-            self._agent.release(load.posted[remote_rank])
+            self._agent.release(load.posted[key])
         except ConnectorError as error:
             logger.warning("request %s: releasing READ handle failed: %s", load.request_id, error)
             if keep_if_live:
                 return
-        del load.posted[remote_rank]
+        del load.posted[key]
         load.peer.num_live_transfers -= 1

@@ -20,6 +20,10 @@ import numpy.typing as npt
 from connector.memory import HOST_MEMORY, Memory
 
 Descriptors = npt.NDArray[np.int64]  # shape (N, 3): address, length_bytes, device_id
+# shape (M, 5): address, length_bytes, device_id, stride_bytes, count. Row r stands for
+# ``count`` entries, entry i at address + i * stride_bytes; indices run row by row.
+StridedRows = npt.NDArray[np.int64]
+Indices = npt.NDArray[np.int64]
 
 
 class TransferState(enum.Enum):
@@ -68,6 +72,31 @@ class NixlAgent(Protocol):
 
         Each side's rows are of that side's memory kind (DRAM or VRAM), with its device id in
         the third column."""
+        ...
+
+    def prepare_list(
+        self, owner: str | None, rows: StridedRows, memory: Memory = HOST_MEMORY
+    ) -> Any:
+        """Prepare a descriptor list for READs by index (at handshake time, not per request).
+
+        ``owner`` None: this agent's own memory (the local side); else a loaded remote agent's
+        name (the remote side). Returns a handle for make_prepped_read and release_list."""
+        ...
+
+    def make_prepped_read(
+        self,
+        local_list: Any,
+        local_indices: Indices,
+        remote_list: Any,
+        remote_indices: Indices,
+        notif: bytes = b"",
+    ) -> Any:
+        """Prepare a READ of remote entry remote_indices[i] into local entry local_indices[i];
+        post, check and release it like make_read's. Adjacent entries may be merged."""
+        ...
+
+    def release_list(self, prepared: Any) -> None:
+        """Free a prepared list (its READs released first)."""
         ...
 
     def post(self, transfer: Any) -> TransferState: ...

@@ -29,12 +29,23 @@ from typing import Any
 
 import nixl._bindings as nixl_bindings
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+from nixl._api import (
+    nixl_agent,
+    nixl_agent_config,
+    nixl_prepped_dlist_handle,
+    nixl_xfer_handle,
+)
 
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
 from connector.memory import HOST_MEMORY, Memory
-from worker.descriptors import checked_read_descriptors, checked_regions
-from worker.nixl_api import Descriptors, TransferState
+from worker.descriptors import (
+    checked_indices,
+    checked_read_descriptors,
+    checked_regions,
+    checked_strided_rows,
+    list_entries,
+)
+from worker.nixl_api import Descriptors, Indices, StridedRows, TransferState
 
 DEFAULT_PROGRESS_DELAY_US = 1000
 
@@ -89,13 +100,21 @@ class RealRead:
     handle: nixl_xfer_handle
     remote_agent: str
     num_descriptors: int
-    num_bytes: int
+    num_bytes: int | None  # None: a READ by index (summing its lengths would cost a pass)
 
     def describe(self) -> str:
-        return (
-            f"READ of {self.num_descriptors} descriptors ({self.num_bytes} bytes) "
-            f"from agent {self.remote_agent!r}"
-        )
+        size = "" if self.num_bytes is None else f" ({self.num_bytes} bytes)"
+        return f"READ of {self.num_descriptors} descriptors{size} from agent {self.remote_agent!r}"
+
+
+@dataclass
+class RealPreparedList:
+    """A prepared descriptor list: the NIXL handle and what checks and messages need."""
+
+    handle: nixl_prepped_dlist_handle
+    owner: str  # the agent whose memory it describes
+    num_entries: int
+    local: bool
 
 
 class RealNixlAgent:
@@ -189,6 +208,51 @@ class RealNixlAgent:
                 notif,
             )
         return RealRead(handle, remote_agent, len(local_rows), num_bytes)
+
+    def prepare_list(
+        self, owner: str | None, rows: StridedRows, memory: Memory = HOST_MEMORY
+    ) -> RealPreparedList:
+        """NIXL keeps strided rows compressed: preparing costs O(rows), not O(entries)."""
+        agent = self._live()
+        checked = checked_strided_rows(rows)
+        if owner is not None:
+            self._require_remote(owner)
+        where = "local memory" if owner is None else f"agent {owner!r}"
+        action = f"preparing a list of {list_entries(checked)} entries of {where}"
+        with _translated(action):
+            handle = agent.prep_xfer_dlist(owner or "", checked, memory.kind.nixl_name)
+        name = self._name if owner is None else owner
+        return RealPreparedList(handle, name, list_entries(checked), owner is None)
+
+    def make_prepped_read(
+        self,
+        local_list: RealPreparedList,
+        local_indices: Indices,
+        remote_list: RealPreparedList,
+        remote_indices: Indices,
+        notif: bytes = b"",
+    ) -> RealRead:
+        agent = self._live()
+        if not local_list.local or remote_list.local:
+            raise TransferFailed(
+                "cannot READ by index: pass this agent's own prepared list as the local side "
+                "and a remote agent's as the remote side"
+            )
+        self._require_remote(remote_list.owner)
+        local_idx, remote_idx = checked_indices(
+            local_list.num_entries, local_indices, remote_list.num_entries, remote_indices
+        )
+        action = f"preparing a READ of {len(local_idx)} entries from agent {remote_list.owner!r}"
+        with _translated(action):
+            handle = agent.make_prepped_xfer(
+                "READ", local_list.handle, local_idx, remote_list.handle, remote_idx, notif
+            )
+        return RealRead(handle, remote_list.owner, len(local_idx), None)
+
+    def release_list(self, prepared: RealPreparedList) -> None:
+        self._live()
+        with _translated(f"releasing a prepared list of agent {prepared.owner!r}"):
+            prepared.handle.release()
 
     def post(self, transfer: RealRead) -> TransferState:
         agent = self._live()

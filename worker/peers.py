@@ -40,6 +40,7 @@ from worker.compat import Fingerprint, check_compatible
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
 from worker.nixl_api import NixlAgent
 from worker.planner import TransferPlanner
+from worker.prepped import PreparedLists, PreparedReads
 from worker.topology import head_shapes, notification_duty
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Peer:
     handshakes: dict[int, WorkerHandshake] = field(default_factory=dict)
     agent_names: dict[int, str] = field(default_factory=dict)  # remote rank -> loaded agent
     planner: TransferPlanner | None = None
+    prepared: dict[int, PreparedReads] = field(default_factory=dict)  # remote rank -> lists
     stale: bool = False  # superseded: no new requests; agents removed when idle
     stale_reason: str = "a newer handshake superseded it"  # why, for loads still waiting
     probe: bool = False  # a background re-check of a failed key: no request waits on it
@@ -166,6 +168,11 @@ class PeerTable:
         self._job_ids = itertools.count(1)
         self._retired: list[Peer] = []  # stale generations whose agents are still loaded
         self._agent_refs: dict[str, int] = {}  # loaded remote agent -> peers using it
+        self._lists: PreparedLists | None = None  # set once this rank's memory is registered
+
+    def use_prepared_lists(self, lists: PreparedLists) -> None:
+        """Prepare descriptor lists for every peer that becomes READY from now on."""
+        self._lists = lists
 
     def ensure(self, source: RemoteSource) -> Peer:
         """The peer serving ``source``, starting a handshake if none is usable.
@@ -215,6 +222,8 @@ class PeerTable:
 
     def close(self) -> None:
         """Remove every loaded remote agent (at shutdown, once the transfer thread has stopped)."""
+        for peer in [*self._current.values(), *self._retired]:
+            self._release_lists(peer)
         for name in list(self._agent_refs):
             self._remove_agent(name)
         self._agent_refs.clear()
@@ -288,6 +297,17 @@ class PeerTable:
         peer.handshakes = dict(handshakes)
         for remote_rank, handshake in sorted(handshakes.items()):
             peer.agent_names[remote_rank] = self._add_agent(handshake)
+        if self._lists is None:
+            return
+        for remote_rank in peer.planner.read_ranks:
+            prepared = self._lists.prepare(
+                peer.planner.groups,
+                remote_rank,
+                peer.agent_names[remote_rank],
+                handshakes[remote_rank],
+            )
+            if prepared is not None:
+                peer.prepared[remote_rank] = prepared
 
     def _add_agent(self, handshake: WorkerHandshake) -> str:
         if handshake.agent_name in self._agent_refs:
@@ -310,6 +330,7 @@ class PeerTable:
         peer.state = PeerState.FAILED
         peer.failure = reason
         self._metrics.inc(HANDSHAKE_FAILURES, handshake_failure_kind(reason))
+        self._release_lists(peer)
         for name in peer.agent_names.values():
             self._release_agent(name)
         peer.agent_names.clear()
@@ -342,10 +363,17 @@ class PeerTable:
             if busy or peer.state is PeerState.HANDSHAKING:
                 draining.append(peer)
                 continue
+            self._release_lists(peer)
             for name in peer.agent_names.values():
                 self._release_agent(name)
             peer.agent_names.clear()
         self._retired = draining
+
+    def _release_lists(self, peer: Peer) -> None:
+        if self._lists is not None:
+            for prepared in peer.prepared.values():
+                self._lists.release(prepared)
+        peer.prepared.clear()
 
     def _release_agent(self, name: str) -> None:
         refs = self._agent_refs.get(name, 0) - 1

@@ -54,6 +54,9 @@ class RankReads:
     lengths: Int64Array
 
 
+RequestSegments = tuple[Segments | None, ...]  # per cache group; None: the group reads nothing
+
+
 @dataclass(frozen=True)
 class TransferPlan:
     reads: tuple[RankReads, ...]  # one per remote rank actually read (may be empty)
@@ -80,6 +83,21 @@ class TransferPlanner:
         self._covered = tuple(self._consumers)
         self._read_ranks = tuple(sorted({rank for g in self._groups for rank in g.classes}))
 
+    @property
+    def groups(self) -> tuple[GroupPairing, ...]:
+        """The handshake-time pairing of every cache group (worker/planner_pairing.py)."""
+        return self._groups
+
+    @property
+    def read_ranks(self) -> tuple[int, ...]:
+        """Remote ranks some group reads from, ascending."""
+        return self._read_ranks
+
+    @property
+    def consumers(self) -> dict[int, int]:
+        """Remote rank this rank covers -> the count its free notification carries."""
+        return dict(self._consumers)
+
     def plan(
         self,
         local_block_ids: Sequence[Sequence[int]],
@@ -93,8 +111,30 @@ class TransferPlanner:
         ``local_block_ids[g]``: decode's logical blocks covering [num_cached_tokens, num_tokens);
         ``remote_block_ids[g]``: prefill's logical blocks covering [0, num_tokens).
         """
+        segments = self.segments(
+            local_block_ids,
+            remote_block_ids,
+            num_tokens=num_tokens,
+            num_cached_tokens=num_cached_tokens,
+        )
+        reads = [
+            rank_reads(rank, runs)
+            for rank in self._read_ranks
+            if (runs := self.rank_runs(segments, rank)) is not None
+        ]
+        return self.finish(tuple(reads), {r.remote_rank for r in reads})
+
+    def segments(
+        self,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+        *,
+        num_tokens: int,
+        num_cached_tokens: int,
+    ) -> RequestSegments:
+        """Validate a request and cut it into token segments per group (None: nothing read)."""
         self._check_request(local_block_ids, remote_block_ids, num_tokens, num_cached_tokens)
-        segments = [
+        return tuple(
             self._segments(
                 g,
                 local_block_ids[g.index],
@@ -103,21 +143,27 @@ class TransferPlanner:
                 num_cached_tokens,
             )
             for g in self._groups
+        )
+
+    def rank_runs(
+        self, segments: RequestSegments, rank: int, keep: Sequence[Int64Array | None] = ()
+    ) -> Runs | None:
+        """Merged byte runs reading ``segments`` from remote rank ``rank`` (None: none).
+
+        ``keep[g]``, if given, selects group g's segments to read (a boolean mask; None: all).
+        """
+        parts = [
+            broadcast(class_runs(seg, cls), cls)
+            for g, seg in zip(self._groups, _selected(segments, keep), strict=True)
+            if seg is not None
+            for cls in g.classes.get(rank, ())
         ]
-        reads: list[RankReads] = []
-        for rank in self._read_ranks:
-            parts = [
-                broadcast(class_runs(seg, cls), cls)
-                for g, seg in zip(self._groups, segments, strict=True)
-                if seg is not None
-                for cls in g.classes.get(rank, ())
-            ]
-            if parts:
-                runs = merge(parts)
-                reads.append(_rank_reads(rank, runs))
-        read_ranks = {r.remote_rank for r in reads}
+        return merge(parts) if parts else None
+
+    def finish(self, reads: tuple[RankReads, ...], read_ranks: set[int]) -> TransferPlan:
+        """The plan given what is read: every covered rank not read is notified only."""
         notify_only = tuple(rank for rank in self._covered if rank not in read_ranks)
-        return TransferPlan(tuple(reads), notify_only, dict(self._consumers))
+        return TransferPlan(reads, notify_only, dict(self._consumers))
 
     def _check_request(
         self,
@@ -251,7 +297,35 @@ def _used_ids(
     return used
 
 
-def _rank_reads(rank: int, runs: Runs) -> RankReads:
+def _selected(
+    segments: RequestSegments, keep: Sequence[Int64Array | None]
+) -> list[Segments | None]:
+    """Each group's segments, restricted to ``keep[g]`` where given; empty ones become None."""
+    if not keep:
+        return list(segments)
+    chosen: list[Segments | None] = []
+    for seg, mask in zip(segments, keep, strict=True):
+        if seg is None or mask is None:
+            chosen.append(seg)
+        elif bool(mask.any()):
+            chosen.append(_subset(seg, mask))
+        else:
+            chosen.append(None)
+    return chosen
+
+
+def _subset(segments: Segments, mask: Int64Array) -> Segments:
+    return Segments(
+        segments.local_blocks[mask],
+        segments.local_slots[mask],
+        segments.remote_blocks[mask],
+        segments.remote_slots[mask],
+        segments.num_tokens[mask],
+    )
+
+
+def rank_reads(rank: int, runs: Runs) -> RankReads:
+    """The READ of ``runs`` from remote rank ``rank``."""
     return RankReads(
         remote_rank=rank,
         local_regions=runs.local_regions,

@@ -1,0 +1,248 @@
+"""READs by index from prepared lists: byte-exact against the oracle, and the rule that picks them.
+
+The property test forces the index path wherever a pairing allows it (full segments by index,
+partial ones as byte ranges in a second READ) and executes it on FakeNixl, which really copies
+bytes; decode memory must equal the oracle's and what the range path lands.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+
+from connector.geometry import build_rank_layout
+from connector.layout import (
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+    RankLayout,
+)
+from tests import oracle
+from tests.test_planner_properties import Case, cases
+from worker.fake import FakeFabric, FakeNixl
+from worker.nixl_api import NixlAgent, TransferState
+from worker.planner import RankReads, TransferPlanner
+from worker.planner_prepped import (
+    choose_prepared,
+    plan_rank,
+    prepared_request,
+    prepared_rows,
+)
+
+_names = itertools.count()
+
+
+def _agent(fabric: FakeFabric, buffers: oracle.Buffers) -> tuple[FakeNixl, list[int]]:
+    agent = FakeNixl(f"agent-{next(_names)}", fabric)
+    addresses = [int(b.ctypes.data) for b in buffers]
+    agent.register_regions([(a, len(b)) for a, b in zip(addresses, buffers, strict=True)])
+    return agent, addresses
+
+
+def _run(agent: NixlAgent, transfer: object) -> None:
+    state = agent.post(transfer)
+    while state is TransferState.IN_PROGRESS:
+        state = agent.check(transfer)
+    agent.release(transfer)
+
+
+def _range_read(
+    agent: NixlAgent, remote: str, reads: RankReads, local: list[int], remote_at: list[int]
+) -> None:
+    def rows(addresses: list[int], regions: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        bases = np.asarray(addresses, dtype=np.int64)[regions]
+        return np.column_stack([bases + offsets, reads.lengths, np.zeros_like(offsets)])
+
+    _run(
+        agent,
+        agent.make_read(
+            remote,
+            rows(local, reads.local_regions, reads.local_offsets),
+            rows(remote_at, reads.remote_regions, reads.remote_offsets),
+        ),
+    )
+
+
+def _decode_rank_by_index(
+    case: Case,
+    fabric: FakeFabric,
+    prefill: list[RankLayout],
+    owners: list[tuple[FakeNixl, list[int]]],
+    local: RankLayout,
+) -> tuple[oracle.Buffers, int]:
+    """Decode rank memory after reading by index wherever possible; and how many READs went so."""
+    buffers = oracle.sentinel(local)
+    agent, addresses = _agent(fabric, buffers)
+    for owner, _ in owners:
+        agent.add_remote_agent(owner.get_agent_metadata())
+    planner = TransferPlanner(local, prefill[0])
+    request = case.request
+    segments = planner.segments(
+        request.local_block_ids,
+        request.remote_block_ids,
+        num_tokens=request.num_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+    by_index = 0
+    for rank in planner.read_ranks:
+        owner, owner_addresses = owners[rank]
+        rows = prepared_rows(
+            planner.groups, rank, local_addresses=addresses, local_device=0,
+            remote_addresses=owner_addresses, remote_device=0,
+        )  # fmt: skip
+        keep = ()
+        if rows is not None:
+            indexed = prepared_request(rows, segments)
+            keep = indexed.partial
+            if len(indexed.local_indices):
+                local_list = agent.prepare_list(None, rows.local_rows)
+                remote_list = agent.prepare_list(owner.name, rows.remote_rows)
+                _run(agent, agent.make_prepped_read(
+                    local_list, indexed.local_indices, remote_list, indexed.remote_indices,
+                ))  # fmt: skip
+                by_index += 1
+        runs = planner.rank_runs(segments, rank, keep)
+        if runs is not None:
+            reads = RankReads(rank, *(getattr(runs, f) for f in _RUN_FIELDS))
+            _range_read(agent, owner.name, reads, addresses, owner_addresses)
+    return buffers, by_index
+
+
+_RUN_FIELDS = ("local_regions", "local_offsets", "remote_regions", "remote_offsets", "lengths")
+
+
+def _check_case(case: Case) -> None:
+    fabric = FakeFabric()
+    request = case.request
+    prefill = [build_rank_layout(case.prefill, r, case.prefill_tp) for r in range(case.prefill_tp)]
+    memory = [oracle.fill_prefill(layout, request, seed=r) for r, layout in enumerate(prefill)]
+    owners = [_agent(fabric, buffers) for buffers in memory]
+    for decode_rank in range(case.decode_tp):
+        local = build_rank_layout(case.decode, decode_rank, case.decode_tp)
+        actual, by_index = _decode_rank_by_index(case, fabric, prefill, owners, local)
+        event(f"READs by index: {min(by_index, 2)}")
+        expected = oracle.expected_decode(local, request)
+        difference = oracle.first_difference(actual, expected)
+        assert difference is None, f"decode rank {decode_rank}: {difference}"
+        by_ranges = oracle.sentinel(local)
+        plan = TransferPlanner(local, prefill[0]).plan(
+            request.local_block_ids,
+            request.remote_block_ids,
+            num_tokens=request.num_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        oracle.execute(plan, by_ranges, dict(enumerate(memory)))
+        assert oracle.first_difference(actual, by_ranges) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_reads_by_index_land_the_oracles_bytes_and_the_range_paths(case: Case) -> None:
+    _check_case(case)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(opaque=True))
+def test_opaque_blocks_by_index_land_the_oracles_bytes(case: Case) -> None:
+    _check_case(case)
+
+
+# --- which pairings can be prepared ----------------------------------------------------------
+
+
+def _spec(memory_layout: MemoryLayout, kernel: int = 4, heads: int = 4) -> KVCacheSpec:
+    layer = LayerSpec(name="l", num_kv_heads=heads, head_dim=2, dtype_bytes=2)
+    group = GroupSpec(
+        kind=GroupKind.FULL, block_size=8, kernel_block_size=kernel, num_blocks=16,
+        layers=(layer, layer),
+    )  # fmt: skip
+    return KVCacheSpec(
+        model="m", dtype="bf16", cache_dtype="bf16", groups=(group,), memory_layout=memory_layout
+    )
+
+
+# (decode spec, decode TP, prefill spec, prefill TP, preparable)
+PAIRINGS = {
+    "NHD, all heads": (_spec(MemoryLayout.NHD), 1, _spec(MemoryLayout.NHD), 1, True),
+    "HND, a head slice (decode TP2 <- TP1)": (
+        _spec(MemoryLayout.HND), 2, _spec(MemoryLayout.HND), 1, True,
+    ),
+    "NHD packed K|V, all heads": (
+        _spec(MemoryLayout.NHD_PACKED), 1, _spec(MemoryLayout.NHD_PACKED), 1, True,
+    ),
+    "NHD, a head slice: a block is one run per token": (
+        _spec(MemoryLayout.NHD), 2, _spec(MemoryLayout.NHD), 1, False,
+    ),
+    "kernel blocks of different sizes": (
+        _spec(MemoryLayout.NHD, kernel=4), 1, _spec(MemoryLayout.NHD, kernel=8), 1, False,
+    ),
+    "NHD <- HND: a block is one run per (token, head)": (
+        _spec(MemoryLayout.NHD), 1, _spec(MemoryLayout.HND), 1, False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("decode", "decode_tp", "prefill", "prefill_tp", "preparable"),
+    PAIRINGS.values(),
+    ids=PAIRINGS.keys(),
+)
+def test_pairings_that_can_be_read_by_whole_block_index(
+    decode: KVCacheSpec, decode_tp: int, prefill: KVCacheSpec, prefill_tp: int, preparable: bool
+) -> None:
+    local = build_rank_layout(decode, 0, decode_tp)
+    remote = build_rank_layout(prefill, 0, prefill_tp)
+    planner = TransferPlanner(local, remote)
+    rows = prepared_rows(
+        planner.groups, 0, local_addresses=[1 << 20] * len(local.region_bytes), local_device=0,
+        remote_addresses=[1 << 30] * len(remote.region_bytes), remote_device=0,
+    )  # fmt: skip
+    assert (rows is not None) == preparable
+    if rows is not None:  # one strided row per plane per side, whatever the pool size
+        fused = decode.memory_layout is MemoryLayout.NHD_PACKED  # K|V read as one plane
+        num_planes = 2 if fused else 2 * 2
+        assert rows.local_rows.shape == rows.remote_rows.shape == (num_planes, 5)
+
+
+RULE = {  # (indices, estimated byte ranges, partial segments) -> by index?
+    "nothing whole to index": ((0, 0, True), False),
+    "2k contiguous, whole blocks: 8,192 indices, 64 ranges": ((8192, 64, False), True),
+    "2k contiguous and a partial block: ranges, one READ": ((8192, 64, True), False),
+    "32k contiguous: 131,072 indices, 64 ranges": ((131072, 64, False), False),
+    "2k fragmented and a partial block": ((8192, 8192, True), True),
+    "32k fragmented: 131,072 indices, as many ranges": ((131072, 131072, True), True),
+    "short, whole blocks only": ((64, 64, False), True),
+    "short with a partial block: ranges, one READ": ((16, 8, True), False),
+}
+
+
+@pytest.mark.parametrize(("inputs", "by_index"), RULE.values(), ids=RULE.keys())
+def test_the_rule_reads_by_index_when_that_is_cheaper(
+    inputs: tuple[int, int, bool], by_index: bool
+) -> None:
+    assert choose_prepared(*inputs) is by_index
+
+
+def test_a_partial_last_block_is_left_to_byte_ranges() -> None:
+    layout = build_rank_layout(_spec(MemoryLayout.NHD), 0, 1)
+    planner = TransferPlanner(layout, layout)
+    rows = prepared_rows(
+        planner.groups, 0, local_addresses=[1 << 20, 1 << 21], local_device=0,
+        remote_addresses=[1 << 30, 1 << 31], remote_device=0,
+    )  # fmt: skip
+    assert rows is not None
+    segments = planner.segments(((3, 5),), ((7, 9),), num_tokens=14, num_cached_tokens=0)
+    request = prepared_request(rows, segments)
+    # Kernel blocks of 4 tokens, 32 per plane: tokens [0, 12) are 3 whole kernel blocks per
+    # plane (decode 6, 7, 10), the partial [12, 14) is one range per plane.
+    assert request.local_indices.tolist() == [6, 7, 10, 38, 39, 42, 70, 71, 74, 102, 103, 106]
+    tail = planner.rank_runs(segments, 0, request.partial)
+    assert tail is not None and len(tail.lengths) == 4
+    # So short a request is cheaper as one READ of byte ranges: the rule keeps it whole.
+    plan = plan_rank(planner, segments, 0, rows)
+    assert plan is not None and plan.by_index is None and plan.num_reads == 1
