@@ -1,0 +1,144 @@
+"""The vLLM adapter's request tracking walked along TRACKED_LIFECYCLE: refused params are
+claimed, announced as a failed load once vLLM parked the request, and never offered a load
+again; loads whose LoadSpec went out are reported by the ranks, never echoed; nothing stays
+tracked once each request finished."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm.v1.outputs import KVConnectorOutput
+
+from connector.metadata import WorkerReport
+from connector.vllm.messages import NixlPDWorkerMeta
+from connector.vllm.scheduler import TRACKED_LIFECYCLE, SchedulerSide, TrackedState
+from scheduler.connector import Role, SchedulerConnector
+from tests import vllm_harness as h
+from tests.scheduler_helpers import (
+    CONFIG,
+    DENSE,
+    REMOTE_PARAMS,
+    FakeClock,
+    MoveLog,
+    RecordingHeartbeats,
+)
+
+NUM_TOKENS = 40
+BAD_PARAMS: dict[str, Any] = {"do_remote_prefill": True, "remote_block_ids": "not-a-list"}
+
+
+class Blocks:
+    """What the adapter reads of vLLM's KVCacheBlocks: the block ids per cache group."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._groups = ([10 + i for i in range(num_blocks)],)
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self._groups
+
+
+def walk(params: dict[str, Any], path: str) -> tuple[list[Any], MoveLog]:
+    """Drive request "d1" along ``path``; returns each call's result and the moves taken."""
+    log = MoveLog(TRACKED_LIFECYCLE, TrackedState.NEW)
+    connector = SchedulerConnector(
+        CONFIG,
+        engine_id="decode-0",
+        role=Role.CONSUMER,
+        spec=DENSE,
+        tp_size=1,
+        clock=FakeClock(),
+        heartbeat_sender=RecordingHeartbeats(),
+    )
+    side = SchedulerSide(connector, h.kv_cache_config(block_size=16, num_blocks=64), on_move=log)
+    request = h.make_request("d1", NUM_TOKENS, block_size=16, kv_transfer_params=params)
+    results: list[Any] = []
+    for call in path.split(", "):
+        name, _, arg = call.partition(" ")
+        if name == "match":
+            results.append(side.get_num_new_matched_tokens(request, int(arg)))
+        elif name == "alloc":
+            side.update_state_after_alloc(request, Blocks(3), int(arg))  # type: ignore[arg-type]
+        elif name == "meta":
+            announce = side.build_connector_meta().announce
+            results.append((*announce.finished_recving, *announce.failed_recving))
+        elif name == "ranks":
+            side.update_connector_output(_ranks_say(arg == "ok"))
+        else:
+            results.append(side.request_finished(request, ([10, 11, 12],)))
+    return results, log
+
+
+def _ranks_say(ok: bool) -> KVConnectorOutput:
+    """The one rank's report that d1's load ended, and vLLM's own aggregate of it."""
+    if ok:
+        report = WorkerReport(0, finished_recving=("d1",))
+    else:
+        report = WorkerReport(0, failed_recving={"d1": "boom"})
+    return KVConnectorOutput(
+        finished_recving={"d1"},
+        failed_recving=set() if ok else {"d1"},
+        kv_connector_worker_meta=NixlPDWorkerMeta((report,)),
+    )
+
+
+CLAIMED = (NUM_TOKENS, True)
+NOTHING = (0, False)
+FREE = (False, None)
+PATHS = [
+    (
+        "refused, parked, announced once, never offered again",
+        BAD_PARAMS,
+        "match 0, match 0, alloc 40, meta, meta, match 0, finish",
+        [CLAIMED, CLAIMED, ("d1",), (), NOTHING, FREE],
+    ),
+    (
+        "refused with nothing to load",
+        BAD_PARAMS,
+        "match 40, match 0, finish",
+        [NOTHING] * 2 + [FREE],
+    ),
+    (
+        "refused, finished before vLLM parked it",
+        BAD_PARAMS,
+        "match 0, finish, meta",
+        [CLAIMED, FREE, ()],
+    ),
+    (
+        "refused, vLLM allocated nothing",
+        BAD_PARAMS,
+        "match 0, alloc 0, meta, finish",
+        [CLAIMED, (), FREE],
+    ),
+    (
+        "a load the ranks report is not echoed",
+        REMOTE_PARAMS,
+        "match 16, alloc 24, meta, ranks ok, meta, finish",
+        [(24, True), (), (), FREE],
+    ),
+    (
+        "a load the ranks fail is not echoed",
+        REMOTE_PARAMS,
+        "match 16, alloc 24, meta, ranks fail, meta, finish",
+        [(24, True), (), (), FREE],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("params", "path", "expected"), [c[1:] for c in PATHS], ids=[c[0] for c in PATHS]
+)
+def test_tracking_paths(params: dict[str, Any], path: str, expected: list[Any]) -> None:
+    results, log = walk(params, path)
+    assert results == expected
+    assert not log.live, "a finished request is still tracked"
+
+
+def test_the_paths_take_every_edge_of_the_tracking_table() -> None:
+    taken = set().union(*(walk(params, path)[1].edges for _, params, path, _ in PATHS))
+    every = {
+        (current, target)
+        for current, targets in TRACKED_LIFECYCLE.moves.items()
+        for target in targets
+    }
+    assert every - taken == set()
