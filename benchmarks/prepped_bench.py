@@ -1,0 +1,224 @@
+"""Per-request work on the transfer thread, byte ranges against READs by index, on real NIXL.
+
+One process, two real NIXL agents (UCX, loopback) with registered but untouched memory (mmap,
+so a 32k-token pool costs no RAM). Per request and remote rank: plan (segments, then ranges or
+indices), then make the READ (initialize_xfer or make_prepped_xfer) and release it; nothing is
+posted, so the figures are the Python and NIXL bookkeeping a request costs, not the copy.
+Model of benchmarks/vs_vllm.py: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks,
+HND. "rule" is what choose_prepared picks (worker/planner_prepped.py).
+
+Run: ``UCX_NET_DEVICES=lo .venv/bin/python -m benchmarks.prepped_bench`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import random
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+from connector.geometry import build_rank_layout  # noqa: E402
+from connector.layout import (  # noqa: E402
+    GroupKind,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    MemoryLayout,
+    RankLayout,
+)
+from worker.loads import build_descriptors  # noqa: E402
+from worker.nixl_real import RealNixlAgent  # noqa: E402
+from worker.planner import RequestSegments, TransferPlanner  # noqa: E402
+from worker.planner_prepped import (  # noqa: E402
+    PreparedRows,
+    plan_rank,
+    prepared_request,
+    prepared_rows,
+)
+from worker.planner_ranges import Runs  # noqa: E402
+from worker.transfer_thread import keep_plan_memory_mapped  # noqa: E402
+
+POOL_BLOCKS = 4096
+BLOCK_SIZE = 16
+REPEATS = 9
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    num_tokens: int
+    fragmented: bool
+    prefill_tp: int = 1
+
+
+CASES = (
+    Case("2k tokens, contiguous ids", 2048, False),
+    Case("2k tokens, fragmented ids", 2048, True),
+    Case("2k+5 tokens, fragmented ids", 2053, True),
+    Case("32k tokens, contiguous ids", 32768, False),
+    Case("32k tokens, fragmented ids", 32768, True),
+    Case("prefill TP2 -> decode TP1, 8k", 8192, False, prefill_tp=2),
+)
+
+
+def _spec() -> KVCacheSpec:
+    layer = LayerSpec(name="l", num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    group = GroupSpec(
+        kind=GroupKind.FULL, block_size=BLOCK_SIZE, kernel_block_size=BLOCK_SIZE,
+        num_blocks=POOL_BLOCKS, layers=(layer,) * 32,
+    )  # fmt: skip
+    return KVCacheSpec(
+        model="bench", dtype="bf16", cache_dtype="bf16", groups=(group,),
+        memory_layout=MemoryLayout.HND,
+    )  # fmt: skip
+
+
+_maps: list[mmap.mmap] = []
+
+
+def _register(agent: RealNixlAgent, layout: RankLayout) -> list[int]:
+    addresses = []
+    for size in layout.region_bytes:
+        region = mmap.mmap(-1, size)
+        _maps.append(region)
+        addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(region)))
+    agent.register_regions(list(zip(addresses, layout.region_bytes, strict=True)))
+    return addresses
+
+
+def _ids(case: Case, seed: int) -> list[int]:
+    count = -(-case.num_tokens // BLOCK_SIZE)
+    if case.fragmented:
+        return random.Random(seed).sample(range(POOL_BLOCKS), count)
+    return list(range(seed * 16, seed * 16 + count))
+
+
+def _median_us(work: Callable[[], None]) -> float:
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        work()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+@dataclass
+class Pair:
+    """A reader and the prefill ranks of one case, with their prepared lists."""
+
+    reader: RealNixlAgent
+    local_addresses: list[int]
+    planner: TransferPlanner
+    names: list[str]
+    owner_addresses: list[list[int]]
+    rows: dict[int, PreparedRows]
+    lists: dict[int, tuple[Any, Any]]
+    ids: tuple[tuple[list[int]], tuple[list[int]]]
+    num_tokens: int
+
+    def segments(self) -> RequestSegments:
+        return self.planner.segments(*self.ids, num_tokens=self.num_tokens, num_cached_tokens=0)
+
+    def by_ranges(self) -> None:
+        segments = self.segments()
+        for rank in self.planner.read_ranks:
+            runs = self.planner.rank_runs(segments, rank)
+            if runs is not None:
+                self._range_read(rank, runs)
+
+    def by_index(self) -> None:
+        segments = self.segments()
+        for rank in self.planner.read_ranks:
+            request = prepared_request(self.rows[rank], segments)
+            local_list, remote_list = self.lists[rank]
+            self.reader.release(self.reader.make_prepped_read(
+                local_list, request.local_indices, remote_list, request.remote_indices,
+            ))  # fmt: skip
+            tail = self.planner.rank_runs(segments, rank, request.partial)
+            if tail is not None:
+                self._range_read(rank, tail)
+
+    def rule(self) -> str:
+        segments = self.segments()
+        plans = [
+            plan_rank(self.planner, segments, rank, self.rows.get(rank))
+            for rank in self.planner.read_ranks
+        ]
+        return "index" if all(p is not None and p.by_index is not None for p in plans) else "ranges"
+
+    def _range_read(self, rank: int, runs: Runs) -> None:
+        transfer = self.reader.make_read(
+            self.names[rank],
+            build_descriptors(self.local_addresses, runs.local_regions, runs.local_offsets, runs.lengths),
+            build_descriptors(
+                self.owner_addresses[rank], runs.remote_regions, runs.remote_offsets, runs.lengths
+            ),
+            b"bench:1",
+        )  # fmt: skip
+        self.reader.release(transfer)
+
+
+def _pair(reader: RealNixlAgent, local: RankLayout, local_addresses: list[int], case: Case,
+          owners: list[RealNixlAgent]) -> Pair:  # fmt: skip
+    remotes = [build_rank_layout(_spec(), r, case.prefill_tp) for r in range(case.prefill_tp)]
+    owner_addresses = [_register(o, lay) for o, lay in zip(owners, remotes, strict=True)]
+    names = [reader.add_remote_agent(o.get_agent_metadata()) for o in owners]
+    planner = TransferPlanner(local, remotes[0])
+    rows: dict[int, PreparedRows] = {}
+    for rank in planner.read_ranks:
+        found = prepared_rows(
+            planner.groups, rank, local_addresses=local_addresses, local_device=0,
+            remote_addresses=owner_addresses[rank], remote_device=0,
+        )  # fmt: skip
+        assert found is not None, "this model's pairing is read by whole-block index"
+        rows[rank] = found
+    lists = {
+        rank: (reader.prepare_list(None, r.local_rows), reader.prepare_list(names[rank], r.remote_rows))
+        for rank, r in rows.items()
+    }  # fmt: skip
+    ids = ((_ids(case, 1),), (_ids(case, 2),))
+    return Pair(reader, local_addresses, planner, names, owner_addresses, rows, lists, ids,
+                case.num_tokens)  # fmt: skip
+
+
+def main() -> None:
+    keep_plan_memory_mapped()  # as the worker does: no page faults on every request's arrays
+    reader = RealNixlAgent(f"bench-reader-{uuid.uuid4().hex[:6]}")
+    local = build_rank_layout(_spec(), 0, 1)
+    local_addresses = _register(reader, local)
+    print(f"µs per request, median of {REPEATS} x 3 interleaved rounds")
+    print("| request | ranges µs | by index µs | rule | ranges / rule's |")
+    print("|---|---:|---:|---|---:|")
+    for case in CASES:
+        owners = [
+            RealNixlAgent(f"bench-owner-{uuid.uuid4().hex[:6]}") for _ in range(case.prefill_tp)
+        ]
+        pair = _pair(reader, local, local_addresses, case, owners)
+        ranges_us, index_us = [], []
+        for _ in range(3):  # interleaved rounds
+            ranges_us.append(_median_us(pair.by_ranges))
+            index_us.append(_median_us(pair.by_index))
+        rule = pair.rule()
+        ranges, by_index = statistics.median(ranges_us), statistics.median(index_us)
+        chosen = by_index if rule == "index" else ranges
+        print(f"| {case.name} | {ranges:,.0f} | {by_index:,.0f} | {rule} | {ranges / chosen:.2f} |")
+        for local_list, remote_list in pair.lists.values():
+            reader.release_list(remote_list)
+            reader.release_list(local_list)
+        for name in pair.names:
+            reader.remove_remote_agent(name)
+        for owner in owners:
+            owner.close()
+    reader.close()
+
+
+if __name__ == "__main__":
+    main()
