@@ -4,6 +4,8 @@ A lease starts when prefill finishes a do_remote_decode request. Decode heartbea
 a release (decode will never read) or expiry ends it early; ``complete`` drops it once every
 rank saw its free notifications. Time is passed in (``now``, seconds on the caller's clock) so
 tests drive it explicitly. The engine thread and the side-channel thread share one table.
+It holds only what the side-channel thread must see (which ids are held, until when, and which
+were released); each lease's lifecycle state is Producer's record (LEASE_LIFECYCLE).
 
 A heartbeat or release can only touch the lease it names: ids with no held lease (never
 leased here, or already ended) are *stray*: counted in ``stats``, and nothing else happens.
