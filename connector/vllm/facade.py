@@ -16,6 +16,9 @@ Who decides what (one request's journey through vLLM):
   ranks' word. Decisions only the scheduler makes (invalid params, unplannable loads,
   prefill frees) reach vLLM through the next step: every rank echoes them. Either way a
   failure never crashes the engine.
+- Host staging (kv_buffer_device "cpu", connector/vllm/staging.py): the scheduler adds to
+  each step's metadata the requests whose prefill completes in it; ranks copy those blocks
+  device->host in wait_for_save, and loaded blocks host->device before reporting a load.
 - Malformed kv_transfer_params fail only their request: the adapter answers "tokens will
   arrive" and announces the request as a failed load in the same step; vLLM then fails it
   ("fail") or recomputes it locally ("recompute").

@@ -7,6 +7,7 @@ objects and moves bytes with torch (or with the copy op vLLM's model runner hand
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -17,6 +18,11 @@ from connector.errors import UnsupportedConfiguration
 from connector.layout import KVCacheSpec
 from connector.metadata import BlockIds
 from connector.staging import KernelIds, ScheduledRow, kernel_block_ids
+
+try:
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+except ImportError:  # vLLM builds without the GPU-sync checker
+    gpu_sync_allowed = contextlib.nullcontext  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -104,11 +110,9 @@ class HostBuffer:
                 f"groups (got {len(device_caches)} layers); cannot mirror them in host memory"
             )
         self.device = {name: device_caches[name] for name in names}
-        # empty_like keeps each dense tensor's strides, so the host layout is the device's.
-        self.host = {
-            name: torch.empty_like(self.device[name], device="cpu", pin_memory=pin).zero_()
-            for name in names
-        }
+        # The same shape and strides: each host tensor is laid out byte for byte like its
+        # device tensor, so the region geometry peers plan with holds for both.
+        self.host = {name: _host_mirror(self.device[name], pin) for name in names}
         self._ratios = [group.ratio for group in spec.groups]
         self.copy_op: CopyBlocksOp = torch_copy_blocks
 
@@ -127,19 +131,31 @@ class HostBuffer:
             (self.device, self.host) if direction == "d2h" else (self.host, self.device)
         )
         copied = 0
-        for names, ids in zip(self._groups, self._kernel_ids(entries), strict=True):
-            if len(ids) == 0:
-                continue
-            id_list = ids.tolist()
-            self.copy_op(
-                {name: source[name] for name in names},
-                {name: target[name] for name in names},
-                id_list,
-                id_list,
-                direction,
-            )
-            copied += len(id_list)
+        # Synchronous on purpose, as in vLLM's NixlConnector: a d2h copy must have landed
+        # before the step ends (decode may READ right after), an h2d one before the load is
+        # reported. vLLM's GPU-sync checker (a debug mode) is told these syncs are meant.
+        with gpu_sync_allowed():
+            for names, ids in zip(self._groups, self._kernel_ids(entries), strict=True):
+                if len(ids) == 0:
+                    continue
+                id_list = ids.tolist()
+                self.copy_op(
+                    {name: source[name] for name in names},
+                    {name: target[name] for name in names},
+                    id_list,
+                    id_list,
+                    direction,
+                )
+                copied += len(id_list)
         return copied
 
     def _kernel_ids(self, entries: Sequence[BlockIds]) -> tuple[KernelIds, ...]:
         return kernel_block_ids(entries, self._ratios)
+
+
+def _host_mirror(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    mirror = torch.empty_strided(
+        tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu",
+        pin_memory=pin,
+    )  # fmt: skip
+    return mirror.zero_()
