@@ -397,3 +397,22 @@ def test_device_tensors_are_not_refused_by_the_layout() -> None:
         for name in ("g0.l0", "g0.l1")
     }
     assert region_addresses(layout, spec, dense) == (0, 0)  # meta tensors have no address
+
+
+def test_block_outermost_mla_latents_sit_in_rows() -> None:
+    """An MLA group in BLNHC: each row holds every layer's latent page, one "head" each."""
+    mla = [
+        KVCacheGroupSpec(
+            ["mla.0", "mla.1"],
+            MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=12, dtype=_F32),
+        )
+    ]
+    cache, tensors = _vllm_planned("BLNHC", mla)
+    spec, layout, addresses = _our_view(cache, tensors, "BLNHC")
+    assert spec.groups[0].kind is GroupKind.MLA
+    first, second = layout.groups[0].planes
+    assert (first.offset_bytes, second.offset_bytes) == (0, 16 * 12 * 4)
+    assert first.kernel_block_stride_bytes == 2 * 16 * 12 * 4
+    tensors["mla.1"][4, 0, 7] = torch.arange(12, dtype=_F32)
+    address = addresses[0] + second.offset_bytes + 4 * second.kernel_block_stride_bytes
+    assert torch.equal(_floats_at(address + 7 * second.token_stride_bytes, 12), torch.arange(12.0))
