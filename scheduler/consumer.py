@@ -24,11 +24,15 @@ from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 
-_L = LoadState
-_RANKS_ANSWER_LOAD = (_L.LOADING, _L.DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
-_RANKS_ANSWER_RELEASE = (_L.RELEASING, _L.REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
-_HEARTBEATING = (_L.MATCHED, _L.ALLOCATED, _L.LOADING, _L.DRAINING)  # prefill must keep the KV
-_PENDING = tuple(state for state in LoadState if state not in (_L.REPORTED, _L.ENDED))
+# Bound once: Python 3.11 resolves Enum.MEMBER through a Python descriptor (~0.4 µs) and the
+# hooks compare states on every call.
+MATCHED, ALLOCATED, LOADING = LoadState.MATCHED, LoadState.ALLOCATED, LoadState.LOADING
+DRAINING, REPORTED, ENDED = LoadState.DRAINING, LoadState.REPORTED, LoadState.ENDED
+RELEASING, REPORTED_RELEASING = LoadState.RELEASING, LoadState.REPORTED_RELEASING
+_RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
+_RANKS_ANSWER_RELEASE = (RELEASING, REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
+_HEARTBEATING = (MATCHED, ALLOCATED, LOADING, DRAINING)  # prefill must keep the KV
+_PENDING = tuple(state for state in LoadState if state not in (REPORTED, ENDED))
 
 
 @dataclasses.dataclass
@@ -71,7 +75,7 @@ class Consumer:
         self, request_id: str, source: RemoteSource, num_tokens: int, num_cached_tokens: int
     ) -> tuple[int, bool]:
         load = self._loads.get(request_id)
-        if load is not None and load.state is not _L.MATCHED:
+        if load is not None and load.state is not MATCHED:
             return 0, False  # allocated, loading, reported or releasing: nothing new to claim
         if load is None:
             load = self._loads.add(request_id, _Load(source, num_tokens, num_cached_tokens))
@@ -80,27 +84,28 @@ class Consumer:
             load.num_cached_tokens = num_cached_tokens
         num_new_tokens = num_tokens - num_cached_tokens
         if num_new_tokens <= 0:
-            self._release_only(request_id, load, _L.RELEASING)
+            self._release_only(request_id, load, RELEASING)
             return 0, False
-        self._loads.move(request_id, _L.MATCHED)
+        if load.state is not MATCHED:
+            self._loads.move(request_id, MATCHED)
         return num_new_tokens, True
 
     def update_state_after_alloc(
         self, request_id: str, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
         load = self._loads.get(request_id)
-        if load is None or load.state is not _L.MATCHED:
+        if load is None or load.state is not MATCHED:
             return
         if num_external_tokens == 0:
             # The engine chose not to load after all; prefill may free its blocks.
-            self._release_only(request_id, load, _L.RELEASING)
+            self._release_only(request_id, load, RELEASING)
             return
         load.local_block_ids = tuple(tuple(group) for group in block_ids)
-        self._loads.move(request_id, _L.ALLOCATED)
+        self._loads.move(request_id, ALLOCATED)
 
     def take_step(self) -> tuple[tuple[LoadSpec, ...], tuple[ReleaseSpec, ...]]:
         """The loads and releases for the next metadata; also sends heartbeats when due."""
-        allocated = self._loads.ids(_L.ALLOCATED)
+        allocated = self._loads.ids(ALLOCATED)
         loads = [spec for request_id in allocated if (spec := self._emit(request_id))]
         releases, self._pending_releases = tuple(self._pending_releases), []
         self._send_heartbeats_if_due()
@@ -117,19 +122,19 @@ class Consumer:
             self._release_over_side_channel(source)
             return False, None
         state = load.state
-        if state is _L.REPORTED:
-            self._loads.move(request_id, _L.ENDED)
-        elif state is _L.REPORTED_RELEASING:
-            self._loads.move(request_id, _L.RELEASING)
-        elif state is _L.MATCHED:  # no blocks yet: nothing of ours to hold
-            self._release_only(request_id, load, _L.RELEASING)
-        elif state is _L.ALLOCATED:
+        if state is REPORTED:
+            self._loads.move(request_id, ENDED)
+        elif state is REPORTED_RELEASING:
+            self._loads.move(request_id, RELEASING)
+        elif state is MATCHED:  # no blocks yet: nothing of ours to hold
+            self._release_only(request_id, load, RELEASING)
+        elif state is ALLOCATED:
             logger.info("request %s aborted before its load started; releasing prefill", request_id)
             self._pending_releases.append(ReleaseSpec(request_id, load.source))
-            self._loads.move(request_id, _L.DRAINING)
-        elif state is _L.LOADING:
-            self._loads.move(request_id, _L.DRAINING)
-        return state in (_L.ALLOCATED, *_RANKS_ANSWER_LOAD), None
+            self._loads.move(request_id, DRAINING)
+        elif state is LOADING:
+            self._loads.move(request_id, DRAINING)
+        return state in (ALLOCATED, *_RANKS_ANSWER_LOAD), None
 
     def on_reports(self, reports: Iterable[WorkerReport]) -> None:
         for report in reports:
@@ -157,7 +162,7 @@ class Consumer:
         except TransferPlanError as exc:
             self._fail_now(request_id, load, f"cannot plan the load: {exc}")
             return None
-        self._loads.move(request_id, _L.LOADING)
+        self._loads.move(request_id, LOADING)
         return LoadSpec(
             request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, load.source
         )
@@ -189,7 +194,7 @@ class Consumer:
         if load.state in _RANKS_ANSWER_RELEASE:
             load.ranks_done.add(tp_rank)
             if len(load.ranks_done) == self._tp_size:
-                done = _L.ENDED if load.state is _L.RELEASING else _L.REPORTED
+                done = ENDED if load.state is RELEASING else REPORTED
                 self._loads.move(request_id, done)
             return
         if load.state not in _RANKS_ANSWER_LOAD:
@@ -208,7 +213,7 @@ class Consumer:
         else:
             self._finished.append(request_id)
         # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
-        self._loads.move(request_id, _L.ENDED if load.state is _L.DRAINING else _L.REPORTED)
+        self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)
 
     def _release_only(self, request_id: str, load: _Load, target: LoadState) -> None:
         """Move ``load`` to a releasing state and tell prefill (ranks and side channel) to free."""
@@ -226,7 +231,7 @@ class Consumer:
 
     def _fail_now(self, request_id: str, load: _Load, reason: str) -> None:
         logger.warning("request %s failed: %s", request_id, reason)
-        self._release_only(request_id, load, _L.REPORTED_RELEASING)
+        self._release_only(request_id, load, REPORTED_RELEASING)
         self._failed[request_id] = reason
 
     def _send_heartbeats_if_due(self) -> None:

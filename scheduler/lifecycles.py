@@ -16,7 +16,14 @@ from connector.errors import IllegalTransition
 from connector.lifecycle import TransitionTable
 
 
-class LoadState(enum.Enum):
+class LifecycleState(enum.Enum):
+    """Base of every state enum here: members are singletons, so they hash by identity in C
+    (Enum's own __hash__ is a Python call, and each move hashes states several times)."""
+
+    __hash__ = object.__hash__
+
+
+class LoadState(LifecycleState):
     """Where one decode load stands in the scheduler."""
 
     NEW = enum.auto()  # record made; moved on before the call that made it returns
@@ -35,7 +42,7 @@ LOAD_LIFECYCLE = TransitionTable(
     "decode load",
     {
         _L.NEW: {_L.MATCHED, _L.RELEASING},  # nothing to load (full prefix hit): release only
-        _L.MATCHED: {_L.MATCHED, _L.ALLOCATED, _L.RELEASING},  # MATCHED again: new prefix hit
+        _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},  # asked again: stays MATCHED, new prefix hit
         _L.ALLOCATED: {_L.LOADING, _L.DRAINING, _L.REPORTED_RELEASING},
         _L.LOADING: {_L.DRAINING, _L.REPORTED},
         _L.DRAINING: {_L.ENDED},
@@ -47,7 +54,7 @@ LOAD_LIFECYCLE = TransitionTable(
 )
 
 
-class LeaseState(enum.Enum):
+class LeaseState(LifecycleState):
     """Where one prefill lease stands: its blocks stay held until it ends."""
 
     NEW = enum.auto()

@@ -31,6 +31,10 @@ from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
 logger = logging.getLogger(__name__)
 
+# Bound once: Python 3.11 resolves Enum.MEMBER through a Python descriptor (~0.4 µs).
+LEASED, ANNOUNCED, COMPLETED = LeaseState.LEASED, LeaseState.ANNOUNCED, LeaseState.COMPLETED
+EXPIRED, RELEASED = LeaseState.EXPIRED, LeaseState.RELEASED
+
 
 @dataclasses.dataclass
 class _Lease:
@@ -83,7 +87,7 @@ class Producer:
         now_s = self._clock()
         self._leases.lease(request_id, now_s)
         self._book.add(request_id, _Lease(now_s))
-        self._book.move(request_id, LeaseState.LEASED)
+        self._book.move(request_id, LEASED)
         params = params_for_decode(
             engine_id=self._engine_id,
             request_id=request_id,
@@ -97,9 +101,9 @@ class Producer:
     def take_step(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(sends, forgotten) for the next metadata, after ending expired and released leases."""
         self.end_lapsed_leases()
-        sends = self._book.ids(LeaseState.LEASED)
+        sends = self._book.ids(LEASED)
         for request_id in sends:
-            self._book.move(request_id, LeaseState.ANNOUNCED)
+            self._book.move(request_id, ANNOUNCED)
         forgotten, self._pending_forgotten = tuple(self._pending_forgotten), []
         return sends, forgotten
 
@@ -114,7 +118,7 @@ class Producer:
                 if len(lease.ranks_done) == self._tp_size:
                     self._leases.complete(request_id)
                     self._metrics.inc(LEASES_COMPLETED)
-                    self._finish(request_id, LeaseState.COMPLETED)
+                    self._finish(request_id, COMPLETED)
         self.end_lapsed_leases()
 
     def end_lapsed_leases(self) -> None:
@@ -127,12 +131,12 @@ class Producer:
                     self._leases.duration_s,
                 )
                 self._metrics.inc(LEASES_EXPIRED)
-                self._end_early(request_id, LeaseState.EXPIRED)
+                self._end_early(request_id, EXPIRED)
         for request_id in self._leases.take_released():
             if self._book.get(request_id) is not None:
                 logger.info("request %s released by its decode engine", request_id)
                 self._metrics.inc(LEASES_RELEASED)
-                self._end_early(request_id, LeaseState.RELEASED)
+                self._end_early(request_id, RELEASED)
 
     def take_finished(self) -> tuple[str, ...]:
         finished, self._finished = tuple(self._finished), []
@@ -140,7 +144,7 @@ class Producer:
 
     def _end_early(self, request_id: str, ended: LeaseState) -> None:
         lease = self._book.get(request_id)
-        if lease is not None and lease.state is LeaseState.ANNOUNCED:
+        if lease is not None and lease.state is ANNOUNCED:
             self._pending_forgotten.append(request_id)  # LEASED: the ranks never heard of it
         self._finish(request_id, ended)
 

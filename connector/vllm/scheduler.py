@@ -30,7 +30,7 @@ from connector.vllm.messages import (
 )
 from connector.vllm.semantics import clip_ssm_groups, loads_from_remote, ssm_scratch_blocks
 from scheduler.connector import SchedulerConnector
-from scheduler.lifecycles import Book, OnMove
+from scheduler.lifecycles import Book, LifecycleState, OnMove
 from scheduler.requests import FinishedRequests, RequestInfo
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ _COMPLETE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPE
 _handshake_decoder = msgspec.msgpack.Decoder(WorkerHandshake)
 
 
-class TrackedState(enum.Enum):
+class TrackedState(LifecycleState):
     """What this adapter still owes vLLM for a request (most requests it never tracks)."""
 
     NEW = enum.auto()
@@ -67,7 +67,9 @@ TRACKED_LIFECYCLE = TransitionTable(
         _T.ENDED: (),
     },
 )
-_REFUSED = (_T.CLAIMED, _T.REFUSED)
+# Bound once: Python 3.11 resolves Enum.MEMBER through a Python descriptor (~0.4 µs).
+CLAIMED, REFUSED = TrackedState.CLAIMED, TrackedState.REFUSED
+RANKS_REPORT, ENDED = TrackedState.RANKS_REPORT, TrackedState.ENDED
 
 
 @dataclasses.dataclass
@@ -149,9 +151,9 @@ class SchedulerSide:
         request_id = request.request_id
         num_tokens = _num_loadable_tokens(request, self._backoff) - num_computed_tokens
         tracked = self._tracked.get(request_id)
-        if tracked is not None and tracked.state is _T.REFUSED:
+        if tracked is not None and tracked.state is REFUSED:
             return 0, False
-        if tracked is not None and tracked.state is _T.CLAIMED:  # not parked yet: claim again
+        if tracked is not None and tracked.state is CLAIMED:  # not parked yet: claim again
             return (num_tokens, True) if num_tokens > 0 else (0, False)
         try:
             return self.connector.get_num_new_matched_tokens(
@@ -165,7 +167,7 @@ class SchedulerSide:
             # the load as failed: vLLM's kv_load_failure_policy decides its fate.
             self._tracked.add(request_id, _Tracked(reason=f"invalid kv_transfer_params: {exc}"))
             claimed = num_tokens > 0
-            self._tracked.move(request_id, _T.CLAIMED if claimed else _T.REFUSED)
+            self._tracked.move(request_id, CLAIMED if claimed else REFUSED)
             return (num_tokens, True) if claimed else (0, False)
 
     def update_state_after_alloc(
@@ -173,12 +175,12 @@ class SchedulerSide:
     ) -> None:
         request_id = request.request_id
         tracked = self._tracked.get(request_id)
-        if tracked is not None and tracked.state is _T.CLAIMED:
+        if tracked is not None and tracked.state is CLAIMED:
             if num_external_tokens > 0:  # parked: vLLM now waits for our answer
                 self._to_announce[request_id] = tracked.reason
-            self._tracked.move(request_id, _T.REFUSED)
+            self._tracked.move(request_id, REFUSED)
             return
-        if tracked is not None and tracked.state is _T.REFUSED:
+        if tracked is not None and tracked.state is REFUSED:
             return
         self.connector.update_state_after_alloc(
             _request_info(request, backoff=self._backoff),
@@ -191,7 +193,7 @@ class SchedulerSide:
         for load in step.loads:
             if self._tracked.get(load.request_id) is None:
                 self._tracked.add(load.request_id, _Tracked())
-                self._tracked.move(load.request_id, _T.RANKS_REPORT)
+                self._tracked.move(load.request_id, RANKS_REPORT)
         invalid = FinishedRequests(failed_recving=dict(self._to_announce))
         self._to_announce.clear()
         announce, self._announce = merge(self._announce, invalid), FinishedRequests()
@@ -220,8 +222,8 @@ class SchedulerSide:
         reported = set()
         for request_id in (*finished.finished_recving, *finished.failed_recving):
             tracked = self._tracked.get(request_id)
-            if tracked is not None and tracked.state is _T.RANKS_REPORT:
-                self._tracked.move(request_id, _T.ENDED)
+            if tracked is not None and tracked.state is RANKS_REPORT:
+                self._tracked.move(request_id, ENDED)
                 reported.add(request_id)
         return FinishedRequests(
             finished_sending=finished.finished_sending,
@@ -236,8 +238,8 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         tracked = self._tracked.get(request_id)
-        if tracked is not None and tracked.state in _REFUSED:
-            self._tracked.move(request_id, _T.ENDED)
+        if tracked is not None and tracked.state in (CLAIMED, REFUSED):
+            self._tracked.move(request_id, ENDED)
             return False, None
         info = _request_info(request, aborted=request.status not in _COMPLETE)
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
