@@ -24,8 +24,8 @@ from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 
-# Bound once: Python 3.11 resolves Enum.MEMBER through a Python descriptor (~0.4 µs) and the
-# hooks compare states on every call.
+# The states as module names: shorter to read, and the hooks compare them on every call (a
+# global is ~3x cheaper to read than an Enum class attribute on Python 3.11).
 MATCHED, ALLOCATED, LOADING = LoadState.MATCHED, LoadState.ALLOCATED, LoadState.LOADING
 DRAINING, REPORTED, ENDED = LoadState.DRAINING, LoadState.REPORTED, LoadState.ENDED
 RELEASING, REPORTED_RELEASING = LoadState.RELEASING, LoadState.REPORTED_RELEASING

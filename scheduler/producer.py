@@ -31,7 +31,7 @@ from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
 logger = logging.getLogger(__name__)
 
-# Bound once: Python 3.11 resolves Enum.MEMBER through a Python descriptor (~0.4 µs).
+# The states as module names: shorter to read, and cheaper than Enum class attributes per call.
 LEASED, ANNOUNCED, COMPLETED = LeaseState.LEASED, LeaseState.ANNOUNCED, LeaseState.COMPLETED
 EXPIRED, RELEASED = LeaseState.EXPIRED, LeaseState.RELEASED
 

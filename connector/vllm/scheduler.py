@@ -67,7 +67,7 @@ TRACKED_LIFECYCLE = TransitionTable(
         _T.ENDED: (),
     },
 )
-# Bound once: Python 3.11 resolves Enum.MEMBER through a Python descriptor (~0.4 µs).
+# The states as module names: shorter to read, and cheaper than Enum class attributes per call.
 CLAIMED, REFUSED = TrackedState.CLAIMED, TrackedState.REFUSED
 RANKS_REPORT, ENDED = TrackedState.RANKS_REPORT, TrackedState.ENDED
 
