@@ -17,8 +17,8 @@ from connector.lifecycle import TransitionTable
 
 
 class LifecycleState(enum.Enum):
-    """Base of every state enum here: members are singletons, so they hash by identity in C
-    (Enum's own __hash__ is a Python call, and each move hashes states several times)."""
+    """Base of the scheduler side's state enums: members are singletons, so they hash by
+    identity in C (Enum's own __hash__ is a Python call, and each move hashes several)."""
 
     __hash__ = object.__hash__
 
@@ -42,7 +42,7 @@ LOAD_LIFECYCLE = TransitionTable(
     "decode load",
     {
         _L.NEW: {_L.MATCHED, _L.RELEASING},  # nothing to load (full prefix hit): release only
-        _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},  # asked again: stays MATCHED, new prefix hit
+        _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},  # asked again before allocation: no move
         _L.ALLOCATED: {_L.LOADING, _L.DRAINING, _L.REPORTED_RELEASING},
         _L.LOADING: {_L.DRAINING, _L.REPORTED},
         _L.DRAINING: {_L.ENDED},
