@@ -6,7 +6,8 @@ metadata once) and after it stops (``shutdown``). In between, the rank's transfe
 (worker/transfer_thread.py) is the only thread that calls the agent: ``start_load_kv`` just
 queues the step's metadata for it, and ``get_finished`` just takes what it published under
 ``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. The transfer thread owns
-the LoadTable, PeerTable and NotificationCounter. The handshake threads (worker/handshake.py)
+the LoadTable, PeerTable (with the prepared descriptor lists it makes when a handshake
+completes, worker/prepped.py) and NotificationCounter. The handshake threads (worker/handshake.py)
 only talk ZMQ to remote side channels and hand the bytes back through a queue, which the
 transfer thread drains.
 

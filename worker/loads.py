@@ -1,9 +1,11 @@
-"""Decode side: one record per in-flight request, from its LoadSpec to its one outcome.
+"""Decode side: the loads in flight on one rank, each from its LoadSpec to its one outcome.
 
-A ``Load`` waits for its peer's handshake, then plans and posts one READ per remote rank it
-reads (each carrying that rank's free notification) and sends notification-only messages to
-the ranks it covers but does not read. It ends once, with success or a reason, and only when
-no posted READ is live: decode blocks are never handed back under a READ.
+A ``Load`` (worker/load_lifecycle.py: its states and moves) waits for its peer's handshake,
+then plans and posts the READs of each remote rank it reads (one READ carrying that rank's
+free notification, or two, by index and by byte ranges, after which the notification goes
+alone) and sends notification-only messages to the ranks it covers but does not read. It ends
+once, with success or a reason, and only when no posted READ is live: decode blocks are never
+handed back under a READ.
 
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
@@ -19,7 +21,6 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,20 +31,20 @@ from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
 from connector.protocol import encode_free_notif
-from connector.trace import LoadTimeline, load_ended
+from connector.trace import load_ended
+from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
-from worker.peers import Peer, PeerState
+from worker.peer_lifecycle import Peer, PeerLink
 from worker.planner import RankReads
 from worker.planner_prepped import PreparedRows, RankPlan, plan_rank
 
 logger = logging.getLogger(__name__)
 
-ABORTED = "aborted"
+ABORTED = ABORTED_REASON
 MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
 
 Outcome = tuple[str, str | None]  # (request id, failure reason or None for success)
 BY_INDEX, BY_RANGES = 0, 1  # the parts of a remote rank's reads (worker/planner_prepped.py)
-ReadKey = tuple[int, int]  # (remote rank, part)
 
 
 def build_descriptors(
@@ -68,34 +69,8 @@ def build_descriptors(
     return descriptors
 
 
-@dataclass(eq=False)
-class Load:
-    """One request on this rank. ``spec`` is None for an abort of a request never loaded."""
-
-    request_id: str
-    remote: RemoteSource
-    peer: Peer
-    spec: LoadSpec | None
-    created_s: float
-    aborted: bool = False
-    failure: str | None = None  # the first failure; the outcome once nothing is live
-    started: bool = False  # the plan was posted, or given up on
-    posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
-    riding: set[int] = field(default_factory=set)  # ranks whose notification rides a READ
-    counts: dict[int, int] = field(default_factory=dict)  # remote rank -> notification count
-    notified: set[int] = field(default_factory=set)  # remote ranks told to free
-    timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
-
-    def __post_init__(self) -> None:
-        self.timeline = LoadTimeline(self.created_s)
-
-    def fail(self, reason: str) -> None:
-        if self.failure is None:
-            self.failure = reason
-
-
-def _rows(peer: Peer, remote_rank: int) -> PreparedRows | None:
-    prepared = peer.prepared.get(remote_rank)
+def _rows(link: PeerLink, remote_rank: int) -> PreparedRows | None:
+    prepared = link.prepared.get(remote_rank)
     return None if prepared is None else prepared.rows
 
 
@@ -113,8 +88,10 @@ class LoadTable:
         handshake_wait_s: float,  # a load waits at most this long for its peer's handshake
         on_peer_failure: Callable[[Peer], None],
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
+        on_move: OnMove | None = None,  # tests watch every load's moves
     ) -> None:
         self._agent = agent
+        self._on_move = on_move
         self._metrics = metrics or default_recorder()
         self._local_addresses = tuple(local_region_addresses)
         self._local_memory = local_memory
@@ -152,13 +129,13 @@ class LoadTable:
             return
         if load is None:
             load = self._loads[request_id] = self._new_load(request_id, remote, peer, None)
-        load.aborted = True
+        load.abort()
 
     def _new_load(
         self, request_id: str, remote: RemoteSource, peer: Peer, spec: LoadSpec | None
     ) -> Load:
-        peer.num_loads += 1  # the peer's agents stay loaded until this load ends
-        return Load(request_id, remote, peer, spec, self._clock())
+        peer.load_attached()  # the peer's agents stay loaded until this load ends
+        return Load(request_id, remote, peer, spec, self._clock(), self._on_move)
 
     def advance(self) -> list[Outcome]:
         """Move every load as far as it can go; returns the loads that ended."""
@@ -169,9 +146,10 @@ class LoadTable:
             except Exception as error:  # one request's bug must not stop the engine
                 logger.exception("request %s: unexpected error", load.request_id)
                 load.fail(f"internal error: {error!r}")
-                load.started = True
                 self._drop_handles(load)  # else the same error would recur every step
-            if load.started and not load.posted:
+                if not load.ended:
+                    load.end()
+            if load.ended:
                 outcomes.append(self._finish(load))
         return outcomes
 
@@ -179,7 +157,7 @@ class LoadTable:
         """Shutdown: release every live READ handle (best effort) and drop the records."""
         for load in self._loads.values():
             self._drop_handles(load)
-            load.peer.num_loads -= 1
+            load.peer.load_detached()
         self._loads.clear()
 
     def _drop_handles(self, load: Load) -> None:
@@ -189,40 +167,41 @@ class LoadTable:
             except Exception:  # the agent is in an unknown state: forget the handle anyway
                 logger.exception("request %s: dropping READ handle", load.request_id)
                 del load.posted[key]
-                load.peer.num_live_transfers -= 1
+                load.peer.transfer_ended()
 
     def _step(self, load: Load) -> None:
-        if not load.started:
+        if load.waiting:
             self._start(load)
-        elif load.posted:
+        elif load.reading:
             self._poll(load)
+            load.settle()
 
     def _start(self, load: Load) -> None:
         peer = load.peer
-        if peer.state is PeerState.HANDSHAKING:
+        if peer.waiting:
             # Handshakes are bounded by their own timeouts; this bounds the wait for any other
             # reason (a queue of handshakes to dead peers ahead of this one, a lost result).
             if self._clock() - load.created_s > self._handshake_wait_s:
-                load.started = True
                 load.fail(
                     f"handshake with prefill engine {peer.engine_id} at {peer.address} did not "
                     f"finish within {self._handshake_wait_s} s"
                 )
+                load.end()
             return
-        load.started = True
-        if peer.state is PeerState.READY:
+        link = peer.link
+        if link is not None:
             load.timeline.handshake_ready_s = self._clock()
-        if peer.state is PeerState.FAILED:
+        if link is None:
             load.fail(f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}")
-        elif load.aborted or load.spec is None:
-            load.fail(ABORTED)
+            load.end()
+        elif load.aborting or load.spec is None:
+            load.end()
         else:
-            self._post(load, load.spec, peer)
+            self._post(load, load.spec, link)
+            load.settle()
 
-    def _post(self, load: Load, spec: LoadSpec, peer: Peer) -> None:
-        planner = peer.planner
-        if planner is None:
-            raise RuntimeError(f"peer {peer.engine_id} is READY without a planner")
+    def _post(self, load: Load, spec: LoadSpec, link: PeerLink) -> None:
+        planner = link.planner
         try:
             segments = planner.segments(
                 spec.local_block_ids,
@@ -233,28 +212,27 @@ class LoadTable:
             plans = [
                 found
                 for rank in planner.read_ranks
-                if (found := plan_rank(planner, segments, rank, _rows(peer, rank))) is not None
+                if (found := plan_rank(planner, segments, rank, _rows(link, rank))) is not None
             ]
         except ConnectorError as error:
             load.fail(f"cannot plan the transfer: {error}")
             return
-        unknown = sorted({plan.remote_rank for plan in plans} - set(peer.agent_names))
+        unknown = sorted({plan.remote_rank for plan in plans} - set(link.agent_names))
         if unknown:
             load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
             return
         load.timeline.planned(
             self._clock(), ((p.remote_rank, lengths) for p in plans for lengths in p.lengths())
         )
-        load.counts = planner.consumers
         for plan in plans:
-            if not self._post_rank(load, peer, plan):
+            if not self._post_rank(load, link, plan):
                 return
         load.timeline.posted_s = self._clock()
         read_ranks = {plan.remote_rank for plan in plans}
-        for remote_rank in sorted(set(load.counts) - read_ranks):
+        for remote_rank in sorted(set(load.peer.duty) - read_ranks):
             self._notify(load, remote_rank)
 
-    def _post_rank(self, load: Load, peer: Peer, plan: RankPlan) -> bool:
+    def _post_rank(self, load: Load, link: PeerLink, plan: RankPlan) -> bool:
         """Post the one or two READs of a remote rank. A single READ carries the rank's free
         notification; with two, it is sent once both are done (neither may free early)."""
         remote_rank = plan.remote_rank
@@ -263,7 +241,7 @@ class LoadTable:
             notif = encode_free_notif(load.remote.remote_request_id, self._count(load, remote_rank))
             load.riding.add(remote_rank)
         if plan.by_index is not None:
-            prepared = peer.prepared[remote_rank]
+            prepared = link.prepared[remote_rank]
             make = functools.partial(
                 self._agent.make_prepped_read,
                 prepared.local_list,
@@ -275,13 +253,13 @@ class LoadTable:
             if not self._post_read(load, (remote_rank, BY_INDEX), make):
                 return False
         if plan.ranges is not None:
-            make = functools.partial(self._make_range_read, peer, plan.ranges, notif)
+            make = functools.partial(self._make_range_read, link, plan.ranges, notif)
             if not self._post_read(load, (remote_rank, BY_RANGES), make):
                 return False
         return True
 
-    def _make_range_read(self, peer: Peer, reads: RankReads, notif: bytes) -> Any:
-        handshake = peer.handshakes[reads.remote_rank]
+    def _make_range_read(self, link: PeerLink, reads: RankReads, notif: bytes) -> Any:
+        handshake = link.handshakes[reads.remote_rank]
         local = build_descriptors(
             self._local_addresses,
             reads.local_regions,
@@ -297,7 +275,7 @@ class LoadTable:
             handshake.memory.device,
         )
         return self._agent.make_read(
-            peer.agent_names[reads.remote_rank],
+            link.agent_names[reads.remote_rank],
             local,
             remote,
             notif,
@@ -312,7 +290,7 @@ class LoadTable:
             self._transfer_failed(load, key[0], error)
             return False
         load.posted[key] = handle
-        load.peer.num_live_transfers += 1
+        load.peer.transfer_started()
         try:
             self._agent.post(handle)
         except ConnectorError as error:
@@ -353,14 +331,14 @@ class LoadTable:
 
     def _finish(self, load: Load) -> Outcome:
         del self._loads[load.request_id]
-        load.peer.num_loads -= 1
+        load.peer.load_detached()
         self._recent[load.request_id] = None
         if len(self._recent) > MAX_RECENT_IDS:
             self._recent.popitem(last=False)
-        if load.failure is not None or load.aborted:
+        reason = load.reason
+        if reason is not None:
             self._notify_rest(load)
-        reason = ABORTED if load.aborted else load.failure
-        if reason is not None and reason != ABORTED:
+        if load.state is LoadState.FAILED:
             logger.warning("request %s failed: %s", load.request_id, reason)
         self._record(load, reason)
         return load.request_id, reason
@@ -381,14 +359,14 @@ class LoadTable:
 
     def _notify_rest(self, load: Load) -> None:
         """Tell every covered remote rank not yet notified that its blocks may be freed."""
-        if load.peer.state is not PeerState.READY:
+        if load.peer.link is None:
             return
-        ranks = set(load.peer.duty) | set(load.counts)
-        for remote_rank in sorted(ranks - load.notified):
+        for remote_rank in sorted(set(load.peer.duty) - load.notified):
             self._notify(load, remote_rank)
 
     def _notify(self, load: Load, remote_rank: int) -> None:
-        agent_name = load.peer.agent_names.get(remote_rank)
+        link = load.peer.link
+        agent_name = None if link is None else link.agent_names.get(remote_rank)
         if agent_name is None:
             logger.warning(
                 "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
@@ -408,8 +386,8 @@ class LoadTable:
         load.notified.add(remote_rank)
 
     def _count(self, load: Load, remote_rank: int) -> int:
-        count = load.counts.get(remote_rank) or load.peer.duty.get(remote_rank)
-        return count if count else 1
+        """The peer's duty is the one source: every rank read or notified is a covered rank."""
+        return load.peer.duty[remote_rank]
 
     def _transfer_failed(self, load: Load, remote_rank: int, error: ConnectorError) -> None:
         load.fail(
@@ -426,4 +404,4 @@ class LoadTable:
             if keep_if_live:
                 return
         del load.posted[key]
-        load.peer.num_live_transfers -= 1
+        load.peer.transfer_ended()

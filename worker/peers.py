@@ -4,9 +4,10 @@ A ``Peer`` is one generation of our knowledge of a remote engine at one address,
 (engine id, host, port, TP size) exactly as requests name it, so a request naming a wrong port
 gets its own record and its own failure, never another address's. It is created when a request
 first needs it, READY once every remote rank this rank covers has handshaken, or FAILED with
-the reason. When a transfer to it fails (peer gone) the record is marked stale; the next
-request for that key starts a fresh handshake, which picks up a restarted peer's new agent
-names. A stale record's agents are removed once no load and no posted READ refers to it.
+the reason. When a transfer to it fails (peer gone) the record is retired; the next request
+for that key starts a fresh handshake, which picks up a restarted peer's new agent names. A
+retired record's prepared lists and agents are freed once no load and no posted READ refers to
+it (its states and moves: worker/peer_lifecycle.py).
 
 A failed handshake is remembered per key (a negative cache): later requests for that key fail
 at once with the reason instead of waiting for a handshake of their own, and one background
@@ -19,11 +20,10 @@ The rank's transfer thread only (worker/transfer_thread.py): the table calls the
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from connector.errors import ConnectorError, HandshakeError, UnsupportedConfiguration
 from connector.layout import RankLayout
@@ -39,56 +39,19 @@ from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from worker.compat import Fingerprint, check_compatible
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
 from worker.nixl_api import NixlAgent
+from worker.peer_lifecycle import Peer, PeerKey, PeerLink, PeerState
 from worker.planner import TransferPlanner
 from worker.prepped import PreparedLists, PreparedReads
 from worker.topology import head_shapes, notification_duty
 
 logger = logging.getLogger(__name__)
 
-PeerKey = tuple[str, str, int, int]  # (engine id, host, port, remote TP size)
 PROBE_INTERVAL_S = 1.0  # a failed peer key gets at most one background probe per interval
 MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
 
 
 def peer_key(source: RemoteSource) -> PeerKey:
     return (source.engine_id, source.host, source.port, source.tp_size)
-
-
-class PeerState(enum.Enum):
-    HANDSHAKING = "handshaking"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class Peer:
-    """One generation of a remote engine as this rank knows it."""
-
-    engine_id: str
-    host: str
-    port: int
-    remote_tp_size: int
-    duty: dict[int, int]  # remote rank this rank covers -> readers its free notification counts
-    state: PeerState = PeerState.HANDSHAKING
-    failure: str | None = None  # why the handshake failed (FAILED only)
-    handshakes: dict[int, WorkerHandshake] = field(default_factory=dict)
-    agent_names: dict[int, str] = field(default_factory=dict)  # remote rank -> loaded agent
-    planner: TransferPlanner | None = None
-    prepared: dict[int, PreparedReads] = field(default_factory=dict)  # remote rank -> lists
-    stale: bool = False  # superseded: no new requests; agents removed when idle
-    stale_reason: str = "a newer handshake superseded it"  # why, for loads still waiting
-    probe: bool = False  # a background re-check of a failed key: no request waits on it
-    num_live_transfers: int = 0  # posted READs not yet released
-    num_loads: int = 0  # loads that hold this record (LoadTable counts them)
-    submitted_s: float = 0.0  # when its handshake was submitted (table's clock), for metrics
-
-    @property
-    def key(self) -> PeerKey:
-        return (self.engine_id, self.host, self.port, self.remote_tp_size)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
 
 @dataclass
@@ -162,11 +125,11 @@ class PeerTable:
         self._enforce_compat = enforce_compat
         self._clock = clock
         self._probe_interval_s = probe_interval_s
-        self._current: dict[PeerKey, Peer] = {}  # HANDSHAKING or READY, never stale
+        self._current: dict[PeerKey, Peer] = {}  # HANDSHAKING or READY
         self._failures: dict[PeerKey, _Failure] = {}  # the negative cache, oldest first
         self._pending: dict[int, Peer] = {}  # job id -> the peer its handshake is for
         self._job_ids = itertools.count(1)
-        self._retired: list[Peer] = []  # stale generations whose agents are still loaded
+        self._retired: list[Peer] = []  # retired generations whose agents are still loaded
         self._agent_refs: dict[str, int] = {}  # loaded remote agent -> peers using it
         self._lists: PreparedLists | None = None  # set once this rank's memory is registered
 
@@ -211,19 +174,19 @@ class PeerTable:
 
     def retire(self, peer: Peer, reason: str | None = None) -> None:
         """No new requests use ``peer``; its agents go once no load or READ refers to it."""
-        if peer.stale:
-            return
-        peer.stale = True
-        if reason is not None:
-            peer.stale_reason = reason
+        if peer.state not in (PeerState.HANDSHAKING, PeerState.READY):
+            return  # already retired, or failed (nothing loaded to drain)
+        peer.retire(reason)
         self._retired.append(peer)
         if self._current.get(peer.key) is peer:
             del self._current[peer.key]
 
     def close(self) -> None:
         """Remove every loaded remote agent (at shutdown, once the transfer thread has stopped)."""
-        for peer in [*self._current.values(), *self._retired]:
-            self._release_lists(peer)
+        if self._lists is not None:
+            for peer in [*self._current.values(), *self._retired]:
+                for prepared in peer.link.prepared.values() if peer.link else ():
+                    self._lists.release(prepared)
         for name in list(self._agent_refs):
             self._remove_agent(name)
         self._agent_refs.clear()
@@ -242,8 +205,9 @@ class PeerTable:
         now_s = self._clock()
         if not failure.probing and now_s >= failure.probe_after_s:
             failure.probing = True
-            probe = Peer(source.engine_id, source.host, source.port, source.tp_size, duty)
-            probe.probe = True
+            probe = Peer(
+                source.engine_id, source.host, source.port, source.tp_size, duty, PeerState.PROBING
+            )
             self._submit(probe, retries=0)
         return _failed_peer(
             source,
@@ -256,32 +220,33 @@ class PeerTable:
         if result.error is not None:
             self._fail(peer, result.error)
             return
-        if peer.stale:
+        if peer.state is PeerState.RETIRED_HANDSHAKING:
             self._fail(peer, f"engine {peer.engine_id} at {peer.address}: {peer.stale_reason}")
             return
+        was_probe = peer.state is PeerState.PROBING
         try:
-            self._load(peer, result.handshakes)
+            link = self._link(peer, result.handshakes)
         except ConnectorError as error:
             self._fail(peer, str(error))
             return
-        peer.state = PeerState.READY
+        peer.connect(link)
         self._metrics.observe(HANDSHAKE_SECONDS, self._clock() - peer.submitted_s)
         logger.info("handshake with engine %s at %s done", peer.engine_id, peer.address)
-        if peer.probe:
+        if was_probe:
             self._promote(peer)
         self._retire_replaced(peer)
 
     def _promote(self, probe: Peer) -> None:
         """A probe reached a failed key: it becomes that key's peer; the failure is forgotten."""
         self._failures.pop(probe.key, None)
-        probe.probe = False
         if probe.key in self._current:  # cannot happen while the key was failed; be safe
             self.retire(probe)
             return
         self._current[probe.key] = probe
 
-    def _load(self, peer: Peer, handshakes: dict[int, WorkerHandshake]) -> None:
-        """Validate, build the planner, then load the agents (the step that has side effects)."""
+    def _link(self, peer: Peer, handshakes: dict[int, WorkerHandshake]) -> PeerLink:
+        """Validate, build the planner, then load the agents and prepare lists (the steps with
+        side effects, undone if a later one fails)."""
         validate_handshakes(peer.engine_id, peer.remote_tp_size, handshakes)
         for handshake in handshakes.values():
             remote = Fingerprint(handshake.fingerprint, handshake.compat_facts)
@@ -293,21 +258,34 @@ class PeerTable:
                     "; ".join(tolerated),
                 )
         first = handshakes[min(handshakes)]
-        peer.planner = TransferPlanner(self._local_layout, first.layout)
-        peer.handshakes = dict(handshakes)
-        for remote_rank, handshake in sorted(handshakes.items()):
-            peer.agent_names[remote_rank] = self._add_agent(handshake)
+        planner = TransferPlanner(self._local_layout, first.layout, duty=peer.duty)
+        agent_names: dict[int, str] = {}
+        try:
+            for remote_rank, handshake in sorted(handshakes.items()):
+                agent_names[remote_rank] = self._add_agent(handshake)
+        except ConnectorError:
+            for name in agent_names.values():
+                self._release_agent(name)
+            raise
+        prepared = self._prepare(planner, agent_names, handshakes)
+        return PeerLink(planner, dict(handshakes), agent_names, prepared)
+
+    def _prepare(
+        self,
+        planner: TransferPlanner,
+        agent_names: dict[int, str],
+        handshakes: dict[int, WorkerHandshake],
+    ) -> dict[int, PreparedReads]:
         if self._lists is None:
-            return
-        for remote_rank in peer.planner.read_ranks:
-            prepared = self._lists.prepare(
-                peer.planner.groups,
-                remote_rank,
-                peer.agent_names[remote_rank],
-                handshakes[remote_rank],
+            return {}
+        prepared = {}
+        for remote_rank in planner.read_ranks:
+            found = self._lists.prepare(
+                planner.groups, remote_rank, agent_names[remote_rank], handshakes[remote_rank]
             )
-            if prepared is not None:
-                peer.prepared[remote_rank] = prepared
+            if found is not None:
+                prepared[remote_rank] = found
+        return prepared
 
     def _add_agent(self, handshake: WorkerHandshake) -> str:
         if handshake.agent_name in self._agent_refs:
@@ -327,16 +305,12 @@ class PeerTable:
         logger.warning(
             "handshake with engine %s at %s failed: %s", peer.engine_id, peer.address, reason
         )
-        peer.state = PeerState.FAILED
-        peer.failure = reason
+        retired = peer.retired
+        peer.fail(reason)
         self._metrics.inc(HANDSHAKE_FAILURES, handshake_failure_kind(reason))
-        self._release_lists(peer)
-        for name in peer.agent_names.values():
-            self._release_agent(name)
-        peer.agent_names.clear()
         if self._current.get(peer.key) is peer:
             del self._current[peer.key]
-        if not peer.stale:
+        if not retired:
             self._remember_failure(peer.key, reason)
 
     def _remember_failure(self, key: PeerKey, reason: str) -> None:
@@ -359,21 +333,23 @@ class PeerTable:
     def _remove_idle_retired(self) -> None:
         draining = []
         for peer in self._retired:
-            busy = peer.num_live_transfers > 0 or peer.num_loads > 0
-            if busy or peer.state is PeerState.HANDSHAKING:
+            if peer.waiting or not peer.idle:
                 draining.append(peer)
-                continue
-            self._release_lists(peer)
-            for name in peer.agent_names.values():
-                self._release_agent(name)
-            peer.agent_names.clear()
+            elif peer.state is PeerState.RETIRED:
+                self._unlink(peer)
+                peer.close()
         self._retired = draining
 
-    def _release_lists(self, peer: Peer) -> None:
+    def _unlink(self, peer: Peer) -> None:
+        """Free a peer's prepared lists, then its agents (the lists refer to them)."""
+        link = peer.link
+        if link is None:
+            return
         if self._lists is not None:
-            for prepared in peer.prepared.values():
+            for prepared in link.prepared.values():
                 self._lists.release(prepared)
-        peer.prepared.clear()
+        for name in link.agent_names.values():
+            self._release_agent(name)
 
     def _release_agent(self, name: str) -> None:
         refs = self._agent_refs.get(name, 0) - 1
@@ -392,6 +368,6 @@ class PeerTable:
 
 def _failed_peer(source: RemoteSource, reason: str) -> Peer:
     """A FAILED record no table keeps: its loads end at once with ``reason``."""
-    peer = Peer(source.engine_id, source.host, source.port, source.tp_size, {})
-    peer.state, peer.failure = PeerState.FAILED, reason
-    return peer
+    return Peer(
+        source.engine_id, source.host, source.port, source.tp_size, {}, PeerState.FAILED, reason
+    )

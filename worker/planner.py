@@ -17,7 +17,7 @@ whole kernel blocks: the bytes of a token inside such a block are the kernel's b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,11 +75,18 @@ class TransferPlanner:
     ``plan`` does per-request index work only and raises TransferPlanError.
     """
 
-    def __init__(self, local: RankLayout, remote: RankLayout) -> None:
+    def __init__(
+        self, local: RankLayout, remote: RankLayout, *, duty: Mapping[int, int] | None = None
+    ) -> None:
+        """``duty``: remote rank this rank covers -> its free notification's count. The worker
+        passes its peer's (worker/peers.py computes it once per peer, before the handshake);
+        standalone callers leave it to worker.topology.notification_duty, the same rule."""
         self._groups = pair_groups(local, remote)
-        self._consumers = notification_duty(
-            local.tp_rank, local.tp_size, remote.tp_size, head_shapes(local)
-        )
+        if duty is None:
+            duty = notification_duty(
+                local.tp_rank, local.tp_size, remote.tp_size, head_shapes(local)
+            )
+        self._consumers = dict(duty)
         self._covered = tuple(self._consumers)
         self._read_ranks = tuple(sorted({rank for g in self._groups for rank in g.classes}))
 
@@ -92,11 +99,6 @@ class TransferPlanner:
     def read_ranks(self) -> tuple[int, ...]:
         """Remote ranks some group reads from, ascending."""
         return self._read_ranks
-
-    @property
-    def consumers(self) -> dict[int, int]:
-        """Remote rank this rank covers -> the count its free notification carries."""
-        return dict(self._consumers)
 
     def plan(
         self,

@@ -1,0 +1,153 @@
+"""Worker-side lifecycles as data: random event sequences take only table edges, and every
+load ends in a terminal state exactly once (worker/load_lifecycle.py, worker/peer_lifecycle.py).
+
+Loads are driven through a real LoadTable against the recording agent double, with the peer's
+handshake, READ outcomes, aborts and the clock chosen by hypothesis.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.errors import IllegalTransition
+from connector.geometry import build_rank_layout
+from connector.metadata import LoadSpec
+from tests.test_worker_connector import RecordingAgent, remote_handshake, source
+from tests.test_worker_parts import BASE, Clock
+from worker.load_lifecycle import LOAD_LIFECYCLE, LoadState
+from worker.loads import LoadTable
+from worker.nixl_api import TransferState
+from worker.peer_lifecycle import PEER_LIFECYCLE, Peer, PeerLink, PeerState
+from worker.planner import TransferPlanner
+
+NUM_REQUESTS = 4
+HANDSHAKE_WAIT_S = 10.0
+TRANSFER_TIMEOUT_S = 30.0
+
+EVENTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("load"), st.integers(0, NUM_REQUESTS - 1)),
+        st.tuples(st.just("abort"), st.integers(0, NUM_REQUESTS - 1)),
+        st.tuples(st.sampled_from(["ready", "handshake failed", "step"]), st.just(0)),
+        st.tuples(st.sampled_from(["read done", "read failed"]), st.integers(0, 7)),
+        st.tuples(st.just("wait s"), st.sampled_from([1, 11, 31])),
+    ),
+    max_size=30,
+)
+
+
+class World:
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.agent = RecordingAgent("decode-r0")
+        self.moves: list[tuple[str, LoadState, LoadState]] = []
+        # Prefill TP2 -> decode TP1: two READs per load, so one can fail while one is live.
+        self.peer = Peer("p", "127.0.0.1", 7001, 2, {0: 1, 1: 1})
+        layout = build_rank_layout(BASE, 0, 1)
+        self.table = LoadTable(
+            self.agent, local_region_addresses=[1 << 20] * len(layout.region_bytes),
+            clock=self.clock, transfer_timeout_s=TRANSFER_TIMEOUT_S,
+            handshake_wait_s=HANDSHAKE_WAIT_S, on_peer_failure=lambda peer: None,
+            on_move=lambda rid, old, new: self.moves.append((rid, old, new)),
+        )  # fmt: skip
+        self.num_created = 0  # load records made (a request id may come back after it ended)
+        self.outcomes: list[tuple[str, str | None]] = []
+
+    def apply(self, kind: str, value: int) -> None:
+        request_id = f"r{value}"
+        existed = request_id in self.table
+        if kind == "load":
+            ids = ((2 * value, 2 * value + 1),)
+            remote = source(f"p-{request_id}")
+            self.table.add(LoadSpec(request_id, ids, 8, 0, remote), self.peer)
+        elif kind == "abort":
+            self.table.abort(request_id, source(f"p-{request_id}"), self.peer)
+        elif kind == "ready" and self.peer.waiting:
+            self._connect()
+        elif kind == "handshake failed" and self.peer.waiting:
+            self.peer.fail("connection refused")
+        elif kind in ("read done", "read failed") and self.agent.reads:
+            read = self.agent.reads[value % len(self.agent.reads)]
+            read.state = TransferState.DONE
+            read.error = "remote disconnected" if kind == "read failed" else None
+        elif kind == "wait s":
+            self.clock.now_s += value
+        self.num_created += not existed and request_id in self.table
+        self.outcomes += self.table.advance()
+
+    def _connect(self) -> None:
+        handshakes = {rank: remote_handshake("p", rank, 2) for rank in (0, 1)}
+        planner = TransferPlanner(
+            build_rank_layout(BASE, 0, 1), handshakes[0].layout, duty=self.peer.duty
+        )
+        names = {rank: h.agent_name for rank, h in handshakes.items()}
+        self.agent.remotes.update(names.values())
+        self.peer.connect(PeerLink(planner, handshakes, names, {}))
+
+    def drain(self) -> None:
+        """Let everything finish: handshake answered, every READ done; bounded."""
+        if self.peer.waiting:
+            self._connect()
+        for _ in range(5):
+            for read in self.agent.reads:
+                read.state = TransferState.DONE
+            self.outcomes += self.table.advance()
+        assert len(self.table) == 0, "a load never ended"
+
+
+class Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=EVENTS)
+def test_loads_take_only_table_edges_and_end_exactly_once(events: list[tuple[str, int]]) -> None:
+    world = World()
+    errors = Errors()
+    logging.getLogger("worker.loads").addHandler(errors)
+    try:
+        for kind, value in events:
+            world.apply(kind, value)
+        world.drain()
+    finally:
+        logging.getLogger("worker.loads").removeHandler(errors)
+    assert errors.messages == []  # no unexpected error, no IllegalTransition
+    for _, old, new in world.moves:
+        assert LOAD_LIFECYCLE.allows(old, new), (old, new)
+    ended = [rid for rid, _, new in world.moves if new in LOAD_LIFECYCLE.terminal]
+    assert ended == [rid for rid, _ in world.outcomes]  # each end reported, in order
+    assert len(ended) == world.num_created  # every load record ended exactly once
+    assert world.peer.num_live_transfers == 0 and world.peer.num_loads == 0
+    assert all(reason is None or "internal error" not in reason for _, reason in world.outcomes)
+
+
+PEER_CALLS = st.lists(st.sampled_from(["connect", "fail", "retire", "close"]), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([PeerState.HANDSHAKING, PeerState.PROBING]), PEER_CALLS)
+def test_peer_moves_follow_its_table_and_illegal_ones_raise(
+    start: PeerState, calls: list[str]
+) -> None:
+    handshake = remote_handshake("p", 0, 1)
+    layout = build_rank_layout(BASE, 0, 1)
+    link = PeerLink(TransferPlanner(layout, handshake.layout), {0: handshake}, {0: "p-r0"}, {})
+    peer = Peer("p", "127.0.0.1", 7001, 1, {0: 1}, start)
+    for call in calls:
+        before = peer.state
+        try:
+            {"connect": lambda: peer.connect(link), "fail": lambda: peer.fail("x"),
+             "retire": lambda: peer.retire(None), "close": peer.close}[call]()  # fmt: skip
+        except IllegalTransition as error:
+            assert peer.state is before and "connector bug" in str(error)
+            continue
+        assert PEER_LIFECYCLE.allows(before, peer.state)
+        assert (peer.state is PeerState.READY) <= (peer.link is not None)

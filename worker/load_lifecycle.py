@@ -1,0 +1,143 @@
+"""One decode load on a worker rank: its record, its states and the moves between them, as data.
+
+    WAITING ──────────────► READING ──────────► SUCCEEDED
+       │  \\                  │   \\
+       │   └─► FAILING ◄─────┘    └─► ABORT_READING ──► ABORTED
+       │         │  \\                    ▲
+       │         ▼   └────────────────────┘
+       ├──────► FAILED ◄── (READING, when nothing is live)
+       └─► ABORT_WAITING ──────────────────────────────► ABORTED
+
+A load waits for its peer's handshake (WAITING), posts its READs (READING) and ends once:
+SUCCEEDED, FAILED or ABORTED. A failure or an abort while READs are live waits for them
+(FAILING, ABORT_READING): decode blocks are never handed back under a READ. An abort before
+anything was posted still waits for the handshake (ABORT_WAITING), to notify prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.lifecycle import TransitionTable
+from connector.metadata import LoadSpec, RemoteSource
+from connector.trace import LoadTimeline
+from worker.peer_lifecycle import Peer
+
+ABORTED_REASON = "aborted"
+ReadKey = tuple[int, int]  # (remote rank, part: BY_INDEX or BY_RANGES)
+OnMove = Callable[[str, "LoadState", "LoadState"], None]  # (request id, from, to)
+
+
+class LoadState(enum.Enum):
+    WAITING = enum.auto()  # for the peer's handshake
+    ABORT_WAITING = enum.auto()  # aborted before posting: waits for the handshake to notify
+    READING = enum.auto()  # READs posted and live
+    FAILING = enum.auto()  # failed (``failure`` says why); READs still live
+    ABORT_READING = enum.auto()  # aborted while READs are live
+    SUCCEEDED = enum.auto()
+    FAILED = enum.auto()
+    ABORTED = enum.auto()
+
+
+_L = LoadState
+LOAD_LIFECYCLE = TransitionTable(
+    "worker load",
+    {
+        _L.WAITING: {_L.READING, _L.FAILING, _L.SUCCEEDED, _L.FAILED, _L.ABORT_WAITING},
+        _L.ABORT_WAITING: {_L.ABORTED},
+        _L.READING: {_L.SUCCEEDED, _L.FAILING, _L.FAILED, _L.ABORT_READING},
+        _L.FAILING: {_L.FAILED, _L.ABORT_READING},
+        _L.ABORT_READING: {_L.ABORTED},
+        _L.SUCCEEDED: (),
+        _L.FAILED: (),
+        _L.ABORTED: (),
+    },
+)
+_ABORTING = frozenset({_L.ABORT_WAITING, _L.ABORT_READING})
+_POSTED = frozenset({_L.READING, _L.FAILING, _L.ABORT_READING})
+
+
+@dataclass(eq=False)
+class Load:
+    """One request on this rank. ``spec`` is None for an abort of a request never loaded.
+
+    ``state`` changes only through ``move`` (and the helpers below), along LOAD_LIFECYCLE.
+    """
+
+    request_id: str
+    remote: RemoteSource
+    peer: Peer
+    spec: LoadSpec | None
+    created_s: float
+    on_move: OnMove | None = None  # tests watch every move
+    state: LoadState = LoadState.WAITING
+    failure: str | None = None  # the first failure; the outcome unless aborted
+    posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
+    riding: set[int] = field(default_factory=set)  # ranks whose notification rides a READ
+    notified: set[int] = field(default_factory=set)  # remote ranks told to free
+    timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
+
+    def __post_init__(self) -> None:
+        self.timeline = LoadTimeline(self.created_s)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in LOAD_LIFECYCLE.terminal
+
+    @property
+    def waiting(self) -> bool:
+        return self.state in (_L.WAITING, _L.ABORT_WAITING)
+
+    @property
+    def aborting(self) -> bool:
+        return self.state in _ABORTING
+
+    @property
+    def reason(self) -> str | None:
+        """The outcome of an ended load: None for success."""
+        if self.state is _L.ABORTED:
+            return ABORTED_REASON
+        return self.failure if self.state is _L.FAILED else None
+
+    def move(self, target: LoadState) -> None:
+        current = self.state
+        if target is current:
+            return
+        self.state = LOAD_LIFECYCLE.move(f"load of request {self.request_id}", current, target)
+        if self.on_move is not None:
+            self.on_move(self.request_id, current, target)
+
+    def fail(self, reason: str) -> None:
+        """Note a failure (the first one is kept); ``settle`` or ``end`` moves the state."""
+        if self.failure is None:
+            self.failure = reason
+
+    def abort(self) -> None:
+        if self.state is _L.WAITING:
+            self.move(_L.ABORT_WAITING)
+        elif self.state in (_L.READING, _L.FAILING):
+            self.move(_L.ABORT_READING)
+
+    def end(self) -> None:
+        """End now, nothing live: aborted if it was, else failed or succeeded."""
+        if self.aborting:
+            self.move(_L.ABORTED)
+        else:
+            self.move(_L.FAILED if self.failure is not None else _L.SUCCEEDED)
+
+    def settle(self) -> None:
+        """After posting or polling: end once nothing is live, or mark a failure under READs."""
+        if self.posted:
+            if self.failure is not None and self.state in (_L.WAITING, _L.READING):
+                self.move(_L.FAILING)
+            elif self.state is _L.WAITING:
+                self.move(_L.READING)
+        else:
+            self.end()
+
+    @property
+    def reading(self) -> bool:
+        return self.state in _POSTED
