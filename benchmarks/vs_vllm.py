@@ -46,10 +46,12 @@ def main() -> None:
             print(f"decode start_load_kv per request ({args.runs} interleaved runs)")
             print("\n".join(worker_rows(vllm, ours, args.runs, args.repeats)))
     if "hooks" in parts:
-        from benchmarks.vs_vllm_scheduler import hook_rows
+        from benchmarks.vs_vllm_scheduler import hook_rows, layer_rows
 
         print(f"\nscheduler hooks per request ({args.runs} interleaved runs of {args.batch})")
         print("\n".join(hook_rows(args.runs, args.batch)))
+        print("\nwhere our decode hooks' time goes (same requests, medians of the runs)")
+        print("\n".join(layer_rows(args.runs, args.batch)))
     if "schedule" in parts:
         from benchmarks.vs_vllm_scheduler import schedule_rows
 

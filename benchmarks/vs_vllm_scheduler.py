@@ -85,7 +85,7 @@ class HookBench:
         reserve_side_channel_port()
         cache = kv_cache_config()
         role = KVConnectorRole.SCHEDULER
-        self.sides = {
+        self.sides: dict[str, Any] = {
             "vLLM": NixlPullConnector(vllm_config("vLLM"), role, cache),
             "ours": NixlPDConnector(vllm_config("ours"), role, cache),
         }
@@ -189,6 +189,91 @@ def ratio_table(
             f"| {name} | {number.format(statistics.median(v for v, _ in pairs))} | "
             f"{number.format(statistics.median(o for _, o in pairs))} | "
             f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] |"
+        )
+    return lines
+
+
+# --- where our hook time goes ------------------------------------------------------------------
+
+
+class OurLayers:
+    """Our decode hooks one layer down: SchedulerConnector (the engine-agnostic API, given
+    RequestInfo records and block-id tuples) and parse_kv_transfer_params alone. The vLLM
+    adapter's share is the hook through vLLM's interface minus the SchedulerConnector call."""
+
+    def __init__(self, bench: HookBench) -> None:
+        from connector.config import ConnectorConfig
+        from scheduler.connector import SchedulerConnector
+        from scheduler.requests import Role
+
+        spec = bench.sides["ours"].kv_cache_spec()
+        self.connector = SchedulerConnector(
+            ConnectorConfig(), engine_id="layers", role=Role.BOTH, spec=spec, tp_size=1
+        )
+        self.requests = bench.requests
+
+    def decode_round(self, batch: int) -> dict[str, float]:
+        from connector.params import parse_kv_transfer_params
+        from scheduler.requests import RequestInfo
+
+        infos = [
+            RequestInfo(r.request_id, r.num_prompt_tokens, r.kv_transfer_params)
+            for r in (self.requests.from_prefill() for _ in range(batch))
+        ]
+        block_ids = (tuple(range(PROMPT_BLOCKS)),)
+        first, later, alloc, _, finished = DECODE_HOOKS
+        samples: dict[str, list[float]] = {first: [], later: [], alloc: [], finished: [],
+                                           "parse": []}  # fmt: skip
+        connector = self.connector
+        for request in (self.requests.from_prefill() for _ in range(batch)):
+            samples["parse"].append(_timed(parse_kv_transfer_params, request.kv_transfer_params))
+        for info in infos:
+            samples[first].append(_timed(connector.get_num_new_matched_tokens, info, 0))
+        for info in infos:
+            samples[later].append(_timed(connector.get_num_new_matched_tokens, info, 0))
+        for info in infos:
+            samples[alloc].append(
+                _timed(connector.update_state_after_alloc, info, block_ids, PROMPT_TOKENS)
+            )
+        connector.build_connector_meta()
+        for info in infos:
+            samples[finished].append(_timed(connector.request_finished, info, block_ids))
+        connector.on_engine_outcomes([info.request_id for info in infos], [])
+        connector.take_finished()
+        return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+def layer_rows(runs: int, batch: int) -> list[str]:
+    """Our decode hooks split: parse, SchedulerConnector (parse + request state), adapter."""
+    bench = HookBench()
+    layers = OurLayers(bench)
+    try:
+        bench.decode_round("ours", batch)
+        layers.decode_round(batch)
+        through_vllm: list[dict[str, float]] = []
+        ours_only: list[dict[str, float]] = []
+        for _ in range(runs):
+            through_vllm.append(bench.decode_round("ours", batch))
+            ours_only.append(layers.decode_round(batch))
+    finally:
+        layers.close()
+        bench.close()
+    lines = [
+        "| our decode hook | through vLLM's interface µs | SchedulerConnector µs "
+        "| of which params parse µs | vLLM adapter µs (the difference) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for hook in DECODE_HOOKS:
+        if hook not in ours_only[0]:
+            continue
+        whole = statistics.median(r[hook] for r in through_vllm)
+        core = statistics.median(r[hook] for r in ours_only)
+        parse = statistics.median(r["parse"] for r in ours_only) if "first" in hook else 0.0
+        lines.append(
+            f"| {hook} | {whole:,.2f} | {core:,.2f} | {parse:,.2f} | {whole - core:,.2f} |"
         )
     return lines
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
+
+import msgspec
 
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
@@ -36,7 +38,7 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
 MAX_PARSED_REQUESTS = 65536  # parsed params kept for requests not yet finished; oldest go first
 
 
-class _Parsed(NamedTuple):
+class _Parsed(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers to no record of ours
     """One request's params as parsed: ``source`` is set for a load from a prefill engine."""
 
     raw: object  # the params object parsed: reused only while the request carries it
