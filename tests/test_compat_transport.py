@@ -27,7 +27,9 @@ ACCEPTED = [
 def test_accepted(
     local: tuple[str, ...], remote: tuple[str, ...], mem_types: dict | None, expected: tuple
 ) -> None:
-    got = check_transport(local, GPU, remote, HOST_MEMORY, backend_memory_types=mem_types)
+    got = check_transport(
+        local, remote, local_memory=GPU, remote_memory=HOST_MEMORY, backend_memory_types=mem_types
+    )
     assert got == expected
 
 
@@ -36,9 +38,13 @@ def test_no_backend_in_common_is_refused_naming_both_lists() -> None:
         UnsupportedConfiguration,
         match=r"no NIXL backend in common: this rank has \['UCX'\], the peer \['LIBFABRIC'\]",
     ):
-        check_transport(("UCX",), HOST_MEMORY, ("LIBFABRIC",), HOST_MEMORY)
+        check_transport(("UCX",), ("LIBFABRIC",))
+
+
+def test_without_memory_types_only_the_backends_are_checked() -> None:
+    assert check_transport(("UCX",), ("UCX",), remote_memory=GPU) == ("UCX",)
 
 
 def test_a_host_only_backend_cannot_read_gpu_memory() -> None:
     with pytest.raises(UnsupportedConfiguration, match=r"GPU 0 \(VRAM\).*kv_buffer_device"):
-        check_transport(("UCX",), HOST_MEMORY, ("UCX",), GPU, backend_memory_types=UCX_HOST_ONLY)
+        check_transport(("UCX",), ("UCX",), remote_memory=GPU, backend_memory_types=UCX_HOST_ONLY)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from connector.errors import HandshakeError, UnsupportedConfiguration
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec
-from connector.memory import Memory
+from connector.memory import HOST_MEMORY, Memory
 from connector.protocol import PROTOCOL_VERSION
 
 PROTOCOL_FACT = "protocol_version"
@@ -120,15 +120,18 @@ def check_compatible(
 
 def check_transport(
     local_backends: Sequence[str],
-    local_memory: Memory,
     remote_backends: Sequence[str],
-    remote_memory: Memory,
     *,
+    local_memory: Memory = HOST_MEMORY,
+    remote_memory: Memory = HOST_MEMORY,
     backend_memory_types: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[str, ...]:
-    """The NIXL backends both ranks have, in the local order; raises UnsupportedConfiguration
-    when there is none, or (given what each backend can register, as NIXL's
-    ``get_backend_mem_types`` reports it) when no common backend handles both memory kinds."""
+    """The NIXL backends both ranks have, in the local order.
+
+    Raises UnsupportedConfiguration when there is none, or, given what each backend can
+    register (NIXL's ``get_backend_mem_types``), when no common backend handles both ranks'
+    memory kinds (say a UCX built without CUDA, facing a GPU peer).
+    """
     common = tuple(backend for backend in local_backends if backend in remote_backends)
     if not common:
         raise UnsupportedConfiguration(
