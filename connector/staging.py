@@ -119,3 +119,17 @@ def _add_blocks(tracked: _Tracked, row: ScheduledRow) -> None:
         tracked.block_ids = [[] for _ in row.block_ids]
     for group, ids in zip(tracked.block_ids, row.block_ids, strict=True):
         group.extend(ids)
+
+
+def contiguous_runs(source_ids: KernelIds, target_ids: KernelIds) -> npt.NDArray[np.int64]:
+    """Maximal runs in which both sides' block ids advance by one, as (source start, target
+    start, num_blocks) rows: source (4, 5, 6, 9) -> target (4, 5, 6, 9) is [(4, 4, 3), (9, 9, 1)].
+    A run is one slice copy: no gather buffer, one transfer."""
+    if len(source_ids) == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    source = np.asarray(source_ids, dtype=np.int64)
+    target = np.asarray(target_ids, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(source) != 1) | (np.diff(target) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(source)]))
+    return np.column_stack((source[starts], target[starts], ends - starts))

@@ -8,7 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.metadata import BlockIds
-from connector.staging import SaveTracker, ScheduledRow, StagedBlocks, kernel_block_ids
+from connector.staging import (
+    SaveTracker,
+    ScheduledRow,
+    StagedBlocks,
+    contiguous_runs,
+    kernel_block_ids,
+)
 
 KERNEL_CASES = [
     ("ratio 1 passes ids through, sorted", [((5, 3),)], [1], [[3, 5]]),
@@ -102,3 +108,34 @@ def test_a_step_without_new_blocks_still_completes_the_prefill() -> None:
     tracker.step([_row("a", ((1, 2),), full=True, done=0, now=10)])
     saves = tracker.step([_row("a", None, full=False, done=10, now=10)])
     assert saves == (StagedBlocks("a", ((1, 2),)),)
+
+
+RUN_CASES = [
+    ("one run", [4, 5, 6], [4, 5, 6], [[4, 4, 3]]),
+    ("a gap splits", [4, 5, 6, 9], [4, 5, 6, 9], [[4, 4, 3], [9, 9, 1]]),
+    ("the target's gap splits too", [1, 2, 3], [7, 8, 10], [[1, 7, 2], [3, 10, 1]]),
+    ("no blocks, no runs", [], [], []),
+]
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "expected"),
+    [case[1:] for case in RUN_CASES],
+    ids=[case[0] for case in RUN_CASES],
+)
+def test_contiguous_runs(source: list[int], target: list[int], expected: list[list[int]]) -> None:
+    runs = contiguous_runs(np.array(source, dtype=np.int64), np.array(target, dtype=np.int64))
+    assert runs.tolist() == expected
+
+
+@given(st.lists(st.integers(0, 30), unique=True, max_size=20), st.integers(0, 5))
+def test_runs_cover_exactly_the_block_pairs(blocks: list[int], shift: int) -> None:
+    """Oracle: expanding the runs block by block gives back every (source, target) pair."""
+    source = np.array(sorted(blocks), dtype=np.int64)
+    target = source + shift
+    pairs = [
+        (start_s + k, start_t + k)
+        for start_s, start_t, num in contiguous_runs(source, target).tolist()
+        for k in range(num)
+    ]
+    assert pairs == list(zip(source.tolist(), target.tolist(), strict=True))

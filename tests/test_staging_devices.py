@@ -61,3 +61,23 @@ STAGING_CASES = [
 def test_staging_enabled(ours: str | None, vllms: str, platform: str, expected: bool) -> None:
     config = ConnectorConfig(kv_buffer_device=ours)
     assert staging_enabled(config, vllms, platform) is expected
+
+
+COPY_CASES = [
+    ("one long run: slice copies", list(range(3, 19))),
+    ("fragmented: one gather and scatter", [1, 4, 7, 10, 13]),
+    ("two runs, still sliced", [*range(0, 8), *range(20, 28)]),
+]
+
+
+@pytest.mark.parametrize("ids", [case[1] for case in COPY_CASES], ids=[c[0] for c in COPY_CASES])
+def test_torch_copy_blocks_moves_exactly_the_named_blocks(ids: list[int]) -> None:
+    from connector.vllm.staging import torch_copy_blocks
+
+    source = {"a": torch.randn(32, 2, 4, 8), "b": torch.randn(32, 2, 4, 8).permute(0, 2, 1, 3)}
+    target = {name: torch.zeros_like(tensor) for name, tensor in source.items()}
+    torch_copy_blocks(source, target, ids, ids, "d2h")
+    for name, tensor in source.items():
+        for block in range(32):
+            expected = tensor[block] if block in ids else torch.zeros_like(tensor[block])
+            assert torch.equal(target[name][block], expected), (name, block)

@@ -11,13 +11,14 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 
 from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.layout import KVCacheSpec
 from connector.metadata import BlockIds
-from connector.staging import KernelIds, ScheduledRow, kernel_block_ids
+from connector.staging import KernelIds, ScheduledRow, contiguous_runs, kernel_block_ids
 
 try:
     from vllm.utils.gpu_sync_debug import gpu_sync_allowed
@@ -75,6 +76,11 @@ def _block_ids(groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
     return None if groups is None else tuple(tuple(int(b) for b in group) for group in groups)
 
 
+# Copy run by run (slices, no gather buffer) while a layer needs at most one slice copy per
+# this many blocks; more fragmented ids take one gather and one scatter per layer instead.
+BLOCKS_PER_SLICE_COPY = 8
+
+
 def torch_copy_blocks(
     src: dict[str, torch.Tensor],
     dst: dict[str, torch.Tensor],
@@ -82,9 +88,18 @@ def torch_copy_blocks(
     dst_ids: list[int],
     direction: Direction,
 ) -> None:
-    """The copy op when the engine gives none: one gather and one scatter per layer."""
+    """The copy op when the engine gives none: per layer, a few slice copies of contiguous
+    runs, or one gather and one scatter when the ids are fragmented."""
+    runs = contiguous_runs(np.asarray(src_ids), np.asarray(dst_ids))
+    by_runs = len(runs) * BLOCKS_PER_SLICE_COPY <= len(src_ids)
     for name, source in src.items():
         target = dst[name]
+        if by_runs:
+            for src_start, dst_start, num_blocks in runs.tolist():
+                target[dst_start : dst_start + num_blocks].copy_(
+                    source[src_start : src_start + num_blocks]
+                )
+            continue
         src_index = torch.tensor(src_ids, dtype=torch.long, device=source.device)
         dst_index = torch.tensor(dst_ids, dtype=torch.long, device=target.device)
         target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device))
