@@ -69,6 +69,86 @@ def build_descriptors(
     return descriptors
 
 
+def make_range_read(
+    agent: NixlAgent,
+    link: PeerLink,
+    reads: RankReads,
+    notif: bytes,
+    *,
+    local_addresses: Sequence[int],
+    local_memory: Memory,
+) -> Any:
+    """Prepare the READ of ``reads``' byte ranges from its remote rank."""
+    handshake = link.handshakes[reads.remote_rank]
+    local = build_descriptors(
+        local_addresses,
+        reads.local_regions,
+        reads.local_offsets,
+        reads.lengths,
+        local_memory.device,
+    )
+    remote = build_descriptors(
+        handshake.region_addresses,
+        reads.remote_regions,
+        reads.remote_offsets,
+        reads.lengths,
+        handshake.memory.device,
+    )
+    return agent.make_read(
+        link.agent_names[reads.remote_rank],
+        local,
+        remote,
+        notif,
+        local_memory=local_memory,
+        remote_memory=handshake.memory,
+    )
+
+
+def record_outcome(
+    metrics: MetricsRecorder, agent_name: str, load: Load, reason: str | None, now_s: float
+) -> None:
+    """The load's metrics and trace line (see connector/trace.py); never raises."""
+    load.timeline.notified_ranks = set(load.notified)
+    ids = (load.request_id, load.remote.remote_request_id, load.peer.engine_id, agent_name)
+    try:
+        load_ended(metrics, load.timeline, ids=ids, reason=reason, now_s=now_s)
+    except Exception:  # a metrics bug must not cost the request its outcome
+        logger.exception("request %s: recording its metrics failed", load.request_id)
+
+
+def free_notif(load: Load, remote_rank: int) -> bytes:
+    """The free notification for ``remote_rank``; its count is the peer's duty, the one source
+    (every rank read or notified is a rank this rank covers)."""
+    return encode_free_notif(load.remote.remote_request_id, load.peer.duty[remote_rank])
+
+
+def notify(agent: NixlAgent, load: Load, remote_rank: int) -> None:
+    """Tell ``remote_rank`` it may free the request's blocks (best effort, logged)."""
+    link = load.peer.link
+    agent_name = None if link is None else link.agent_names.get(remote_rank)
+    if agent_name is None:
+        logger.warning(
+            "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
+        )
+        return
+    try:
+        agent.send_notif(agent_name, free_notif(load, remote_rank))
+    except ConnectorError as error:
+        logger.warning(
+            "request %s: notifying remote rank %d failed: %s", load.request_id, remote_rank, error
+        )
+        return
+    load.notified.add(remote_rank)
+
+
+def notify_rest(agent: NixlAgent, load: Load) -> None:
+    """Tell every covered remote rank not yet notified that its blocks may be freed."""
+    if load.peer.link is None:
+        return
+    for remote_rank in sorted(set(load.peer.duty) - load.notified):
+        notify(agent, load, remote_rank)
+
+
 def _rows(link: PeerLink, remote_rank: int) -> PreparedRows | None:
     prepared = link.prepared.get(remote_rank)
     return None if prepared is None else prepared.rows
@@ -230,7 +310,7 @@ class LoadTable:
         load.timeline.posted_s = self._clock()
         read_ranks = {plan.remote_rank for plan in plans}
         for remote_rank in sorted(set(load.peer.duty) - read_ranks):
-            self._notify(load, remote_rank)
+            notify(self._agent, load, remote_rank)
 
     def _post_rank(self, load: Load, link: PeerLink, plan: RankPlan) -> bool:
         """Post the one or two READs of a remote rank. A single READ carries the rank's free
@@ -238,7 +318,7 @@ class LoadTable:
         remote_rank = plan.remote_rank
         notif = b""
         if plan.num_reads == 1:
-            notif = encode_free_notif(load.remote.remote_request_id, self._count(load, remote_rank))
+            notif = free_notif(load, remote_rank)
             load.riding.add(remote_rank)
         if plan.by_index is not None:
             prepared = link.prepared[remote_rank]
@@ -253,35 +333,18 @@ class LoadTable:
             if not self._post_read(load, (remote_rank, BY_INDEX), make):
                 return False
         if plan.ranges is not None:
-            make = functools.partial(self._make_range_read, link, plan.ranges, notif)
+            make = functools.partial(
+                make_range_read,
+                self._agent,
+                link,
+                plan.ranges,
+                notif,
+                local_addresses=self._local_addresses,
+                local_memory=self._local_memory,
+            )
             if not self._post_read(load, (remote_rank, BY_RANGES), make):
                 return False
         return True
-
-    def _make_range_read(self, link: PeerLink, reads: RankReads, notif: bytes) -> Any:
-        handshake = link.handshakes[reads.remote_rank]
-        local = build_descriptors(
-            self._local_addresses,
-            reads.local_regions,
-            reads.local_offsets,
-            reads.lengths,
-            self._local_memory.device,
-        )
-        remote = build_descriptors(
-            handshake.region_addresses,
-            reads.remote_regions,
-            reads.remote_offsets,
-            reads.lengths,
-            handshake.memory.device,
-        )
-        return self._agent.make_read(
-            link.agent_names[reads.remote_rank],
-            local,
-            remote,
-            notif,
-            local_memory=self._local_memory,
-            remote_memory=handshake.memory,
-        )
 
     def _post_read(self, load: Load, key: ReadKey, make: Callable[[], Any]) -> bool:
         try:
@@ -327,7 +390,7 @@ class LoadTable:
         if remote_rank in load.riding:
             load.notified.add(remote_rank)
         elif load.failure is None:
-            self._notify(load, remote_rank)
+            notify(self._agent, load, remote_rank)
 
     def _finish(self, load: Load) -> Outcome:
         del self._loads[load.request_id]
@@ -337,57 +400,11 @@ class LoadTable:
             self._recent.popitem(last=False)
         reason = load.reason
         if reason is not None:
-            self._notify_rest(load)
+            notify_rest(self._agent, load)
         if load.state is LoadState.FAILED:
             logger.warning("request %s failed: %s", load.request_id, reason)
-        self._record(load, reason)
+        record_outcome(self._metrics, self._agent.name, load, reason, self._clock())
         return load.request_id, reason
-
-    def _record(self, load: Load, reason: str | None) -> None:
-        """The load's metrics and trace line (see connector/trace.py); never raises."""
-        load.timeline.notified_ranks = set(load.notified)
-        ids = (
-            load.request_id,
-            load.remote.remote_request_id,
-            load.peer.engine_id,
-            self._agent.name,
-        )
-        try:
-            load_ended(self._metrics, load.timeline, ids=ids, reason=reason, now_s=self._clock())
-        except Exception:  # a metrics bug must not cost the request its outcome
-            logger.exception("request %s: recording its metrics failed", load.request_id)
-
-    def _notify_rest(self, load: Load) -> None:
-        """Tell every covered remote rank not yet notified that its blocks may be freed."""
-        if load.peer.link is None:
-            return
-        for remote_rank in sorted(set(load.peer.duty) - load.notified):
-            self._notify(load, remote_rank)
-
-    def _notify(self, load: Load, remote_rank: int) -> None:
-        link = load.peer.link
-        agent_name = None if link is None else link.agent_names.get(remote_rank)
-        if agent_name is None:
-            logger.warning(
-                "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
-            )
-            return
-        message = encode_free_notif(load.remote.remote_request_id, self._count(load, remote_rank))
-        try:
-            self._agent.send_notif(agent_name, message)
-        except ConnectorError as error:
-            logger.warning(
-                "request %s: notifying remote rank %d failed: %s",
-                load.request_id,
-                remote_rank,
-                error,
-            )
-            return
-        load.notified.add(remote_rank)
-
-    def _count(self, load: Load, remote_rank: int) -> int:
-        """The peer's duty is the one source: every rank read or notified is a covered rank."""
-        return load.peer.duty[remote_rank]
 
     def _transfer_failed(self, load: Load, remote_rank: int, error: ConnectorError) -> None:
         load.fail(
