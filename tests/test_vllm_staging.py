@@ -322,3 +322,25 @@ def test_the_backends_key_builds_the_agent_with_every_backend(
     worker, _ = _worker(model, {"backends": ["UCX", "POSIX"], "num_threads": 2})
     worker.shutdown()
     assert recorder.of("create_backend") == [("UCX", {"num_threads": "2"}), ("POSIX", {})]
+
+
+def test_vllms_copy_op_is_ignored_on_its_cpu_platform(
+    make_pair: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU platform has no block swap ops: a forced staging copies with torch there."""
+    from connector.vllm import facade
+
+    monkeypatch.setattr(facade, "_platform_device", lambda: "cpu")
+    prefill, decode = make_pair(STAGED)
+
+    def unusable(*args: Any) -> None:
+        raise NotImplementedError("CpuPlatform has no swap_out_blocks_to_host")
+
+    for engine in (prefill, decode):
+        for worker in engine.workers:
+            worker.set_host_xfer_buffer_ops(unusable)
+    num_tokens = 2 * BLOCK_SIZE + 3
+    loaded, prefill_blocks = _transfer(prefill, decode, "req-cpu-op", num_tokens)
+    assert _prompt_bytes(decode, loaded, num_tokens - 1) == _prompt_bytes(
+        prefill, prefill_blocks, num_tokens - 1
+    )

@@ -311,8 +311,11 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.wait_for_save(metadata)
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        """vLLM's model runner hands over its platform's block copy (used when staging)."""
-        if self._worker is not None:
+        """vLLM's model runner hands over its platform's block copy (used when staging).
+
+        Not on vLLM's CPU platform: it has no block swap ops (its cache is host memory, so
+        vLLM's own connector never stages there); our torch copy serves a forced staging."""
+        if self._worker is not None and _platform_device() != "cpu":
             self._worker.set_copy_op(copy_operation)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
