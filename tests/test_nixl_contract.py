@@ -329,6 +329,20 @@ def test_bad_prepared_list_is_rejected(
         world.reader.prepare_list(owner, strided(rows, world.reader_base).reshape(-1, 5))
 
 
+def test_prepared_entries_outside_registered_memory_are_refused_typed(world: World) -> None:
+    """Real NIXL refuses such a list when preparing it, FakeNixl when a READ uses the entry;
+    either way a TransferFailed, and no byte moves."""
+    past_the_end = [(OWNER_BYTES - 256, 256, 256, 4)]  # entries 1-3 lie past the owner's region
+    local_list = world.reader.prepare_list(None, strided(LOCAL_ROWS, world.reader_base))
+    with pytest.raises(TransferFailed, match="outside the memory registered|NIXL did not find"):
+        remote_list = world.reader.prepare_list(
+            world.owner.name, strided(past_the_end, world.owner_base)
+        )
+        world.reader.make_prepped_read(local_list, np.array([0]), remote_list, np.array([2]))
+    world.reader.release_list(local_list)
+    np.testing.assert_array_equal(world.reader_buffer, READER_FILL)
+
+
 def test_send_notif_to_unknown_agent_is_rejected(world: World) -> None:
     with pytest.raises(TransferFailed, match="unknown remote agent 'nobody'"):
         world.reader.send_notif("nobody", b"x:1")
