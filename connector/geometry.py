@@ -137,7 +137,10 @@ def _kernel_row_stride(group: GroupSpec, index: int, row_bytes: int, spec: KVCac
 def _block_outermost_group(
     group: GroupSpec, index: int, spec: KVCacheSpec, tp_size: int, first_region: int
 ) -> tuple[list[PlaneGeometry], list[int]]:
-    """One region per group, one row per kernel block holding every layer's page in order.
+    """One row per kernel block holding every layer's page in order: the group's own region,
+    or, when the engine gave its row length (``spec.block_stride_bytes``), region 0 shared by
+    every group, as vLLM aliases all groups' rows in one buffer (its groups never hold the
+    same block id at once).
 
     Unpacked (BLOCK_OUTERMOST), a page is (planes, tokens, heads, head_dim); packed
     (BLOCK_NHD_PACKED / BLOCK_HND_PACKED), a page is (tokens, heads, C) or (heads, tokens, C)
@@ -190,15 +193,20 @@ def build_rank_layout(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> RankLayo
         )
     groups: list[GroupGeometry] = []
     region_bytes: list[int] = []
+    shared_rows = spec.memory_layout.block_outermost and spec.block_stride_bytes is not None
     for index, group in enumerate(spec.groups):
         _validate_group(group, index)
         if spec.memory_layout.block_outermost:
-            planes, regions = _block_outermost_group(group, index, spec, tp_size, len(region_bytes))
+            first_region = 0 if shared_rows else len(region_bytes)
+            planes, regions = _block_outermost_group(group, index, spec, tp_size, first_region)
         else:
             planes, regions = _per_layer_group(
                 group, tp_size, spec.memory_layout, len(region_bytes)
             )
-        region_bytes.extend(regions)
+        if shared_rows:  # one buffer for every group: as long as the longest group's rows
+            region_bytes = [max(region_bytes + regions)]
+        else:
+            region_bytes.extend(regions)
         groups.append(
             GroupGeometry(
                 kind=group.kind,

@@ -138,9 +138,10 @@ class KVCacheSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_dtype: str  # the KV cache's dtype name
     groups: tuple[GroupSpec, ...]
     memory_layout: MemoryLayout = MemoryLayout.NHD
-    # Block-outermost layouts only: bytes from one logical block's row to the next on this
-    # engine's ranks, when the engine pads rows (vLLM sizes every group's row like its largest
-    # group's). None: a group's row holds exactly its own pages.
+    # Block-outermost layouts only: the engine's row, shared by every group. Bytes from one
+    # logical block's row to the next on this engine's ranks (vLLM sizes every group's row
+    # like its largest group's and aliases all groups in one buffer): every group then lives
+    # in one region. None: each group has its own region, rows holding exactly its pages.
     block_stride_bytes: int | None = None
 
 

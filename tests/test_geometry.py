@@ -168,3 +168,23 @@ def test_ssm_state_has_no_token_axis():
 def test_build_rank_layout_rejects(spec, rank, tp, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
         build_rank_layout(spec, rank, tp)
+
+
+def test_engine_rows_put_every_group_in_one_region():
+    """Given the engine's row length, groups share one region (vLLM's one buffer): a
+    one-layer group's rows are as long as the three-layer group's, from the same byte 0."""
+    layers = [
+        tuple(LayerSpec(f"g{g}.l{i}", 2, 4, 2) for i in range(count))
+        for g, count in enumerate((3, 1))
+    ]
+    groups = tuple(
+        GroupSpec(kind=GroupKind.FULL, block_size=4, kernel_block_size=4, num_blocks=5, layers=ls)
+        for ls in layers
+    )
+    row_bytes = 3 * 2 * 4 * 2 * 8  # 3 layers x K|V x 4 tokens x 2 heads x 8 bytes
+    spec = KVCacheSpec("m", "bf16", "bf16", groups, MemoryLayout.BLOCK_HND_PACKED, row_bytes)
+    layout = build_rank_layout(spec, 0, 1)
+    assert layout.region_bytes == (5 * row_bytes,)
+    for group in layout.groups:
+        assert {(p.region, p.kernel_block_stride_bytes) for p in group.planes} == {(0, row_bytes)}
+    assert [p.offset_bytes for p in layout.groups[1].planes] == [0, 8]

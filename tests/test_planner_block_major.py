@@ -72,21 +72,23 @@ def _spec(engine: Engine, kinds, layers, windows, pools) -> KVCacheSpec:
     return KVCacheSpec("m", "bf16", "bf16", groups, engine.layout, block_stride_bytes=stride)
 
 
-def _ids(draw: st.DrawFn, count: int, pool: int) -> list[int]:
-    """``count`` distinct real block ids out of [1, pool): contiguous or shuffled."""
+def _ids(draw: st.DrawFn, count: int, first: int, end: int) -> list[int]:
+    """``count`` distinct block ids out of [first, end): contiguous or shuffled."""
     if draw(st.booleans()):
-        first = draw(st.integers(1, pool - count))
-        return list(range(first, first + count))
-    return draw(st.permutations(range(1, pool)))[:count]
+        start = draw(st.integers(first, end - count))
+        return list(range(start, start + count))
+    return draw(st.permutations(range(first, end)))[:count]
 
 
-def _group_ids(draw, kind, block_size, window, num_tokens, first_token, pool) -> list[int]:
-    """Block ids covering [first_token, num_tokens); SWA blocks before the window are placeholders."""
+def _group_ids(draw, kind, block_size, window, num_tokens, first_token, id_range) -> list[int]:
+    """Block ids covering [first_token, num_tokens) out of the group's ``id_range``; SWA blocks
+    before the window are placeholders. Groups draw from disjoint ranges of one pool, as in
+    vLLM, where groups share block rows but never a block id at once."""
     first_logical = first_token // block_size
     count = math.ceil(num_tokens / block_size) - first_logical
     if kind is GroupKind.SSM:
-        return [] if first_token >= num_tokens else [PLACEHOLDER] + _ids(draw, 1, pool)
-    ids = _ids(draw, count, pool)
+        return [] if first_token >= num_tokens else [PLACEHOLDER] + _ids(draw, 1, *id_range)
+    ids = _ids(draw, count, *id_range)
     if kind is GroupKind.SLIDING_WINDOW:
         window_start = max(0, num_tokens - window)
         ids = [
@@ -128,9 +130,12 @@ def cases(
     if hit == "full":
         num_tokens = aligned * max(1, num_tokens // aligned)
     cached = {"none": 0, "partial": aligned * draw(st.integers(0, num_tokens // aligned)), "full": num_tokens}[hit]  # fmt: skip
-    pools = [math.ceil(num_tokens / min(p[0], d[0])) + 4 for p, d in zip(prefill.blocks, decode.blocks, strict=True)]  # fmt: skip
-    local_ids = [_group_ids(draw, k, d[0], w, num_tokens, cached, pool) for k, d, w, pool in zip(kinds, decode.blocks, windows, pools, strict=True)]  # fmt: skip
-    remote_ids = [_group_ids(draw, k, p[0], w, num_tokens, 0, pool) for k, p, w, pool in zip(kinds, prefill.blocks, windows, pools, strict=True)]  # fmt: skip
+    sizes = [math.ceil(num_tokens / min(p[0], d[0])) + 3 for p, d in zip(prefill.blocks, decode.blocks, strict=True)]  # fmt: skip
+    ends = [1 + sum(sizes[: i + 1]) for i in range(len(sizes))]  # block 0 is the null block
+    ranges = [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+    pools = [ends[-1]] * len(kinds)  # one pool shared by every group
+    local_ids = [_group_ids(draw, k, d[0], w, num_tokens, cached, r) for k, d, w, r in zip(kinds, decode.blocks, windows, ranges, strict=True)]  # fmt: skip
+    remote_ids = [_group_ids(draw, k, p[0], w, num_tokens, 0, r) for k, p, w, r in zip(kinds, prefill.blocks, windows, ranges, strict=True)]  # fmt: skip
     request = oracle.Request(
         num_tokens, cached, tuple(map(tuple, local_ids)), tuple(map(tuple, remote_ids))
     )
