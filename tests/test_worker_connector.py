@@ -619,3 +619,24 @@ def test_prepared_lists_are_made_once_per_peer_and_freed_at_shutdown() -> None:
     rig.until(lambda: rig.reported("a") and rig.reported("b"))
     rig.close()
     assert all(prepared.released for prepared in rig.agent.lists)
+
+
+def test_a_retired_peers_lists_are_freed_once_it_is_idle_and_a_new_peer_prepares_again() -> None:
+    rig = Rig(spec=FRAGMENTED)
+    rig.channels.serve("p", 1, spec=FRAGMENTED)
+    rig.step(loads=(_fragmented_load("a", "pa", num_tokens=4 * 64),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.agent.reads[0].error = "remote disconnected"  # the peer retires; its lists drain
+    rig.until(lambda: rig.reported("a"))
+    rig.collect()
+    assert [(p.owner, p.released) for p in rig.agent.lists] == [
+        ("decode-r0", True),
+        ("p-r0", True),
+    ]
+    rig.step(loads=(_fragmented_load("b", "pb", num_tokens=4 * 64),))  # a fresh handshake
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    assert [p.released for p in rig.agent.lists] == [True, True, False, False]
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("b"))
+    assert rig.finished == ["b"]
+    rig.close()
