@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import signal
 import statistics
 import tempfile
 import threading
@@ -96,7 +97,19 @@ def _measure(single_url: str, pair_url: str, rounds: int, seed: int) -> dict[str
     return figures
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop engines
+
+
 def e2e_rows(rounds: int = 5) -> list[str]:
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(rounds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(rounds: int) -> list[str]:
     work_dir = Path(tempfile.mkdtemp(prefix="vs-vllm-e2e-"))
     logs = work_dir / "logs"
     logs.mkdir()
