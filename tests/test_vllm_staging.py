@@ -21,8 +21,11 @@ import torch
 if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQUIRE_VLLM"):
     pytest.skip("vllm is not installed (scripts/install_vllm.sh)", allow_module_level=True)
 
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from tests import vllm_harness as h  # noqa: E402
 
@@ -94,6 +97,13 @@ def _run_rank_like_the_model_runner(
     )
 
 
+def _vllm_allocation(cache_config: Any) -> dict[str, torch.Tensor]:
+    """What vLLM's model runner registers: its own allocator's views, in the config's layout."""
+    return allocate_kv_cache(
+        cache_config, torch.device("cpu"), KVCacheLayout[cache_config.kv_cache_layout]
+    )
+
+
 @pytest.fixture
 def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     engines: list[h.Engine] = []
@@ -104,7 +114,10 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         tp_sizes: tuple[int, int] = (1, 1),
         chunk_tokens: int | None = None,
         save: bool = True,
+        layout: str | None = None,
     ) -> tuple[h.Engine, h.Engine]:
+        if layout is not None:  # vLLM's own planner and allocator lay the cache out
+            monkeypatch.setattr(h, "allocate_kv_caches", _vllm_allocation)
         pair = []
         for (name, role), tp_size in zip(
             (("prefill", "kv_producer"), ("decode", "kv_consumer")), tp_sizes, strict=True
@@ -113,6 +126,11 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             if chunk_tokens is not None and name == "prefill":
                 config.scheduler_config.max_num_batched_tokens = chunk_tokens
             cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, tp_size=tp_size)
+            if layout is not None:
+                config.cache_config.kv_cache_layout = layout
+                config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
+                cache = get_kv_cache_config_from_groups(config, cache.kv_cache_groups, 1 << 30)
+                cache.kv_cache_layout = layout
             engine = h.build_engine(name, config, cache, port=h.free_port(), env=monkeypatch)
             run = types.MethodType(_run_rank_like_the_model_runner, engine)
             engine._run_rank = lambda worker, scheduled, run=run: run(  # type: ignore[method-assign]
@@ -170,20 +188,27 @@ def _prompt_bytes(engine: h.Engine, blocks: list[int], num_tokens: int) -> list[
 
 
 CASES = [
-    pytest.param(3 * BLOCK_SIZE, (1, 1), None, id="whole-blocks"),
-    pytest.param(2 * BLOCK_SIZE + 5, (1, 1), None, id="a-partial-last-block"),
-    pytest.param(100, (1, 1), 40, id="chunked-prefill-half-fills-blocks-between-steps"),
-    pytest.param(3 * BLOCK_SIZE, (1, 2), None, id="prefill-tp1-to-decode-tp2"),
+    pytest.param(3 * BLOCK_SIZE, (1, 1), None, None, id="whole-blocks"),
+    pytest.param(2 * BLOCK_SIZE + 5, (1, 1), None, None, id="a-partial-last-block"),
+    pytest.param(100, (1, 1), 40, None, id="chunked-prefill-half-fills-blocks-between-steps"),
+    pytest.param(3 * BLOCK_SIZE, (1, 2), None, None, id="prefill-tp1-to-decode-tp2"),
+    pytest.param(2 * BLOCK_SIZE + 5, (1, 1), None, "BLNHC", id="block-outermost-layout"),
 ]
 
 
-@pytest.mark.parametrize(("num_tokens", "tp_sizes", "chunk_tokens"), CASES)
+@pytest.mark.parametrize(("num_tokens", "tp_sizes", "chunk_tokens", "layout"), CASES)
 def test_staged_path_gives_the_direct_paths_bytes(
-    make_pair: Any, num_tokens: int, tp_sizes: tuple[int, int], chunk_tokens: int | None
+    make_pair: Any,
+    num_tokens: int,
+    tp_sizes: tuple[int, int],
+    chunk_tokens: int | None,
+    layout: str | None,
 ) -> None:
     results = {}
     for mode, extra in (("direct", None), ("staged", STAGED)):
-        prefill, decode = make_pair(extra, tp_sizes=tp_sizes, chunk_tokens=chunk_tokens)
+        prefill, decode = make_pair(
+            extra, tp_sizes=tp_sizes, chunk_tokens=chunk_tokens, layout=layout
+        )
         loaded, prefill_blocks = _transfer(prefill, decode, f"req-{num_tokens}", num_tokens)
         expected = _prompt_bytes(prefill, prefill_blocks, num_tokens - 1)
         got = _prompt_bytes(decode, loaded, num_tokens - 1)

@@ -125,9 +125,7 @@ class HostBuffer:
                 f"groups (got {len(device_caches)} layers); cannot mirror them in host memory"
             )
         self.device = {name: device_caches[name] for name in names}
-        # The same shape and strides: each host tensor is laid out byte for byte like its
-        # device tensor, so the region geometry peers plan with holds for both.
-        self.host = {name: _host_mirror(self.device[name], pin) for name in names}
+        self.host = _host_mirrors(self.device, pin)
         self._ratios = [group.ratio for group in spec.groups]
         self.copy_op: CopyBlocksOp = torch_copy_blocks
 
@@ -168,9 +166,18 @@ class HostBuffer:
         return kernel_block_ids(entries, self._ratios)
 
 
-def _host_mirror(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    mirror = torch.empty_strided(
-        tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu",
-        pin_memory=pin,
-    )  # fmt: skip
-    return mirror.zero_()
+def _host_mirrors(device: Mapping[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    """One host storage per device storage, and each layer's view into it at the same offset
+    with the same shape and strides: byte for byte the device layout, whichever it is (layers
+    interleaved per block in one buffer included), so the region geometry holds for both."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    mirrors = {}
+    for name, tensor in device.items():
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in storages:
+            buffer = torch.zeros(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            storages[storage.data_ptr()] = buffer.untyped_storage()
+        host = storages[storage.data_ptr()]
+        view = torch.empty(0, dtype=tensor.dtype)
+        mirrors[name] = view.set_(host, tensor.storage_offset(), tensor.shape, tensor.stride())
+    return mirrors
