@@ -199,3 +199,31 @@ def test_opaque_block_formats_move_whole_kernel_blocks(case: Case) -> None:
     """A kernel-private block format: decode gets every byte of every block it needs, the
     partial last block and the block holding the window start included, and nothing else."""
     oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)
+
+
+@settings(max_examples=300)
+@given(data=st.data())
+def test_same_block_sizes_cut_tokens_as_the_general_cutter_does(data: st.DataObject) -> None:
+    """planner.same_blocks_segments (the hot path when both sides cut tokens alike) equals
+    planner_ranges.token_segments on every range and set of ids."""
+    import numpy as np
+
+    from worker.planner import same_blocks_segments
+    from worker.planner_pairing import SideBlocks
+    from worker.planner_ranges import token_segments
+
+    kernel = data.draw(st.sampled_from([1, 2, 3, 4, 8]))
+    ratio = data.draw(st.sampled_from([1, 2, 4]))
+    block = kernel * ratio
+    end = data.draw(st.integers(1, 60))
+    start = data.draw(st.integers(0, end - 1))
+    first_logical, last_logical = start // block, (end - 1) // block
+    count = last_logical + 1 - first_logical
+    pool = count + 5
+    side = SideBlocks(block, kernel, pool)
+    local = np.array(data.draw(st.permutations(range(pool)))[:count], dtype=np.int64)
+    remote = np.array(data.draw(st.permutations(range(pool)))[:count], dtype=np.int64)
+    fast = same_blocks_segments(start, end, side, local, remote, first_logical)
+    general = token_segments(start, end, side, side, local, first_logical, remote, first_logical)
+    for name in ("local_blocks", "local_slots", "remote_blocks", "remote_slots", "num_tokens"):
+        assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name

@@ -234,9 +234,44 @@ class TransferPlanner:
             g, "decode", local_ids, local_lo - local_first, local_hi - local_first, g.local
         )
         remote_used = _used_ids(g, "prefill", remote_block_ids, remote_lo, remote_hi, g.remote)
+        if g.local.block_size == g.remote.block_size and g.local.ratio == g.remote.ratio:
+            return same_blocks_segments(start, end, g.local, local_used, remote_used, local_lo)
         return token_segments(
             start, end, g.local, g.remote, local_used, local_lo, remote_used, remote_lo
         )
+
+
+def same_blocks_segments(
+    start: int,
+    end: int,
+    blocks: SideBlocks,
+    local_used: Int64Array,
+    remote_used: Int64Array,
+    first_logical: int,
+) -> Segments:
+    """token_segments when both sides cut tokens alike (same logical and kernel block sizes):
+    one segment per kernel block, fewer numpy calls on the hot path. ``*_used`` are the
+    logical ids of blocks [first_logical, ...) covering [start, end) on each side.
+
+    Kernel 4, ratio 2, tokens [6, 15): kernel positions 1..3, i.e. (logical 0, kernel 1),
+    (logical 1, kernel 0), (logical 1, kernel 1); tokens per segment 2, 4, 3; first slot 2.
+    """
+    kernel = blocks.kernel_block_size
+    first, last = start // kernel, (end - 1) // kernel
+    if blocks.ratio == 1:  # kernel positions are the logical blocks themselves
+        local_blocks, remote_blocks = local_used, remote_used
+    else:
+        positions = np.arange(first, last + 1, dtype=np.int64)
+        logical = positions // blocks.ratio - first_logical
+        within = positions % blocks.ratio
+        local_blocks = local_used[logical] * blocks.ratio + within
+        remote_blocks = remote_used[logical] * blocks.ratio + within
+    num_tokens = np.full(last + 1 - first, kernel, dtype=np.int64)
+    num_tokens[0] -= start - first * kernel
+    num_tokens[-1] -= (last + 1) * kernel - end
+    slots = np.zeros(len(num_tokens), dtype=np.int64)
+    slots[0] = start - first * kernel
+    return Segments(local_blocks, slots, remote_blocks, slots, num_tokens)
 
 
 def _whole_kernel_blocks(start: int, end: int, kernel_block_size: int) -> tuple[int, int]:

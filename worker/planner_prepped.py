@@ -288,7 +288,11 @@ def plan_rank(
     """Plan one request's reads from ``rank``, choosing the path with choose_prepared."""
     if rows is not None:
         num_indices, has_partial = _full_counts(rows, segments)
-        if choose_prepared(num_indices, estimated_ranges(rows, segments), has_partial):
+        # With no ranges at all the rule is at its strictest: if indices win then, they win.
+        by_index = choose_prepared(num_indices, 0, has_partial) or choose_prepared(
+            num_indices, estimated_ranges(rows, segments), has_partial
+        )
+        if by_index:
             request = prepared_request(rows, segments)
             tail = planner.rank_runs(segments, rank, request.partial) if has_partial else None
             return RankPlan(rank, request, None if tail is None else rank_reads(rank, tail))
