@@ -295,20 +295,44 @@ def _scheduler(side: str, num_requests: int) -> Any:
     )  # fmt: skip
 
 
-def schedule_once(side: str, num_requests: int, steady_calls: int) -> tuple[float, float]:
-    """(ms of the schedule() that admits ``num_requests``, median ms of the next ones)."""
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc",
+                   "build_connector_meta", "request_finished")  # fmt: skip
+
+
+def _time_hooks(connector: Any) -> list[float]:
+    """Wrap the connector's scheduler hooks; returns the list their seconds accumulate in."""
+    spent = [0.0]
+    for name in SCHEDULER_HOOKS:
+        hook = getattr(connector, name)
+
+        def timed(*args: Any, _hook: Any = hook, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _hook(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - started
+
+        setattr(connector, name, timed)  # the instance attribute shadows the method
+    return spent
+
+
+def schedule_once(side: str, num_requests: int, steady_calls: int) -> tuple[float, float, float]:
+    """ms of: the schedule() that admits ``num_requests``, the connector hooks inside it, and
+    the next schedule() calls (median)."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     scheduler = _scheduler(side, num_requests)
+    in_hooks = _time_hooks(scheduler.connector)
     requests = Requests()
     try:
         for _ in range(num_requests):
             scheduler.add_request(requests.from_prefill(block_hasher=hasher))
         gc.collect()  # the other side's garbage is not this side's cost
         admit_s = _timed(scheduler.schedule)
+        hooks_s = in_hooks[0]
         queued = (*scheduler.waiting, *scheduler.kv_holding_waiting)
         parked = sum(1 for r in queued if r.status.name == "WAITING_FOR_REMOTE_KVS")
         if parked < num_requests:
@@ -317,7 +341,7 @@ def schedule_once(side: str, num_requests: int, steady_calls: int) -> tuple[floa
     finally:
         if scheduler.connector is not None:
             scheduler.connector.shutdown()
-    return admit_s * 1e3, statistics.median(steady) * 1e3
+    return admit_s * 1e3, hooks_s * 1e3, statistics.median(steady) * 1e3
 
 
 def schedule_rows(sizes: tuple[int, ...], runs: int, steady_calls: int = 5) -> list[str]:
@@ -326,12 +350,14 @@ def schedule_rows(sizes: tuple[int, ...], runs: int, steady_calls: int = 5) -> l
         schedule_once(side, min(sizes), steady_calls)
     rounds: dict[str, list[tuple[float, float]]] = {}
     for num_requests in sizes:
-        admit = f"N={num_requests}: schedule() admitting all N"
-        steady = f"N={num_requests}: schedule() with all N parked"
-        rounds[admit], rounds[steady] = [], []
+        names = (f"N={num_requests}: schedule() admitting all N",
+                 f"N={num_requests}: connector hooks inside it",
+                 f"N={num_requests}: schedule() with all N parked")  # fmt: skip
+        for name in names:
+            rounds[name] = []
         for run in range(runs):
             order = SIDES if run % 2 == 0 else SIDES[::-1]  # neither side always goes first
-            pairs = {side: schedule_once(side, num_requests, steady_calls) for side in order}
-            rounds[admit].append((pairs["vLLM"][0], pairs["ours"][0]))
-            rounds[steady].append((pairs["vLLM"][1], pairs["ours"][1]))
+            figures = {side: schedule_once(side, num_requests, steady_calls) for side in order}
+            for index, name in enumerate(names):
+                rounds[name].append((figures["vLLM"][index], figures["ours"][index]))
     return ratio_table("vLLM Scheduler, decode requests waiting", rounds, "ms", "{:,.2f}")
