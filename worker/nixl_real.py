@@ -149,7 +149,9 @@ class RealNixlAgent:
         self, regions: Sequence[tuple[int, int]], memory: Memory = HOST_MEMORY
     ) -> Any:
         agent = self._live()
-        rows = _region_rows(regions, memory)
+        # vLLM aliases cache groups in one buffer, so the same region can come twice; NIXL
+        # registers a repeated row but segfaults unregistering it (nixlUcxEngine::unloadMD).
+        rows = _region_rows(list(dict.fromkeys(checked_regions(regions))), memory)
         action = f"registering {len(rows)} regions of {memory.describe()} with agent {self._name!r}"
         with _translated(action):
             return agent.register_memory(rows, memory.kind.nixl_name)
