@@ -40,7 +40,9 @@ from connector.metrics import (
 from connector.protocol import encode_free_notif
 from scheduler.leases import LeaseTable
 from scheduler.producer import Producer
-from tests.test_worker_connector import PREFILL_PORT, Rig, load, source
+from tests.test_worker_connector import PREFILL_PORT, Read, RecordingAgent, Rig, load, source
+from worker.descriptors import expand
+from worker.nixl_api import Descriptors
 from worker.notifications import NotificationCounter
 
 
@@ -132,6 +134,14 @@ def traces(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     return [json.loads(r.getMessage()) for r in caplog.records if r.name == "nixl_pd.trace"]
 
 
+def read_descriptors(agent: RecordingAgent, read: Read) -> Descriptors:
+    """The (N, 3) descriptors a recorded READ asked for, whether by rows or by index."""
+    if not read.by_index:
+        return np.asarray(read.local)
+    (local_list,) = [prepared for prepared in agent.lists if prepared.owner == agent.name]
+    return expand(np.asarray(local_list.rows), np.asarray(read.local))
+
+
 def test_a_load_records_its_timings_sizes_and_one_trace_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -151,8 +161,8 @@ def test_a_load_records_its_timings_sizes_and_one_trace_line(
         after = default_recorder().snapshot()
     finally:
         rig.close()
-    local = rig.agent.reads[0].local
-    num_bytes = int(np.asarray(local)[:, 1].sum())
+    local = read_descriptors(rig.agent, rig.agent.reads[0])
+    num_bytes = int(local[:, 1].sum())
     assert rig.finished == ["a"] and num_bytes > 0
     assert delta(before, after, LOADS_FINISHED.name) == {"": 1}
     assert delta(before, after, LOADS_FAILED.name) == {}
