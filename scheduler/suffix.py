@@ -6,6 +6,8 @@ from connector.errors import TransferPlanError
 from connector.layout import GroupKind, GroupSpec
 from connector.metadata import BlockIds
 
+_SSM = GroupKind.SSM  # an Enum member read off its class costs ~0.5 µs on Python 3.11
+
 
 def uncached_suffix_blocks(
     block_ids: BlockIds,
@@ -31,9 +33,15 @@ def uncached_suffix_blocks(
         raise TransferPlanError(
             f"num_cached_tokens={num_cached_tokens} is outside [0, num_tokens={num_tokens}]"
         )
+    if num_cached_tokens == num_tokens:
+        return tuple(() for _ in groups)
+    if len(groups) == 1:  # the usual model; this runs once per load in a step's metadata
+        return (_group_suffix(0, block_ids[0], groups[0], num_cached_tokens, num_tokens),)
     return tuple(
-        _group_suffix(index, group_ids, group, num_cached_tokens, num_tokens)
-        for index, (group_ids, group) in enumerate(zip(block_ids, groups, strict=True))
+        [
+            _group_suffix(index, group_ids, group, num_cached_tokens, num_tokens)
+            for index, (group_ids, group) in enumerate(zip(block_ids, groups, strict=True))
+        ]
     )
 
 
@@ -44,9 +52,7 @@ def _group_suffix(
     num_cached_tokens: int,
     num_tokens: int,
 ) -> tuple[int, ...]:
-    if num_cached_tokens == num_tokens:
-        return ()
-    if group.kind is GroupKind.SSM:
+    if group.kind is _SSM:
         if not group_ids:
             raise TransferPlanError(f"cache group {index} (SSM) has no block for the state")
         return (group_ids[len(group_ids) - 1],)
