@@ -103,3 +103,16 @@ nixl_pd_transfer_seconds_sum{engine="1"} 0.5
 def test_transfer_gbps_sums_bytes_over_seconds_across_label_sets() -> None:
     assert gpu_smoke.transfer_gbps(METRICS) == pytest.approx(2.0)
     assert gpu_smoke.transfer_gbps("# nothing transferred yet\n") is None
+
+
+def test_the_cpu_stand_in_starts_plain_engines_and_never_claims_a_gpu() -> None:
+    spec = gpu_smoke.GpuEngineSpec(
+        "prefill", Path("/models/m"), 8100, None, None, python="/v/bin/python", cuda_devices=None
+    )
+    command = spec.command()
+    assert command[0] == "/v/bin/python"
+    assert "--gpu-memory-utilization" not in command
+    assert not any(part.startswith("CUDA_VISIBLE_DEVICES") for part in command)
+    args = gpu_smoke.parse_args(["--cpu", "--python", "relative/bin/python"])
+    assert args.cpu and Path(args.python).is_absolute()
+    assert args.python.endswith("relative/bin/python")  # the venv link is kept, not resolved
