@@ -156,15 +156,16 @@ PREFILL_PORT = 7001
 
 
 def remote_handshake(
-    engine_id: str, tp_rank: int, tp_size: int, spec: KVCacheSpec = BASE, agent_name: str = ""
-) -> WorkerHandshake:
+    engine_id: str, tp_rank: int, tp_size: int, spec: KVCacheSpec = BASE, agent_name: str = "",
+    backends: tuple[str, ...] = ("UCX",),
+) -> WorkerHandshake:  # fmt: skip
     layout = build_rank_layout(spec, tp_rank, tp_size)
     name = agent_name or f"{engine_id}-r{tp_rank}"
     digest, facts = fingerprint(spec)
     addresses = tuple(0x1000_0000 * (i + 1) for i in range(len(layout.region_bytes)))
     return WorkerHandshake(
         PROTOCOL_VERSION, engine_id, tp_rank, tp_size, name, name.encode(), addresses, layout,
-        digest, dict(facts),
+        digest, dict(facts), backends=backends,
     )  # fmt: skip
 
 
@@ -343,6 +344,7 @@ def break_metadata(rig: Rig) -> None:
         pytest.param(lambda r: r.channels.serve("p", 1, spec=make_spec(model="other")), r"not compatible: model: local 'tiny', remote 'other'", id="compat-mismatch"),
         pytest.param(lambda r: r.channels.serve("p-restarted", 1), r"belongs to engine 'p-restarted'.*restarted", id="peer-restarted-new-engine-id"),
         pytest.param(break_metadata, r"corrupt metadata", id="corrupt-agent-metadata"),
+        pytest.param(lambda r: r.channels.serve("p", 1, backends=("LIBFABRIC",)), r"no NIXL backend in common: this rank has \['UCX'\], the peer \['LIBFABRIC'\]", id="no-common-backend"),
     ],
 )  # fmt: skip
 def test_handshake_problems_fail_every_request_of_that_peer(

@@ -100,6 +100,7 @@ class WorkerConnector:
             local_fingerprint=self._fingerprint,
             enforce_compat=config.enforce_handshake_compat,
             clock=clock,
+            local_backends=config.backends,
         )
         self._notifications = NotificationCounter(
             clock=clock, early_ttl_s=config.kv_lease_duration_s

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from connector.errors import ConnectorError, HandshakeError, UnsupportedConfiguration
@@ -36,7 +36,7 @@ from connector.metrics import (
     handshake_failure_kind,
 )
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
-from worker.compat import Fingerprint, check_compatible
+from worker.compat import Fingerprint, check_compatible, check_transport
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
 from worker.nixl_api import NixlAgent
 from worker.peer_lifecycle import Peer, PeerKey, PeerLink, PeerState
@@ -111,6 +111,7 @@ class PeerTable:
         local_fingerprint: Fingerprint,
         enforce_compat: bool,
         clock: Callable[[], float],
+        local_backends: Sequence[str] = ("UCX",),
         probe_interval_s: float = PROBE_INTERVAL_S,
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
@@ -123,6 +124,7 @@ class PeerTable:
         self._local_fingerprint = local_fingerprint
         self._shapes = tuple(sorted(head_shapes(local_layout)))
         self._enforce_compat = enforce_compat
+        self._local_backends = tuple(local_backends)
         self._clock = clock
         self._probe_interval_s = probe_interval_s
         self._current: dict[PeerKey, Peer] = {}  # HANDSHAKING or READY
@@ -249,6 +251,7 @@ class PeerTable:
         side effects, undone if a later one fails)."""
         validate_handshakes(peer.engine_id, peer.remote_tp_size, handshakes)
         for handshake in handshakes.values():
+            check_transport(self._local_backends, handshake.backends)
             remote = Fingerprint(handshake.fingerprint, handshake.compat_facts)
             tolerated = check_compatible(self._local_fingerprint, remote, self._enforce_compat)
             if tolerated:
