@@ -165,8 +165,9 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """No requirement: both layer-outermost layouts (LBNHC, LBHNC) translate, and the
-        attention backend may support only one. Block-outermost ones are refused at start."""
+        """No requirement: LBNHC, LBHNC, BLNHC and BLHNC all translate, and the attention
+        backend may support only some. Block-outermost layouts read one descriptor per block
+        row (opt in with VLLM_KV_CACHE_LAYOUT=BLHNC); BHLNC and LHBNC are refused at start."""
         return None
 
     def kv_cache_spec(
