@@ -12,7 +12,7 @@ Sides are interleaved in ``--runs`` rounds; tables give medians and the range of
 per-round ratios. The machine is a shared 2-core box: rerun before quoting.
 
 Run: ``.venv/bin/python -m benchmarks.vs_vllm`` (worker, hooks, schedule, wire: a few
-minutes). ``--parts e2e`` only on request: it starts five vLLM engines, two at a time.
+minutes). ``--parts e2e`` only on request: it starts five vLLM engines, three at most at once.
 """
 
 from __future__ import annotations
