@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from connector.errors import IllegalTransition
 
 State = TypeVar("State", bound=enum.Enum)
+_NOWHERE: frozenset[Any] = frozenset()
 
 
 class TransitionTable(Generic[State]):
@@ -31,12 +32,12 @@ class TransitionTable(Generic[State]):
         return frozenset(state for state, targets in self.moves.items() if not targets)
 
     def allows(self, current: State, target: State) -> bool:
-        return target in self.moves.get(current, frozenset())
+        return target in self.moves.get(current, _NOWHERE)
 
     def move(self, subject: str, current: State, target: State) -> State:
         """``target`` if the table allows current -> target; else raise IllegalTransition
         naming ``subject`` (the record, e.g. "load of request r1")."""
-        if not self.allows(current, target):
+        if target not in self.moves.get(current, _NOWHERE):
             allowed = sorted(state.name for state in self.moves.get(current, frozenset()))
             raise IllegalTransition(
                 f"{self.name}: {subject} cannot go from {current.name} to {target.name} "

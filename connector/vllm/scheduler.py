@@ -78,13 +78,12 @@ class _Tracked:
     reason: str = ""  # why its params were refused, announced as the failed load's reason
 
 
-def _request_info(request: Request, *, aborted: bool = False, backoff: int = 0) -> RequestInfo:
-    return RequestInfo(
-        request.request_id,
-        _num_loadable_tokens(request, backoff),
-        request.kv_transfer_params,
-        aborted,
-    )
+def _request_info(
+    request: Request, *, aborted: bool = False, backoff: int = 0, num_tokens: int | None = None
+) -> RequestInfo:
+    if num_tokens is None:
+        num_tokens = _num_loadable_tokens(request, backoff)
+    return RequestInfo(request.request_id, num_tokens, request.kv_transfer_params, aborted)
 
 
 def _num_loadable_tokens(request: Request, backoff: int) -> int:
@@ -95,8 +94,14 @@ def _num_loadable_tokens(request: Request, backoff: int) -> int:
     return num_tokens
 
 
+_BLOCK_ID_GROUPS = tuple[tuple[int, ...], ...]
+
+
 def _block_ids(groups: Iterable[Iterable[int]]) -> BlockIds:
-    return tuple(tuple(int(block) for block in group) for group in groups)
+    try:  # vLLM's ids are Python ints: one C-level pass
+        return msgspec.convert(groups, _BLOCK_ID_GROUPS)
+    except msgspec.ValidationError:  # numpy ints and the like: as int() makes them
+        return tuple(tuple(int(block) for block in group) for group in groups)
 
 
 class SchedulerSide:
@@ -149,7 +154,8 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         request_id = request.request_id
-        num_tokens = _num_loadable_tokens(request, self._backoff) - num_computed_tokens
+        num_loadable = _num_loadable_tokens(request, self._backoff)
+        num_tokens = num_loadable - num_computed_tokens
         tracked = self._tracked.get(request_id)
         if tracked is not None and tracked.state is REFUSED:
             return 0, False
@@ -157,7 +163,7 @@ class SchedulerSide:
             return (num_tokens, True) if num_tokens > 0 else (0, False)
         try:
             return self.connector.get_num_new_matched_tokens(
-                _request_info(request, backoff=self._backoff), num_computed_tokens
+                _request_info(request, num_tokens=num_loadable), num_computed_tokens
             )
         except InvalidTransferParams as exc:
             logger.warning("request %s: %s", request_id, exc)
@@ -242,6 +248,9 @@ class SchedulerSide:
             self._tracked.move(request_id, ENDED)
             return False, None
         info = _request_info(request, aborted=request.status not in _COMPLETE)
+        params = request.kv_transfer_params
+        if loads_from_remote(params) and not (params or {}).get("do_remote_decode"):
+            return self.connector.request_finished(info, ())  # a decode keeps no lease
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 
     def _transfer_block_ids(self, block_ids: Sequence[list[int]]) -> BlockIds:
