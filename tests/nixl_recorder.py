@@ -133,11 +133,14 @@ def load_recorded_nixl_real(monkeypatch: pytest.MonkeyPatch, recorder: Recorder)
 
     import worker
 
+    # Import the real module first, so monkeypatch has it to put back: otherwise the recorded
+    # module stays in sys.modules and later tests' "real" agents move no bytes.
+    importlib.import_module("worker.nixl_real")
     bindings, api = _bindings_module(recorder), _api_module(recorder)
     monkeypatch.setitem(sys.modules, "nixl._bindings", bindings)
     monkeypatch.setitem(sys.modules, "nixl._api", api)
     monkeypatch.setattr(nixl, "_bindings", bindings)
     monkeypatch.setattr(nixl, "_api", api)
-    monkeypatch.delitem(sys.modules, "worker.nixl_real", raising=False)
-    monkeypatch.setattr(worker, "nixl_real", getattr(worker, "nixl_real", None), raising=False)
+    monkeypatch.delitem(sys.modules, "worker.nixl_real")
+    monkeypatch.setattr(worker, "nixl_real", worker.nixl_real)
     return importlib.import_module("worker.nixl_real")
