@@ -418,3 +418,19 @@ def test_block_outermost_mla_latents_sit_in_rows() -> None:
     tensors["mla.1"][4, 0, 7] = torch.arange(12, dtype=_F32)
     address = addresses[0] + second.offset_bytes + 4 * second.kernel_block_stride_bytes
     assert torch.equal(_floats_at(address + 7 * second.token_stride_bytes, 12), torch.arange(12.0))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 3, 4, 8, 16])
+def test_model_wide_heads_follow_the_planners_head_placement(tp_size: int) -> None:
+    """One head-placement rule: for every model head count vLLM can shard or replicate, the
+    model-wide count the adapter reports puts back on each rank exactly what vLLM gave it."""
+    from connector.geometry import heads_per_rank
+    from connector.vllm.layout import _model_wide_heads
+
+    for model_heads in range(1, 65):
+        if model_heads % tp_size and tp_size % model_heads:
+            continue  # vLLM refuses such a TP size itself
+        rank_heads = max(model_heads // tp_size, 1)  # what vLLM's cache spec holds per rank
+        wide = _model_wide_heads(rank_heads, model_heads, tp_size)
+        assert heads_per_rank(wide, tp_size) == rank_heads, (model_heads, wide)
+        assert wide == (model_heads if tp_size > model_heads else rank_heads * tp_size)

@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from connector.errors import UnsupportedConfiguration
+from connector.geometry import heads_per_rank
 from connector.layout import (
     TOKEN_ADDRESSABLE,
     BlockFormat,
@@ -139,7 +140,8 @@ def _model_wide_heads(rank_heads: int, model_kv_heads: int, tp_size: int) -> int
     The cache spec (what vLLM allocated, per rank) is the truth for bytes; the model's count
     only says whether vLLM replicated heads. vLLM shards heads over TP ranks (8 heads, TP 2:
     4 per rank, 8 model-wide) or, when TP exceeds them, gives every rank one copy (2 heads,
-    TP 4: 1 per rank, 2 model-wide). A cache whose count differs from the model's (a
+    TP 4: 1 per rank, 2 model-wide): the same rule as connector.geometry.heads_per_rank, which
+    is used here so the adapter and the planner cannot disagree. A cache whose count differs from the model's (a
     hand-made cache config) is described as it is; peers compare the result at handshake.
     """
     if rank_heads < 1:
@@ -147,10 +149,17 @@ def _model_wide_heads(rank_heads: int, model_kv_heads: int, tp_size: int) -> int
             f"vLLM's cache spec gives each rank {rank_heads} KV heads; an attention layer "
             "needs at least 1: check the model's num_key_value_heads"
         )
-    replicated = 0 < model_kv_heads < tp_size and tp_size % model_kv_heads == 0
-    if replicated and rank_heads == 1:
-        return model_kv_heads
+    if model_kv_heads > 0 and _rank_share(model_kv_heads, tp_size) == rank_heads:
+        return model_kv_heads  # the one head-placement rule (geometry) gives what vLLM did
     return rank_heads * tp_size
+
+
+def _rank_share(model_heads: int, tp_size: int) -> int | None:
+    """geometry.heads_per_rank, or None where that rule cannot place the heads."""
+    try:
+        return heads_per_rank(model_heads, tp_size)
+    except UnsupportedConfiguration:
+        return None
 
 
 def _mamba_layers(spec: MambaSpec, names: Sequence[str], tp_size: int) -> tuple[LayerSpec, ...]:
