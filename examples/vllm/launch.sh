@@ -2,7 +2,8 @@
 # Two vLLM engines (prefill, decode) with NixlPDConnector, and the P/D proxy in front.
 # Usage: examples/vllm/launch.sh MODEL [PREFILL_TP] [DECODE_TP]
 # Needs vLLM 0.33 on a GPU machine (or a CPU build of vLLM) and this package importable
-# (pip install -e . from the repo root). Stop everything with Ctrl-C.
+# (pip install -e . from the repo root); the proxy runs from this source checkout, which is put
+# on PYTHONPATH (the installed package leaves `examples` out). Stop everything with Ctrl-C.
 set -euo pipefail
 MODEL=${1:?usage: launch.sh MODEL [PREFILL_TP] [DECODE_TP]}
 PREFILL_TP=${2:-1}
@@ -28,7 +29,8 @@ VLLM_NIXL_SIDE_CHANNEL_PORT=5700 \
     --kv-transfer-config "$(kv_config kv_consumer)" &
 pids+=($!)
 
-python -m examples.vllm.proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
+REPO_ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" python -m examples.vllm.proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
     --port 8000 &
 pids+=($!)
 wait -n
