@@ -89,19 +89,7 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def _prefill(prefill: h.Engine, request_id: str, num_tokens: int) -> dict[str, Any]:
-    prefill.add(
-        h.make_request(
-            request_id,
-            num_tokens,
-            block_size=BLOCK_SIZE,
-            kv_transfer_params={"do_remote_decode": True},
-            max_tokens=1,
-        )
-    )
-    prefill.run_until(lambda e: e.finished(request_id) is not None)
-    params = prefill.finished(request_id).kv_transfer_params
-    assert params is not None
-    return dict(params)
+    return h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
 
 
 def _load(decode: h.Engine, request_id: str, num_tokens: int, params: dict) -> list[list[int]]:

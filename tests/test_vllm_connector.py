@@ -77,20 +77,7 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def _prefill(prefill: h.Engine, request_id: str, num_tokens: int) -> dict[str, Any]:
-    """Run a do_remote_decode request to its end; return the params it hands to decode."""
-    prefill.add(
-        h.make_request(
-            request_id,
-            num_tokens,
-            block_size=BLOCK_SIZE,
-            kv_transfer_params={"do_remote_decode": True},
-            max_tokens=1,
-        )
-    )
-    prefill.run_until(lambda e: e.finished(request_id) is not None)
-    output = prefill.finished(request_id)
-    assert output.kv_transfer_params is not None, "prefill returned no kv_transfer_params"
-    return dict(output.kv_transfer_params)
+    return h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
 
 
 # Well-formed decode params for a prefill engine that is never reached (the tests using them

@@ -147,17 +147,7 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def _transfer(prefill: h.Engine, decode: h.Engine, request_id: str, num_tokens: int) -> Any:
     """Prefill then decode one request; returns (decode's loaded blocks, prefill's blocks)."""
-    prefill.add(
-        h.make_request(
-            request_id,
-            num_tokens,
-            block_size=BLOCK_SIZE,
-            kv_transfer_params={"do_remote_decode": True},
-            max_tokens=1,
-        )
-    )
-    prefill.run_until(lambda e: e.finished(request_id) is not None)
-    params = dict(prefill.finished(request_id).kv_transfer_params)
+    params = h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
     decode.add(
         h.make_request(
             request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3

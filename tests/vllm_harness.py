@@ -394,3 +394,25 @@ def heads_bytes(engine: Engine, block_ids: Sequence[int]) -> list[list[bytes]]:
             [bytes(heads[:, head].contiguous().numpy().tobytes()) for head in range(heads.shape[1])]
         )
     return result
+
+
+def prefill_for_decode(
+    prefill: Engine, request_id: str, num_tokens: int, *, block_size: int
+) -> dict[str, Any]:
+    """Run a do_remote_decode request to its end on ``prefill``; return the kv_transfer_params
+    it hands to decode."""
+    prefill.add(
+        make_request(
+            request_id,
+            num_tokens,
+            block_size=block_size,
+            kv_transfer_params={"do_remote_decode": True},
+            max_tokens=1,
+        )
+    )
+    prefill.run_until(lambda e: e.finished(request_id) is not None)
+    output = prefill.finished(request_id)
+    assert output is not None and output.kv_transfer_params is not None, (
+        f"prefill returned no kv_transfer_params for {request_id}"
+    )
+    return dict(output.kv_transfer_params)
