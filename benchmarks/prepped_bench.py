@@ -25,6 +25,8 @@ from typing import Any
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+from benchmarks.vs_vllm_worker import CASES as WORKER_CASES  # noqa: E402
+from benchmarks.vs_vllm_worker import Case  # noqa: E402
 from connector.geometry import build_rank_layout  # noqa: E402
 from connector.layout import (  # noqa: E402
     GroupKind,
@@ -51,21 +53,11 @@ BLOCK_SIZE = 16
 REPEATS = 9
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    num_tokens: int
-    fragmented: bool
-    prefill_tp: int = 1
-
-
+# vs_vllm's worker cases (issue 10's table), plus a partial last block after the 2k ones.
 CASES = (
-    Case("2k tokens, contiguous ids", 2048, False),
-    Case("2k tokens, fragmented ids", 2048, True),
+    *WORKER_CASES[:2],
     Case("2k+5 tokens, fragmented ids", 2053, True),
-    Case("32k tokens, contiguous ids", 32768, False),
-    Case("32k tokens, fragmented ids", 32768, True),
-    Case("prefill TP2 -> decode TP1, 8k", 8192, False, prefill_tp=2),
+    *WORKER_CASES[2:],
 )
 
 
