@@ -8,6 +8,7 @@ bytes; decode memory must equal the oracle's and what the range path lands.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -26,9 +27,13 @@ from tests import oracle
 from tests.test_planner_properties import Case, cases
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import NixlAgent, TransferState
-from worker.planner import RankReads, TransferPlanner
+from worker.planner import RankReads, RequestSegments, TransferPlanner
 from worker.planner_prepped import (
+    PreparedRows,
+    RankPlan,
     choose_prepared,
+    plan_by_index,
+    plan_by_ranges,
     plan_rank,
     prepared_request,
     prepared_rows,
@@ -138,6 +143,80 @@ def _check_case(case: Case) -> None:
         )
         oracle.execute(plan, by_ranges, dict(enumerate(memory)))
         assert oracle.first_difference(actual, by_ranges) is None
+
+
+def _by_index_where_possible(
+    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows | None
+) -> RankPlan | None:
+    if rows is None:
+        return plan_by_ranges(planner, segments, rank, None)
+    return plan_by_index(planner, segments, rank, rows)
+
+
+PlanPath = Callable[[TransferPlanner, RequestSegments, int, PreparedRows | None], RankPlan | None]
+PATHS: dict[str, PlanPath] = {
+    "by index (partial segments as ranges)": _by_index_where_possible,
+    "by byte ranges (whole blocks from the prepared rows)": plan_by_ranges,
+    "as choose_prepared picks": plan_rank,
+}
+
+
+def _decode_rank_planned(
+    path: PlanPath,
+    case: Case,
+    fabric: FakeFabric,
+    owners: list[tuple[FakeNixl, list[int]]],
+    prefill: RankLayout,
+    local: RankLayout,
+) -> oracle.Buffers:
+    """Decode rank memory after executing plan_rank's READs (or one path's) on FakeNixl."""
+    buffers = oracle.sentinel(local)
+    agent, addresses = _agent(fabric, buffers)
+    for owner, _ in owners:
+        agent.add_remote_agent(owner.get_agent_metadata())
+    planner = TransferPlanner(local, prefill)
+    request = case.request
+    segments = planner.segments(
+        request.local_block_ids,
+        request.remote_block_ids,
+        num_tokens=request.num_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+    for rank in planner.read_ranks:
+        owner, owner_addresses = owners[rank]
+        rows = prepared_rows(
+            planner.groups, rank, local_addresses=addresses, local_device=0,
+            remote_addresses=owner_addresses, remote_device=0,
+        )  # fmt: skip
+        plan = path(planner, segments, rank, rows)
+        if plan is None:
+            continue
+        if plan.by_index is not None:
+            assert rows is not None
+            _run(agent, agent.make_prepped_read(
+                agent.prepare_list(None, rows.local_rows), plan.by_index.local_indices,
+                agent.prepare_list(owner.name, rows.remote_rows), plan.by_index.remote_indices,
+            ))  # fmt: skip
+        if plan.ranges is not None:
+            _range_read(agent, owner.name, plan.ranges, addresses, owner_addresses)
+    return buffers
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_every_path_of_plan_rank_lands_the_oracles_bytes(case: Case) -> None:
+    fabric = FakeFabric()
+    request = case.request
+    prefill = [build_rank_layout(case.prefill, r, case.prefill_tp) for r in range(case.prefill_tp)]
+    memory = [oracle.fill_prefill(layout, request, seed=r) for r, layout in enumerate(prefill)]
+    owners = [_agent(fabric, buffers) for buffers in memory]
+    for decode_rank in range(case.decode_tp):
+        local = build_rank_layout(case.decode, decode_rank, case.decode_tp)
+        expected = oracle.expected_decode(local, request)
+        for name, path in PATHS.items():
+            actual = _decode_rank_planned(path, case, fabric, owners, prefill[0], local)
+            difference = oracle.first_difference(actual, expected)
+            assert difference is None, f"decode rank {decode_rank}, {name}: {difference}"
 
 
 @settings(max_examples=200, deadline=None)

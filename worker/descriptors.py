@@ -7,8 +7,10 @@ Shared by the real agent and FakeNixl so both reject bad input with the same mes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from connector.errors import TransferFailed
 from worker.nixl_api import Descriptors, Indices, StridedRows
@@ -85,12 +87,16 @@ def list_entries(rows: StridedRows) -> int:
     return int(rows[:, 4].sum())
 
 
+INT32_LIMIT = 2**31  # NIXL's indices are int32: a list's entries past this cannot be read
+
+
 def checked_indices(
     local_entries: int, local: Indices, remote_entries: int, remote: Indices
-) -> tuple[Indices, Indices]:
-    """Both index arrays as int64, equally long, non-empty and inside their lists."""
-    local_idx = np.asarray(local, dtype=np.int64).ravel()
-    remote_idx = np.asarray(remote, dtype=np.int64).ravel()
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Both index arrays as int32 (NIXL's index type), equally long, non-empty and inside
+    their lists; int32 input is not copied."""
+    local_idx = np.asarray(local).ravel()
+    remote_idx = np.asarray(remote).ravel()
     if len(local_idx) != len(remote_idx) or len(local_idx) == 0:
         raise TransferFailed(
             f"a READ by index needs as many local as remote indices, at least one: got "
@@ -100,14 +106,21 @@ def checked_indices(
         ("local", local_idx, local_entries),
         ("remote", remote_idx, remote_entries),
     ):
+        if indices.dtype.kind not in "iu":
+            raise TransferFailed(f"{side} indices have dtype {indices.dtype}; pass integer indices")
         low, high = int(indices.min()), int(indices.max())
-        if low < 0 or high >= entries:
+        if low < 0 or high >= min(entries, INT32_LIMIT):
             bad = low if low < 0 else high
             raise TransferFailed(
                 f"{side} index {bad} is outside the prepared list of {entries} entries; "
                 "prepare the list again after the peer's handshake"
             )
-    return local_idx, remote_idx
+    return _int32(local_idx), _int32(remote_idx)
+
+
+def _int32(indices: npt.NDArray[Any]) -> npt.NDArray[np.int32]:
+    """In-bounds indices of a list of at most 2**31 - 1 entries (MAX_LIST_ENTRIES) as int32."""
+    return indices.astype(np.int32, copy=False)
 
 
 def expand(rows: StridedRows, indices: Indices) -> Descriptors:

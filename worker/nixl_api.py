@@ -23,7 +23,8 @@ Descriptors = npt.NDArray[np.int64]  # shape (N, 3): address, length_bytes, devi
 # shape (M, 5): address, length_bytes, device_id, stride_bytes, count. Row r stands for
 # ``count`` entries, entry i at address + i * stride_bytes; indices run row by row.
 StridedRows = npt.NDArray[np.int64]
-Indices = npt.NDArray[np.int64]
+# Entries of a prepared list: int32, which NIXL's make_prepped_xfer takes (int64 is converted).
+Indices = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 
 
 class TransferState(enum.Enum):

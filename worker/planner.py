@@ -313,25 +313,47 @@ def _check_counts(
 def _used_ids(
     g: GroupPairing, side: str, ids: Sequence[int], lo: int, hi: int, blocks: SideBlocks
 ) -> Int64Array:
-    """ids[lo:hi] as an array; each must be a distinct block of the side's pool."""
+    """ids[lo:hi] as an array; each must be a distinct block of the side's pool.
+
+    Hot path: ascending ids (the common allocation) cost one comparison, their ends bound
+    them and they cannot repeat; others are bounded by min and max and checked for repeats.
+    """
     if isinstance(ids, np.ndarray):
         used = ids[lo:hi].astype(np.int64, copy=False)
     else:
         used = np.fromiter(ids[lo:hi], dtype=np.int64, count=max(0, min(hi, len(ids)) - lo))
-    bad = used[(used < 0) | (used >= blocks.num_blocks)]
-    if len(bad):
+    if len(used) == 0:
+        return used
+    ascending = len(used) == 1 or bool((used[1:] > used[:-1]).all())
+    low, high = (used[0], used[-1]) if ascending else (used.min(), used.max())
+    if low < 0 or high >= blocks.num_blocks:
+        bad = used[(used < 0) | (used >= blocks.num_blocks)]
         raise TransferPlanError(
             f"group {g.index}: {side} block id {int(bad[0])} is outside the pool [0, {blocks.num_blocks})"
         )
-    if len(used) > 1 and not bool(np.all(used[1:] > used[:-1])):
-        ordered = np.sort(used)
-        repeats = ordered[1:][ordered[1:] == ordered[:-1]]
-        if len(repeats):
+    if not ascending:
+        repeated = _first_repeat(used, int(high))
+        if repeated is not None:
             raise TransferPlanError(
-                f"group {g.index}: {side} block ids repeat block {int(repeats[0])}; "
+                f"group {g.index}: {side} block ids repeat block {repeated}; "
                 "each block of a request must be distinct"
             )
     return used
+
+
+def _first_repeat(ids: Int64Array, high: int) -> int | None:
+    """The smallest id that occurs twice in ``ids`` (all in [0, high]), or None.
+
+    Counting costs O(high), sorting O(n log n): count when the ids are dense enough
+    (2,048 ids in a pool of 16k: 7 us against 40).
+    """
+    if high < 32 * len(ids):
+        counts = np.bincount(ids, minlength=high + 1)
+        repeats = np.flatnonzero(counts > 1)
+        return int(repeats[0]) if len(repeats) else None
+    ordered = np.sort(ids)
+    repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+    return int(repeats[0]) if len(repeats) else None
 
 
 def _selected(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from connector.layout import GroupKind
 from worker.planner import RankReads, RequestSegments, TransferPlanner, rank_reads
@@ -41,16 +42,42 @@ RANGE_DESCRIPTOR_EXTRA_NS = 100
 TAIL_NS = 80_000  # the index path's second READ (initialize_xfer, post) for partial segments
 
 
+IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
+MAX_LIST_ENTRIES = 2**31 - 1  # so every index of a prepared list fits in an int32
+
+
+@dataclass(frozen=True)
+class SideRows:
+    """One side's rows of a group: entry k of row j (kernel block k of a plane) is the
+    ``row_bytes[j]`` bytes at ``offsets[j] + k * strides[j]`` in region ``regions[j]``,
+    and index ``first[j] + k`` in the side's prepared list."""
+
+    first: IndexArray
+    regions: Int64Array
+    offsets: Int64Array
+    strides: Int64Array
+    num_kernel_blocks: int  # entries per row: the side's pool in kernel blocks
+
+
 @dataclass(frozen=True)
 class PreparedGroup:
     """One group's rows in a rank's prepared lists: row j of each side pairs with row j."""
 
     index: int
     full_tokens: int  # tokens of a full segment: the kernel block size (1 for an SSM state)
-    local_first: Int64Array  # per row: index of the row's kernel block 0 in the local list
-    remote_first: Int64Array
+    local: SideRows
+    remote: SideRows
     row_bytes: Int64Array  # per row: bytes of one entry
-    num_joining: int  # rows whose entries fill their block stride on both sides: k, k+1 join
+    joining: npt.NDArray[np.bool_]  # rows whose entries fill their stride on both sides
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_bytes)
+
+    @property
+    def num_joining(self) -> int:
+        """Rows in which blocks k and k + 1 (on both sides) are one contiguous run."""
+        return int(np.count_nonzero(self.joining))
 
 
 @dataclass(frozen=True)
@@ -74,10 +101,10 @@ class PreparedRows:
 class PreparedRequest:
     """One request's READ by index from one remote rank, plus the partial segments' mask."""
 
-    local_indices: Int64Array
-    remote_indices: Int64Array
-    lengths: Int64Array  # bytes of each entry read
-    partial: tuple[Int64Array | None, ...]  # per group: segments left to byte ranges
+    local_indices: IndexArray
+    remote_indices: IndexArray
+    num_bytes: int  # bytes the READ copies
+    partial: tuple[Int64Array | None, ...]  # per group: segments left to byte ranges (a mask)
 
 
 def _full_block_run(g: GroupPairing, cls: PlaneClass) -> tuple[int, int, int] | None:
@@ -99,17 +126,80 @@ def _preparable(g: GroupPairing, rank: int) -> bool:
     return (g.kind is GroupKind.SSM or same_blocks) and not any(c.atom_major for c in classes)
 
 
-def _side_rows(
-    bases: Int64Array, regions: Int64Array, offsets: Int64Array, run_offset: int,
-    length_bytes: int, stride_bytes: int, num_kernel_blocks: int, device: int,
-) -> Int64Array:  # fmt: skip
-    rows = np.empty((len(regions), 5), dtype=np.int64)
-    rows[:, 0] = bases[regions] + offsets + run_offset
+def _strided(
+    bases: Int64Array, side: SideRows, length_bytes: Int64Array, device: int
+) -> Int64Array:
+    """NIXL's strided rows (address, length_bytes, device, stride_bytes, count) of a side."""
+    rows = np.empty((len(side.regions), 5), dtype=np.int64)
+    rows[:, 0] = bases[side.regions] + side.offsets
     rows[:, 1] = length_bytes
     rows[:, 2] = device
-    rows[:, 3] = stride_bytes
-    rows[:, 4] = num_kernel_blocks
+    rows[:, 3] = side.strides
+    rows[:, 4] = side.num_kernel_blocks
     return rows
+
+
+def _side(
+    first: int, count: int, regions: Int64Array, offsets: Int64Array, stride: int
+) -> SideRows:
+    """Rows of one plane class on one side, numbered on from index ``first``."""
+    num_planes = len(regions)
+    return SideRows(
+        (first + count * np.arange(num_planes, dtype=np.int64)).astype(np.int32),
+        regions,
+        offsets,
+        np.full(num_planes, stride, dtype=np.int64),
+        count,
+    )
+
+
+def _joined_sides(sides: list[SideRows]) -> SideRows:
+    return SideRows(
+        np.concatenate([s.first for s in sides]),
+        np.concatenate([s.regions for s in sides]),
+        np.concatenate([s.offsets for s in sides]),
+        np.concatenate([s.strides for s in sides]),
+        sides[0].num_kernel_blocks,
+    )
+
+
+def _prepared_group(
+    g: GroupPairing, remote_rank: int, local_next: int, remote_next: int
+) -> PreparedGroup | None:
+    """The group's rows, numbered on from (local_next, remote_next); None if a plane's whole
+    kernel block is not one contiguous run on both sides."""
+    local_count = g.local.num_blocks * g.local.ratio
+    remote_count = g.remote.num_blocks * g.remote.ratio
+    local_sides: list[SideRows] = []
+    remote_sides: list[SideRows] = []
+    row_bytes: list[Int64Array] = []
+    for cls in g.classes.get(remote_rank, ()):
+        run = _full_block_run(g, cls)
+        if run is None:
+            return None
+        local_offset, remote_offset, length_bytes = run
+        num_planes = len(cls.local_regions)
+        local_sides.append(_side(
+            local_next, local_count, cls.local_regions, cls.local_offsets + local_offset,
+            cls.local.kernel_block_bytes,
+        ))  # fmt: skip
+        remote_sides.append(_side(
+            remote_next, remote_count, cls.remote_regions, cls.remote_offsets + remote_offset,
+            cls.remote.kernel_block_bytes,
+        ))  # fmt: skip
+        row_bytes.append(np.full(num_planes, length_bytes, dtype=np.int64))
+        local_next += local_count * num_planes
+        remote_next += remote_count * num_planes
+    local, remote = _joined_sides(local_sides), _joined_sides(remote_sides)
+    lengths = np.concatenate(row_bytes)
+    return PreparedGroup(
+        g.index,
+        1 if g.kind is GroupKind.SSM else g.local.kernel_block_size,
+        local,
+        remote,
+        lengths,
+        (local.strides == lengths) & (remote.strides == lengths),
+    )
 
 
 def prepared_rows(
@@ -123,111 +213,169 @@ def prepared_rows(
 ) -> PreparedRows | None:
     """The strided rows to prepare for ``remote_rank``, or None if some group it serves
     cannot be read by whole-block index (then requests use byte ranges only)."""
-    local_bases = np.asarray(local_addresses, dtype=np.int64)
-    remote_bases = np.asarray(remote_addresses, dtype=np.int64)
-    local_parts: list[Int64Array] = []
-    remote_parts: list[Int64Array] = []
     prepared: list[PreparedGroup] = []
     local_next = remote_next = 0
     for g in groups:
-        classes = g.classes.get(remote_rank, ())
-        if not classes:
+        if not g.classes.get(remote_rank, ()):
             continue
         if not _preparable(g, remote_rank):
             return None
-        local_first: list[Int64Array] = []
-        remote_first: list[Int64Array] = []
-        row_bytes: list[Int64Array] = []
-        num_joining = 0
-        for cls in classes:
-            run = _full_block_run(g, cls)
-            if run is None:
-                return None
-            local_offset, remote_offset, length_bytes = run
-            local_count = g.local.num_blocks * g.local.ratio
-            remote_count = g.remote.num_blocks * g.remote.ratio
-            local_parts.append(_side_rows(
-                local_bases, cls.local_regions, cls.local_offsets, local_offset, length_bytes,
-                cls.local.kernel_block_bytes, local_count, local_device,
-            ))  # fmt: skip
-            remote_parts.append(_side_rows(
-                remote_bases, cls.remote_regions, cls.remote_offsets, remote_offset,
-                length_bytes, cls.remote.kernel_block_bytes, remote_count, remote_device,
-            ))  # fmt: skip
-            num_planes = len(cls.local_regions)
-            row_bytes.append(np.full(num_planes, length_bytes, dtype=np.int64))
-            strides = (cls.local.kernel_block_bytes, cls.remote.kernel_block_bytes)
-            num_joining += num_planes if strides == (length_bytes, length_bytes) else 0
-            local_first.append(local_next + local_count * np.arange(num_planes, dtype=np.int64))
-            remote_first.append(remote_next + remote_count * np.arange(num_planes, dtype=np.int64))
-            local_next += local_count * num_planes
-            remote_next += remote_count * num_planes
-        full_tokens = 1 if g.kind is GroupKind.SSM else g.local.kernel_block_size
-        prepared.append(
-            PreparedGroup(
-                g.index,
-                full_tokens,
-                np.concatenate(local_first),
-                np.concatenate(remote_first),
-                np.concatenate(row_bytes),
-                num_joining,
-            )
-        )
-    if not prepared:
+        group = _prepared_group(g, remote_rank, local_next, remote_next)
+        if group is None:
+            return None
+        prepared.append(group)
+        local_next += group.local.num_kernel_blocks * group.num_rows
+        remote_next += group.remote.num_kernel_blocks * group.num_rows
+    if not prepared or max(local_next, remote_next) > MAX_LIST_ENTRIES:
         return None
+    local_bases = np.asarray(local_addresses, dtype=np.int64)
+    remote_bases = np.asarray(remote_addresses, dtype=np.int64)
+    local_rows = [_strided(local_bases, p.local, p.row_bytes, local_device) for p in prepared]
+    remote_rows = [_strided(remote_bases, p.remote, p.row_bytes, remote_device) for p in prepared]
     return PreparedRows(
-        remote_rank, np.concatenate(local_parts), np.concatenate(remote_parts), tuple(prepared)
+        remote_rank, np.concatenate(local_rows), np.concatenate(remote_rows), tuple(prepared)
     )
 
 
-def prepared_request(rows: PreparedRows, segments: RequestSegments) -> PreparedRequest:
-    """Indices of every full segment, plane-major then token order (so NIXL merges a run of
-    blocks contiguous on both sides into one descriptor), and the partial segments' masks.
+@dataclass(frozen=True)
+class _Whole:
+    """A group's full segments in one request: kernel block ids on each side."""
 
-    Example: rows with local_first [0, 100] (two planes, 100 blocks each) and full segments
-    in local blocks [7, 8, 3]: local indices [7, 8, 3, 107, 108, 103].
-    """
-    local_parts: list[Int64Array] = []
-    remote_parts: list[Int64Array] = []
-    length_parts: list[Int64Array] = []
+    group: PreparedGroup
+    local_blocks: Int64Array
+    remote_blocks: Int64Array
+    num_partial: int  # the group's partial segments, left to byte ranges
+
+
+@dataclass(frozen=True)
+class _Split:
+    """One request's segments from one remote rank: the full ones per group, the partial ones'
+    masks (per group, None: none partial or the group reads nothing)."""
+
+    whole: tuple[_Whole, ...]
+    partial: tuple[Int64Array | None, ...]
+    num_partial: int  # partial segments, all groups
+
+    @property
+    def num_indices(self) -> int:
+        return sum(len(w.local_blocks) * w.group.num_rows for w in self.whole)
+
+
+def _split(rows: PreparedRows, segments: RequestSegments) -> _Split:
+    whole: list[_Whole] = []
     partial: list[Int64Array | None] = [None] * len(segments)
+    num_partial = 0
     for group in rows.groups:
         seg = segments[group.index]
         if seg is None:
             continue
         full = seg.num_tokens == group.full_tokens
-        partial[group.index] = ~full
         if bool(full.all()):
-            local_blocks, remote_blocks = seg.local_blocks, seg.remote_blocks
-        else:
-            local_blocks, remote_blocks = seg.local_blocks[full], seg.remote_blocks[full]
-        local_parts.append((group.local_first[:, None] + local_blocks).ravel())
-        remote_parts.append((group.remote_first[:, None] + remote_blocks).ravel())
-        length_parts.append(np.repeat(group.row_bytes, len(local_blocks)))
-    return PreparedRequest(
-        _joined(local_parts), _joined(remote_parts), _joined(length_parts), tuple(partial)
+            whole.append(_Whole(group, seg.local_blocks, seg.remote_blocks, 0))
+            continue
+        partial[group.index] = ~full
+        num_group_partial = len(full) - int(np.count_nonzero(full))
+        num_partial += num_group_partial
+        whole.append(
+            _Whole(group, seg.local_blocks[full], seg.remote_blocks[full], num_group_partial)
+        )
+    return _Split(tuple(whole), tuple(partial), num_partial)
+
+
+def _by_index(split: _Split) -> PreparedRequest:
+    """Indices of every full segment, plane-major then token order (so NIXL merges a run of
+    blocks contiguous on both sides into one descriptor).
+
+    Example: rows with local first [0, 100] (two planes, 100 blocks each) and full segments
+    in local blocks [7, 8, 3]: local indices [7, 8, 3, 107, 108, 103].
+    """
+    local_parts: list[IndexArray] = []
+    remote_parts: list[IndexArray] = []
+    num_bytes = 0
+    for w in split.whole:
+        group = w.group
+        # int32 arithmetic throughout: block ids < 2**31 and so are the lists' indices.
+        local_parts.append((group.local.first[:, None] + w.local_blocks.astype(np.int32)).ravel())
+        remote_parts.append(
+            (group.remote.first[:, None] + w.remote_blocks.astype(np.int32)).ravel()
+        )
+        num_bytes += int(group.row_bytes.sum()) * len(w.local_blocks)
+    return PreparedRequest(_joined(local_parts), _joined(remote_parts), num_bytes, split.partial)
+
+
+def prepared_request(rows: PreparedRows, segments: RequestSegments) -> PreparedRequest:
+    """The READ by index of every full segment (see _by_index), and the partial segments'
+    masks, which stay byte ranges."""
+    return _by_index(_split(rows, segments))
+
+
+def _joined(parts: list[IndexArray]) -> IndexArray:
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+BlockRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local first, remote first, blocks)
+
+
+def _block_runs(w: _Whole) -> BlockRuns:
+    """Runs of blocks consecutive on both sides: local [7, 8, 9, 3], remote [1, 2, 5, 6] ->
+    local firsts [7, 9, 3], remote firsts [1, 5, 6], lengths [2, 1, 1] blocks."""
+    local, remote = w.local_blocks, w.remote_blocks
+    if len(local) <= 1:
+        return local, remote, np.ones(len(local), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
+    firsts = np.concatenate((_ZERO, breaks))
+    counts = np.diff(np.concatenate((firsts, [len(local)])))
+    return local[firsts], remote[firsts], counts
+
+
+_ZERO = np.zeros(1, dtype=np.int64)
+
+
+def _row_ranges(
+    group: PreparedGroup, rows: npt.NDArray[np.bool_] | slice, runs: BlockRuns
+) -> tuple[Int64Array, ...]:
+    """(local regions, local offsets, remote regions, remote offsets, lengths) of ``runs``
+    in each selected row, row-major: row j, run of n blocks from block k on each side ->
+    ``n * row_bytes[j]`` bytes at ``offsets[j] + k * strides[j]``."""
+    local_first, remote_first, counts = runs
+    local, remote = group.local, group.remote
+    return (
+        np.repeat(local.regions[rows], len(counts)),
+        (local.offsets[rows, None] + local.strides[rows, None] * local_first).ravel(),
+        np.repeat(remote.regions[rows], len(counts)),
+        (remote.offsets[rows, None] + remote.strides[rows, None] * remote_first).ravel(),
+        (group.row_bytes[rows, None] * counts).ravel(),
     )
 
 
-def _joined(parts: list[Int64Array]) -> Int64Array:
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+def _whole_ranges(w: _Whole) -> list[tuple[Int64Array, ...]]:
+    """The full segments of a group as byte ranges, straight from its rows: a run of blocks
+    consecutive on both sides is one range in a joining row, one range per block elsewhere."""
+    group = w.group
+    num_joining = group.num_joining
+    if num_joining == group.num_rows:
+        return [_row_ranges(group, slice(None), _block_runs(w))]
+    one_each = (w.local_blocks, w.remote_blocks, np.ones(len(w.local_blocks), dtype=np.int64))
+    if num_joining == 0:
+        return [_row_ranges(group, slice(None), one_each)]
+    return [
+        _row_ranges(group, group.joining, _block_runs(w)),
+        _row_ranges(group, ~group.joining, one_each),
+    ]
 
 
-def estimated_ranges(rows: PreparedRows, segments: RequestSegments) -> int:
-    """Descriptors the range path would post: one per segment and row, except that rows whose
-    entries fill their block stride join a run of blocks contiguous on both sides into one
-    (a lower bound when planes also join)."""
+def _estimated_ranges(split: _Split) -> int:
+    """Descriptors the range path would post: one per run of blocks consecutive on both sides
+    in a joining row, one per block in other rows, one per partial segment and row (a lower
+    bound when planes also join)."""
     total = 0
-    for group in rows.groups:
-        seg = segments[group.index]
-        if seg is None:
-            continue
-        breaks = (np.diff(seg.local_blocks) != 1) | (np.diff(seg.remote_blocks) != 1)
-        num_rows = len(group.local_first)
-        joined = group.num_joining * (int(np.count_nonzero(breaks)) + 1)
-        total += joined + (num_rows - group.num_joining) * len(seg.num_tokens)
+    for w in split.whole:
+        group = w.group
+        num_runs = len(_block_runs(w)[2]) if group.num_joining else 0
+        total += group.num_joining * num_runs + w.num_partial * group.num_rows
+        total += (group.num_rows - group.num_joining) * len(w.local_blocks)
     return total
 
 
@@ -263,38 +411,74 @@ class RankPlan:
     def num_reads(self) -> int:
         return (self.by_index is not None) + (self.ranges is not None)
 
-    def lengths(self) -> list[Int64Array]:
-        """Descriptor lengths of each READ, for the load's timeline."""
-        found = [self.by_index.lengths] if self.by_index is not None else []
-        return found + ([self.ranges.lengths] if self.ranges is not None else [])
+    def sizes(self) -> list[tuple[int, int]]:
+        """(bytes, descriptors) of each READ, for the load's timeline; a READ by index counts
+        its indices (before NIXL merges them)."""
+        found = []
+        if self.by_index is not None:
+            found.append((self.by_index.num_bytes, len(self.by_index.local_indices)))
+        if self.ranges is not None:
+            found.append((int(self.ranges.lengths.sum()), len(self.ranges.lengths)))
+        return found
 
 
-def _full_counts(rows: PreparedRows, segments: RequestSegments) -> tuple[int, bool]:
-    """(indices a READ by index would take, whether some segment is partial)."""
-    num_indices, has_partial = 0, False
-    for group in rows.groups:
-        seg = segments[group.index]
-        if seg is None:
-            continue
-        num_full = int(np.count_nonzero(seg.num_tokens == group.full_tokens))
-        num_indices += num_full * len(group.local_first)
-        has_partial = has_partial or num_full < len(seg.num_tokens)
-    return num_indices, has_partial
+def _ranges_from_rows(
+    planner: TransferPlanner, segments: RequestSegments, rank: int, split: _Split
+) -> RankPlan | None:
+    """One READ of byte ranges: full blocks straight from the rows, partial segments planned
+    exactly (planner.rank_runs)."""
+    parts = [part for w in split.whole if len(w.local_blocks) for part in _whole_ranges(w)]
+    if split.num_partial:
+        tail = planner.rank_runs(segments, rank, split.partial)
+        if tail is not None:
+            parts.append((tail.local_regions, tail.local_offsets, tail.remote_regions,
+                          tail.remote_offsets, tail.lengths))  # fmt: skip
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return RankPlan(rank, None, RankReads(rank, *parts[0]))
+    columns = (np.concatenate(column) for column in zip(*parts, strict=True))
+    return RankPlan(rank, None, RankReads(rank, *columns))
+
+
+def _indexed(
+    planner: TransferPlanner, segments: RequestSegments, rank: int, split: _Split
+) -> RankPlan | None:
+    tail = planner.rank_runs(segments, rank, split.partial) if split.num_partial else None
+    request = _by_index(split) if split.num_indices else None
+    if request is None and tail is None:
+        return None
+    return RankPlan(rank, request, None if tail is None else rank_reads(rank, tail))
+
+
+def plan_by_index(
+    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows
+) -> RankPlan | None:
+    """Full segments by index from ``rows``' lists; partial ones as byte ranges, a second READ."""
+    return _indexed(planner, segments, rank, _split(rows, segments))
+
+
+def plan_by_ranges(
+    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows | None
+) -> RankPlan | None:
+    """One READ of byte ranges: with ``rows``, full blocks come straight from them."""
+    if rows is not None:
+        return _ranges_from_rows(planner, segments, rank, _split(rows, segments))
+    runs = planner.rank_runs(segments, rank)
+    return None if runs is None else RankPlan(rank, None, rank_reads(rank, runs))
 
 
 def plan_rank(
     planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows | None
 ) -> RankPlan | None:
     """Plan one request's reads from ``rank``, choosing the path with choose_prepared."""
-    if rows is not None:
-        num_indices, has_partial = _full_counts(rows, segments)
-        # With no ranges at all the rule is at its strictest: if indices win then, they win.
-        by_index = choose_prepared(num_indices, 0, has_partial) or choose_prepared(
-            num_indices, estimated_ranges(rows, segments), has_partial
-        )
-        if by_index:
-            request = prepared_request(rows, segments)
-            tail = planner.rank_runs(segments, rank, request.partial) if has_partial else None
-            return RankPlan(rank, request, None if tail is None else rank_reads(rank, tail))
-    runs = planner.rank_runs(segments, rank)
-    return None if runs is None else RankPlan(rank, None, rank_reads(rank, runs))
+    if rows is None:
+        return plan_by_ranges(planner, segments, rank, None)
+    split = _split(rows, segments)
+    num_indices, has_partial = split.num_indices, split.num_partial > 0
+    # With no ranges at all the rule is at its strictest: if indices win then, they win.
+    if choose_prepared(num_indices, 0, has_partial) or choose_prepared(
+        num_indices, _estimated_ranges(split), has_partial
+    ):
+        return _indexed(planner, segments, rank, split)
+    return _ranges_from_rows(planner, segments, rank, split)
