@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 
 import msgspec
@@ -363,6 +364,45 @@ def test_plan_rejects_impossible_requests(local, remote, tokens, cached, message
     planner = _planner(_spec(_group()), _spec(_group()))
     with pytest.raises(TransferPlanError, match=message):
         planner.plan(local, remote, num_tokens=tokens, num_cached_tokens=cached)
+
+
+def _scattered(num_ids: int, pool: int, *, repeat: int | None = None, bad: int | None = None):
+    """``num_ids`` distinct ids spread over [0, pool), shuffled; optionally the last one
+    replaced by a repeat of ``repeat`` or by the out-of-pool ``bad``."""
+    ids = random.Random(num_ids).sample(range(pool), num_ids)
+    if repeat is not None:
+        ids[ids.index(repeat) if repeat in ids else 0] = repeat
+        ids[-1] = repeat
+    if bad is not None:
+        ids[-1] = bad
+    return ids
+
+
+LONG_POOL = 40_000
+LONG_IDS = {  # (decode ids of 400 blocks, message): dense lists are counted, sparse ones sorted
+    "dense repeat": (_scattered(400, 800, repeat=7), "decode block ids repeat block 7"),
+    "sparse repeat": (_scattered(400, LONG_POOL, repeat=7), "decode block ids repeat block 7"),
+    "out of the pool": (_scattered(400, 800, bad=LONG_POOL), f"block id {LONG_POOL} is outside"),
+    "negative": (_scattered(400, LONG_POOL, bad=-3), "decode block id -3 is outside"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("local", "message"), LONG_IDS.values(), ids=LONG_IDS.keys())
+def test_long_id_lists_are_checked_like_short_ones(local, message):
+    spec = _spec(_group(blocks=LONG_POOL))
+    with pytest.raises(TransferPlanError, match=message):
+        _planner(spec, spec).plan(
+            [local], [list(range(400))], num_tokens=400 * 16, num_cached_tokens=0
+        )
+
+
+def test_long_scattered_distinct_ids_plan():
+    spec = _spec(_group(blocks=LONG_POOL))
+    for pool in (800, LONG_POOL):
+        plan = _planner(spec, spec).plan(
+            [_scattered(400, pool)], [list(range(400))], num_tokens=400 * 16, num_cached_tokens=0
+        )
+        assert sum(len(r.lengths) for r in plan.reads) > 0
 
 
 def test_ssm_state_without_a_prefill_block_is_rejected():

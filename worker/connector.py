@@ -117,6 +117,7 @@ class WorkerConnector:
         self._failed_recving: dict[str, str] = {}
         self._finished_sending: list[str] = []
         self._stats = NotificationStats()
+        self._stats_published = 0  # transfer thread: num_stat_changes when last published
 
     def register_kv_caches(
         self, region_addresses: Sequence[int], memory: Memory = HOST_MEMORY
@@ -257,10 +258,18 @@ class WorkerConnector:
         except ConnectorError as error:
             logger.warning("collecting free notifications failed: %s", error)
         sent = self._notifications.take_finished()
+        if (
+            not outcomes
+            and not sent
+            and self._stats_published == self._notifications.num_stat_changes
+        ):
+            return  # nothing to publish: most passes
         with self._outcomes_lock:
             self._record(outcomes)
             self._finished_sending.extend(sent)
-            self._stats = dataclasses.replace(self._notifications.stats)
+            if self._stats_published != self._notifications.num_stat_changes:
+                self._stats = dataclasses.replace(self._notifications.stats)
+                self._stats_published = self._notifications.num_stat_changes
 
     def _apply(self, loads: LoadTable, metadata: ConnectorMetadata) -> None:
         self._notifications.expect(metadata.sends)

@@ -57,6 +57,7 @@ LOAD_LIFECYCLE = TransitionTable(
     },
 )
 _ABORTING = frozenset({_L.ABORT_WAITING, _L.ABORT_READING})
+_TERMINAL = LOAD_LIFECYCLE.terminal  # a property that builds its set: once here
 _POSTED = frozenset({_L.READING, _L.FAILING, _L.ABORT_READING})
 
 
@@ -85,7 +86,7 @@ class Load:
 
     @property
     def ended(self) -> bool:
-        return self.state in LOAD_LIFECYCLE.terminal
+        return self.state in _TERMINAL
 
     @property
     def waiting(self) -> bool:

@@ -68,6 +68,7 @@ class NotificationCounter:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._finished: list[str] = []
         self.stats = NotificationStats()
+        self.num_stat_changes = 0  # bumped with every change to ``stats``: copy it only then
         self._log = RateLimitedLog(logger, clock=clock)  # peers' input: bounded log lines
 
     @property
@@ -169,6 +170,7 @@ class NotificationCounter:
     def _count(self, kind: str, amount: int = 1) -> None:
         """Count ``amount`` notifications of ``kind`` in ``stats`` and in the metrics."""
         setattr(self.stats, kind, getattr(self.stats, kind) + amount)
+        self.num_stat_changes += 1
         if amount:
             self._metrics.inc(NOTIFICATIONS, kind, amount)
 

@@ -316,7 +316,7 @@ def _used_ids(
     """ids[lo:hi] as an array; each must be a distinct block of the side's pool.
 
     Hot path: ascending ids (the common allocation) cost one comparison, their ends bound
-    them and they cannot repeat; others are bounded by min and max and checked for repeats.
+    them and they cannot repeat; other ids are sorted (short lists) or counted (long ones).
     """
     if isinstance(ids, np.ndarray):
         used = ids[lo:hi].astype(np.int64, copy=False)
@@ -324,34 +324,39 @@ def _used_ids(
         used = np.fromiter(ids[lo:hi], dtype=np.int64, count=max(0, min(hi, len(ids)) - lo))
     if len(used) == 0:
         return used
-    ascending = len(used) == 1 or bool((used[1:] > used[:-1]).all())
-    low, high = (used[0], used[-1]) if ascending else (used.min(), used.max())
+    ordered = used if len(used) == 1 or bool((used[1:] > used[:-1]).all()) else None
+    if ordered is None and len(used) <= SORT_MAX_IDS:
+        ordered = np.sort(used)
+    low, high = (ordered[0], ordered[-1]) if ordered is not None else (used.min(), used.max())
     if low < 0 or high >= blocks.num_blocks:
         bad = used[(used < 0) | (used >= blocks.num_blocks)]
         raise TransferPlanError(
             f"group {g.index}: {side} block id {int(bad[0])} is outside the pool [0, {blocks.num_blocks})"
         )
-    if not ascending:
-        repeated = _first_repeat(used, int(high))
-        if repeated is not None:
-            raise TransferPlanError(
-                f"group {g.index}: {side} block ids repeat block {repeated}; "
-                "each block of a request must be distinct"
-            )
+    repeated = _first_repeat(used, ordered, int(high)) if ordered is not used else None
+    if repeated is not None:
+        raise TransferPlanError(
+            f"group {g.index}: {side} block ids repeat block {repeated}; "
+            "each block of a request must be distinct"
+        )
     return used
 
 
-def _first_repeat(ids: Int64Array, high: int) -> int | None:
-    """The smallest id that occurs twice in ``ids`` (all in [0, high]), or None.
+SORT_MAX_IDS = 256  # up to here sorting finds repeats fastest; past it, counting (if dense)
+
+
+def _first_repeat(ids: Int64Array, ordered: Int64Array | None, high: int) -> int | None:
+    """The smallest id that occurs twice in ``ids`` (all in [0, high]), or None; ``ordered``
+    is ``ids`` sorted, if at hand.
 
     Counting costs O(high), sorting O(n log n): count when the ids are dense enough
     (2,048 ids in a pool of 16k: 7 us against 40).
     """
-    if high < 32 * len(ids):
-        counts = np.bincount(ids, minlength=high + 1)
-        repeats = np.flatnonzero(counts > 1)
-        return int(repeats[0]) if len(repeats) else None
-    ordered = np.sort(ids)
+    if ordered is None and high < 32 * len(ids):
+        counts = np.bincount(ids)
+        return int(np.argmax(counts > 1)) if counts.max() > 1 else None
+    if ordered is None:
+        ordered = np.sort(ids)
     repeats = ordered[1:][ordered[1:] == ordered[:-1]]
     return int(repeats[0]) if len(repeats) else None
 

@@ -69,15 +69,10 @@ class PreparedGroup:
     remote: SideRows
     row_bytes: Int64Array  # per row: bytes of one entry
     joining: npt.NDArray[np.bool_]  # rows whose entries fill their stride on both sides
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.row_bytes)
-
-    @property
-    def num_joining(self) -> int:
-        """Rows in which blocks k and k + 1 (on both sides) are one contiguous run."""
-        return int(np.count_nonzero(self.joining))
+    # Derived once here, not per request:
+    num_rows: int
+    num_joining: int  # rows in which blocks k and k + 1 (on both sides) are one run
+    block_bytes: int  # bytes of one kernel block over all rows
 
 
 @dataclass(frozen=True)
@@ -192,13 +187,17 @@ def _prepared_group(
         remote_next += remote_count * num_planes
     local, remote = _joined_sides(local_sides), _joined_sides(remote_sides)
     lengths = np.concatenate(row_bytes)
+    joining = (local.strides == lengths) & (remote.strides == lengths)
     return PreparedGroup(
         g.index,
         1 if g.kind is GroupKind.SSM else g.local.kernel_block_size,
         local,
         remote,
         lengths,
-        (local.strides == lengths) & (remote.strides == lengths),
+        joining,
+        len(lengths),
+        int(np.count_nonzero(joining)),
+        int(lengths.sum()),
     )
 
 
@@ -299,7 +298,7 @@ def _by_index(split: _Split) -> PreparedRequest:
         remote_parts.append(
             (group.remote.first[:, None] + w.remote_blocks.astype(np.int32)).ravel()
         )
-        num_bytes += int(group.row_bytes.sum()) * len(w.local_blocks)
+        num_bytes += group.block_bytes * len(w.local_blocks)
     return PreparedRequest(_joined(local_parts), _joined(remote_parts), num_bytes, split.partial)
 
 
@@ -373,9 +372,13 @@ def _estimated_ranges(split: _Split) -> int:
     total = 0
     for w in split.whole:
         group = w.group
-        num_runs = len(_block_runs(w)[2]) if group.num_joining else 0
-        total += group.num_joining * num_runs + w.num_partial * group.num_rows
-        total += (group.num_rows - group.num_joining) * len(w.local_blocks)
+        num_blocks = len(w.local_blocks)
+        if group.num_joining and num_blocks > 1:
+            breaks = (np.diff(w.local_blocks) != 1) | (np.diff(w.remote_blocks) != 1)
+            total += group.num_joining * (int(np.count_nonzero(breaks)) + 1)
+        elif group.num_joining:
+            total += group.num_joining * num_blocks
+        total += (group.num_rows - group.num_joining) * num_blocks + w.num_partial * group.num_rows
     return total
 
 
