@@ -12,7 +12,9 @@ on (untouched, lazily allocated) host tensors, and the remote agent added throug
 
 Since the transfer thread (worker/transfer_thread.py), our ``start_load_kv`` only queues the
 step; the table also gives the transfer thread's pass that applies it (plan, descriptors,
-post), which is work vLLM does inside its ``start_load_kv``.
+post), which is work vLLM does inside its ``start_load_kv``. Each request is drained to its
+outcome before the next one, untimed on both sides (vLLM's ``get_finished``, our pass that
+sees the READ done), so the timed pass holds only the request's own plan and post.
 
 Cases are interleaved (vLLM, ours, vLLM, ...) in ``runs`` rounds; each round takes the median
 of ``repeats`` calls; the table gives the median round and the range of the per-round ratios.
@@ -217,8 +219,20 @@ class Ours:
         self.worker.start_load_kv(metadata)
 
     def drain(self) -> None:
-        self.worker.flush()  # untimed: the pass that plans and posts, recorded in pass_s
-        self.worker.get_finished()
+        """Untimed: passes until the last request is reported, so its finishing pass (poll,
+        release, metrics) runs here, as vLLM's finishing runs in its untimed get_finished.
+        One flush left it to the next request's timed pass whenever the flush's barrier
+        reached the transfer thread with the request itself (most runs)."""
+        request_id = f"d{self._serial}"
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            self.worker.flush()
+            report = self.worker.get_finished()
+            if request_id in report.failed_recving:
+                raise RuntimeError(f"{request_id} failed: {report.failed_recving[request_id]}")
+            if request_id in report.finished_recving:
+                return
+        raise RuntimeError(f"{request_id} did not finish within 10 s")
 
     def warm(self, case: Case) -> None:
         """Handshake (on its thread) and wait for the first request of this prefill TP."""

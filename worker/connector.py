@@ -272,8 +272,10 @@ class WorkerConnector:
                 self._stats_published = self._notifications.num_stat_changes
 
     def _apply(self, loads: LoadTable, metadata: ConnectorMetadata) -> None:
-        self._notifications.expect(metadata.sends)
-        self._notifications.forget(metadata.forgotten)
+        if metadata.sends:
+            self._notifications.expect(metadata.sends)
+        if metadata.forgotten:
+            self._notifications.forget(metadata.forgotten)
         for spec in metadata.loads:
             loads.add(spec, self._peers.ensure(spec.remote))
         for release in metadata.releases:

@@ -310,18 +310,21 @@ class LoadTable:
         except ConnectorError as error:
             load.fail(f"cannot plan the transfer: {error}")
             return
-        unknown = sorted({plan.remote_rank for plan in plans} - set(link.agent_names))
-        if unknown:
+        agents = link.agent_names
+        if any(plan.remote_rank not in agents for plan in plans):
+            unknown = sorted({plan.remote_rank for plan in plans} - set(agents))
             load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
             return
-        stamp_planned(load.timeline, self._clock(), plans)
+        now_s = self._clock()
+        stamp_planned(load.timeline, now_s, plans)
         for plan in plans:
             if not self._post_rank(load, link, plan):
                 return
         load.timeline.posted_s = self._clock()
-        read_ranks = {plan.remote_rank for plan in plans}
-        for remote_rank in sorted(set(load.peer.duty) - read_ranks):
-            notify(self._agent, load, remote_rank)
+        if len(load.peer.duty) > len(plans):  # covered ranks this request does not read
+            read_ranks = {plan.remote_rank for plan in plans}
+            for remote_rank in sorted(set(load.peer.duty) - read_ranks):
+                notify(self._agent, load, remote_rank)
 
     def _post_rank(self, load: Load, link: PeerLink, plan: RankPlan) -> bool:
         """Post the one or two READs of a remote rank. A single READ carries the rank's free

@@ -175,6 +175,8 @@ class NotificationCounter:
             self._metrics.inc(NOTIFICATIONS, kind, amount)
 
     def _expire_early(self) -> None:
+        if not self._early:
+            return
         now_s = self._clock()
         expired = [
             request_id

@@ -324,7 +324,8 @@ def _used_ids(
         used = np.fromiter(ids[lo:hi], dtype=np.int64, count=max(0, min(hi, len(ids)) - lo))
     if len(used) == 0:
         return used
-    ordered = used if len(used) == 1 or bool((used[1:] > used[:-1]).all()) else None
+    ascending = len(used) == 1 or np.count_nonzero(used[1:] <= used[:-1]) == 0
+    ordered = used if ascending else None
     if ordered is None and len(used) <= SORT_MAX_IDS:
         ordered = np.sort(used)
     low, high = (ordered[0], ordered[-1]) if ordered is not None else (used.min(), used.max())
