@@ -12,7 +12,7 @@ import msgspec
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 
 
-class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Where a request's prompt KV lives: the prefill engine and its blocks."""
 
     engine_id: str
@@ -23,7 +23,7 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_block_ids: BlockIds  # prefill's logical blocks for tokens [0, num_tokens), per group
 
 
-class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Decode: read tokens [num_cached_tokens, num_tokens) of a request from its prefill engine.
 
     ``local_block_ids`` are decode's logical blocks for the uncached suffix, per group: the
@@ -38,7 +38,7 @@ class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote: RemoteSource
 
 
-class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Decode: the request will not read (aborted); tell its prefill engine to free the blocks."""
 
     request_id: str

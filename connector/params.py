@@ -27,7 +27,7 @@ naming the key and the value seen; nothing else escapes.
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -46,7 +46,7 @@ _TpSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 _NumTokens = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 
 
-class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Validated kv_transfer_params. With do_remote_prefill, every remote_* field is set.
 
     The field types are the rules themselves: the common dict converts into this Struct in
@@ -147,8 +147,10 @@ def _joint_rules_hold(params: KVTransferParams) -> bool:
             return False
     if params.remote_block_ids == ():
         return False
-    texts = (params.remote_engine_id, params.remote_request_id, params.remote_host)
-    return all(text is None or text.isascii() for text in texts)
+    for text in (params.remote_engine_id, params.remote_request_id, params.remote_host):
+        if text is not None and not text.isascii():
+            return False
+    return True
 
 
 def _parse_key_by_key(raw: Mapping[Any, Any] | None) -> KVTransferParams | None:
@@ -284,22 +286,32 @@ def params_for_decode(
     *,
     engine_id: str,
     request_id: str,
-    block_ids: BlockIds,
+    block_ids: Sequence[Sequence[int]],
     host: str,
     port: int,
     tp_size: int,
+    num_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """The kv_transfer_params prefill returns for the decode engine (JSON-serialisable)."""
-    return {
+    """The kv_transfer_params prefill returns for the decode engine (JSON-serialisable).
+
+    ``num_tokens``, when given, is sent as remote_num_tokens: the tokens whose KV the blocks
+    hold (vLLM's decode and routers read it).
+    """
+    params = {
         "do_remote_prefill": True,
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
-        "remote_block_ids": [list(group) for group in block_ids],
+        "remote_block_ids": [list(block_ids[0])]  # one group: no comprehension
+        if len(block_ids) == 1
+        else [list(group) for group in block_ids],
         "remote_host": host,
         "remote_port": port,
         "tp_size": tp_size,
         "transfer_mode": TRANSFER_MODE,
     }
+    if num_tokens is not None:
+        params["remote_num_tokens"] = num_tokens
+    return params
 
 
 def _convert_key(key: str, value: object) -> Any:

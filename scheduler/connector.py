@@ -18,7 +18,7 @@ import msgspec
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
-from connector.metadata import BlockIds, ConnectorMetadata, RemoteSource, WorkerReport
+from connector.metadata import ConnectorMetadata, RemoteSource, WorkerReport
 from connector.params import KVTransferParams, parse_kv_transfer_params, validate_block_groups
 from connector.protocol import WorkerHandshake
 from scheduler.consumer import Consumer
@@ -150,8 +150,9 @@ class SchedulerConnector:
         return 0, False
 
     def update_state_after_alloc(
-        self, request: RequestInfo, block_ids: BlockIds, num_external_tokens: int
+        self, request: RequestInfo, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
+        """Decode's blocks for the request, per cache group (copied: the engine keeps its own)."""
         self._consumer.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self) -> ConnectorMetadata:
@@ -160,9 +161,12 @@ class SchedulerConnector:
         return ConnectorMetadata(loads=loads, releases=releases, sends=sends, forgotten=forgotten)
 
     def request_finished(
-        self, request: RequestInfo, block_ids: BlockIds
+        self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(delay freeing the blocks?, kv_transfer_params to return to the client)."""
+        """(delay freeing the blocks?, kv_transfer_params to return to the client).
+
+        ``block_ids``: the request's blocks per cache group (read, not kept).
+        """
         try:
             parsed = self._parse(request, last_use=True)
         except InvalidTransferParams as exc:
@@ -173,11 +177,9 @@ class SchedulerConnector:
         params = parsed.params
         if params is None or request.aborted or not params.do_remote_decode:
             return False, None
-        delay, returned = self._producer.request_finished(request.request_id, block_ids)
-        if returned is None:
-            return delay, None
-        # The tokens whose KV the leased blocks hold: vLLM's decode and routers read it.
-        return delay, {**returned, "remote_num_tokens": request.num_prompt_tokens}
+        return self._producer.request_finished(
+            request.request_id, block_ids, request.num_prompt_tokens
+        )
 
     def update_connector_output(self, reports: Sequence[WorkerReport]) -> None:
         valid = [report for report in reports if self._is_valid_report(report)]
@@ -246,12 +248,13 @@ class SchedulerConnector:
                 request.request_id,
                 ", ".join(params.ignored_keys),
             )
-        if (params.do_remote_prefill and not self._consumes) or (
-            params.do_remote_decode and not self._produces
-        ):
+        if params.do_remote_prefill:
+            if not self._consumes:
+                self._note_other_role(request, params)
+            return _Parsed(raw, params, params.remote_source())
+        if params.do_remote_decode and not self._produces:
             self._note_other_role(request, params)
-        source = params.remote_source() if params.do_remote_prefill else None
-        return _Parsed(raw, params, source)
+        return _Parsed(raw, params, None)
 
     def _note_other_role(self, request: RequestInfo, params: KVTransferParams) -> None:
         logger.debug(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from connector.errors import TransferPlanError
 from connector.layout import GroupSpec
@@ -30,12 +30,13 @@ MATCHED, ALLOCATED, LOADING = LoadState.MATCHED, LoadState.ALLOCATED, LoadState.
 DRAINING, REPORTED, ENDED = LoadState.DRAINING, LoadState.REPORTED, LoadState.ENDED
 RELEASING, REPORTED_RELEASING = LoadState.RELEASING, LoadState.REPORTED_RELEASING
 _RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
+_RANKS_HOLD_BLOCKS = (ALLOCATED, LOADING, DRAINING)  # at request_finished: delay the free
 _RANKS_ANSWER_RELEASE = (RELEASING, REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
 _HEARTBEATING = (MATCHED, ALLOCATED, LOADING, DRAINING)  # prefill must keep the KV
 _PENDING = tuple(state for state in LoadState if state not in (REPORTED, ENDED))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Load:
     """One tracked decode load; ``state`` says where it stands (Book moves it)."""
 
@@ -75,38 +76,43 @@ class Consumer:
         self, request_id: str, source: RemoteSource, num_tokens: int, num_cached_tokens: int
     ) -> tuple[int, bool]:
         load = self._loads.get(request_id)
-        if load is not None and load.state is not MATCHED:
-            return 0, False  # allocated, loading, reported or releasing: nothing new to claim
-        if load is None:
-            load = self._loads.add(request_id, _Load(source, num_tokens, num_cached_tokens))
-        else:  # scheduled again before allocation: the local prefix hit may have changed
-            load.source, load.num_tokens = source, num_tokens
-            load.num_cached_tokens = num_cached_tokens
         num_new_tokens = num_tokens - num_cached_tokens
-        if num_new_tokens <= 0:
-            self._release_only(request_id, load, RELEASING)
-            return 0, False
+        if load is None:
+            load = _Load(source, num_tokens, num_cached_tokens)
+            if num_new_tokens <= 0:  # nothing to load (a full local prefix hit)
+                self._release_only(request_id, self._loads.start(request_id, load, RELEASING))
+                return 0, False
+            self._loads.start(request_id, load, MATCHED)
+            return num_new_tokens, True
         if load.state is not MATCHED:
-            self._loads.move(request_id, MATCHED)
+            return 0, False  # allocated, loading, reported or releasing: nothing new to claim
+        # Scheduled again before allocation: the local prefix hit may have changed.
+        load.source, load.num_tokens = source, num_tokens
+        load.num_cached_tokens = num_cached_tokens
+        if num_new_tokens <= 0:
+            self._loads.move(request_id, RELEASING)
+            self._release_only(request_id, load)
+            return 0, False
         return num_new_tokens, True
 
     def update_state_after_alloc(
-        self, request_id: str, block_ids: BlockIds, num_external_tokens: int
+        self, request_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
         load = self._loads.get(request_id)
         if load is None or load.state is not MATCHED:
             return
         if num_external_tokens == 0:
             # The engine chose not to load after all; prefill may free its blocks.
-            self._release_only(request_id, load, RELEASING)
+            self._loads.move(request_id, RELEASING)
+            self._release_only(request_id, load)
             return
         load.local_block_ids = tuple(tuple(group) for group in block_ids)
         self._loads.move(request_id, ALLOCATED)
 
     def take_step(self) -> tuple[tuple[LoadSpec, ...], tuple[ReleaseSpec, ...]]:
         """The loads and releases for the next metadata; also sends heartbeats when due."""
-        allocated = self._loads.ids(ALLOCATED)
-        loads = [spec for request_id in allocated if (spec := self._emit(request_id))]
+        allocated = self._loads.in_state(ALLOCATED)
+        loads = [spec for request_id, load in allocated if (spec := self._emit(request_id, load))]
         releases, self._pending_releases = tuple(self._pending_releases), []
         self._send_heartbeats_if_due()
         return tuple(loads), releases
@@ -127,14 +133,15 @@ class Consumer:
         elif state is REPORTED_RELEASING:
             self._loads.move(request_id, RELEASING)
         elif state is MATCHED:  # no blocks yet: nothing of ours to hold
-            self._release_only(request_id, load, RELEASING)
+            self._loads.move(request_id, RELEASING)
+            self._release_only(request_id, load)
         elif state is ALLOCATED:
             logger.info("request %s aborted before its load started; releasing prefill", request_id)
             self._pending_releases.append(ReleaseSpec(request_id, load.source))
             self._loads.move(request_id, DRAINING)
         elif state is LOADING:
             self._loads.move(request_id, DRAINING)
-        return state in (ALLOCATED, *_RANKS_ANSWER_LOAD), None
+        return state in _RANKS_HOLD_BLOCKS, None
 
     def on_reports(self, reports: Iterable[WorkerReport]) -> None:
         for report in reports:
@@ -148,9 +155,8 @@ class Consumer:
         failed, self._failed = self._failed, {}
         return finished, failed
 
-    def _emit(self, request_id: str) -> LoadSpec | None:
-        load = self._loads.get(request_id)
-        if load is None or load.local_block_ids is None:
+    def _emit(self, request_id: str, load: _Load) -> LoadSpec | None:
+        if load.local_block_ids is None:
             return None  # ALLOCATED loads always carry their blocks
         try:
             local_block_ids = uncached_suffix_blocks(
@@ -215,9 +221,9 @@ class Consumer:
         # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
         self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)
 
-    def _release_only(self, request_id: str, load: _Load, target: LoadState) -> None:
-        """Move ``load`` to a releasing state and tell prefill (ranks and side channel) to free."""
-        self._loads.move(request_id, target)
+    def _release_only(self, request_id: str, load: _Load) -> None:
+        """Tell prefill (ranks and side channel) to free ``load``'s blocks; the caller has
+        moved it to a releasing state."""
         self._pending_releases.append(ReleaseSpec(request_id, load.source))
         self._release_over_side_channel(load.source)
 
@@ -231,7 +237,8 @@ class Consumer:
 
     def _fail_now(self, request_id: str, load: _Load, reason: str) -> None:
         logger.warning("request %s failed: %s", request_id, reason)
-        self._release_only(request_id, load, REPORTED_RELEASING)
+        self._loads.move(request_id, REPORTED_RELEASING)
+        self._release_only(request_id, load)
         self._failed[request_id] = reason
 
     def _send_heartbeats_if_due(self) -> None:

@@ -100,6 +100,7 @@ class Book(Generic[State, Record]):
         self._what = what  # names the record in errors, e.g. "load"
         self._on_move = on_move
         self._terminal = table.terminal
+        self._moves = table.moves  # read on every move: one dict lookup, no call
         self._records: dict[str, Record] = {}
         self._by_state: dict[State, dict[str, None]] = {state: {} for state in table.moves}
 
@@ -115,13 +116,30 @@ class Book(Generic[State, Record]):
         self._by_state[record.state][request_id] = None
         return record
 
+    def start(self, request_id: str, record: Record, state: State) -> Record:
+        """``add`` then ``move`` to ``state``, in one step (the hooks start records often)."""
+        initial = record.state
+        if request_id in self._records or state not in self._moves[initial]:
+            self.add(request_id, record)  # raises for a duplicate id
+            return self.move(request_id, state)  # raises for an illegal first move
+        record.state = state
+        self._records[request_id] = record
+        if state in self._terminal:
+            del self._records[request_id]
+        else:
+            self._by_state[state][request_id] = None
+        if self._on_move is not None:
+            self._on_move(request_id, initial, state)
+        return record
+
     def move(self, request_id: str, target: State) -> Record:
         """Move the record along the table (IllegalTransition if it may not); a terminal
         target removes it. Returns the record."""
         record = self._records[request_id]
         current = record.state
-        subject = f"{self._what} of request {request_id}"
-        record.state = self._table.move(subject, current, target)
+        if target not in self._moves[current]:  # the table names the illegal move and raises
+            self._table.move(f"{self._what} of request {request_id}", current, target)
+        record.state = target
         del self._by_state[current][request_id]
         if target in self._terminal:
             del self._records[request_id]
@@ -137,6 +155,12 @@ class Book(Generic[State, Record]):
     def ids(self, state: State) -> tuple[str, ...]:
         """The ids in ``state``, oldest arrival first."""
         return tuple(self._by_state[state])
+
+    def in_state(self, state: State) -> list[tuple[str, Record]]:
+        """The (id, record) pairs in ``state``, oldest arrival first: a snapshot, so the
+        caller may move them."""
+        records = self._records
+        return [(request_id, records[request_id]) for request_id in self._by_state[state]]
 
     def records(self, *states: State) -> Iterator[tuple[str, Record]]:
         """The records in any of ``states``, oldest arrival first (a walk over every record)."""

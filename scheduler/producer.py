@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from connector.metadata import BlockIds, WorkerReport
+from connector.metadata import WorkerReport
 from connector.metrics import (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
@@ -36,13 +36,13 @@ LEASED, ANNOUNCED, COMPLETED = LeaseState.LEASED, LeaseState.ANNOUNCED, LeaseSta
 EXPIRED, RELEASED = LeaseState.EXPIRED, LeaseState.RELEASED
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Lease:
     """One held lease; ``state`` says where it stands (Book moves it)."""
 
     leased_s: float  # when it was taken, on the producer's clock
     state: LeaseState = LeaseState.NEW
-    ranks_done: set[int] = dataclasses.field(default_factory=set)  # reported finished_sending
+    ranks_done: frozenset[int] = frozenset()  # reported finished_sending (replaced, not grown)
 
 
 class Producer:
@@ -70,9 +70,12 @@ class Producer:
         self.num_stray_reports = 0  # finished_sending for ids with no live lease here
 
     def request_finished(
-        self, request_id: str, block_ids: BlockIds
+        self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Lease the blocks and return the params decode needs; (False, None) if we cannot."""
+        """Lease the blocks and return the params decode needs; (False, None) if we cannot.
+
+        ``num_tokens``: the tokens whose KV the blocks hold, returned as remote_num_tokens.
+        """
         if self._book.get(request_id) is not None:
             logger.warning("request %s finished twice; keeping its first lease", request_id)
             return True, None
@@ -86,8 +89,7 @@ class Producer:
             return False, None
         now_s = self._clock()
         self._leases.lease(request_id, now_s)
-        self._book.add(request_id, _Lease(now_s))
-        self._book.move(request_id, LEASED)
+        self._book.start(request_id, _Lease(now_s), LEASED)
         params = params_for_decode(
             engine_id=self._engine_id,
             request_id=request_id,
@@ -95,6 +97,7 @@ class Producer:
             host=host,
             port=port,
             tp_size=self._tp_size,
+            num_tokens=num_tokens,
         )
         return True, params
 
@@ -114,7 +117,7 @@ class Producer:
                 if lease is None:
                     self.num_stray_reports += 1  # already ended (expired, released) or not ours
                     continue
-                lease.ranks_done.add(report.tp_rank)
+                lease.ranks_done |= {report.tp_rank}
                 if len(lease.ranks_done) == self._tp_size:
                     self._leases.complete(request_id)
                     self._metrics.inc(LEASES_COMPLETED)

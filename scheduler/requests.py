@@ -22,7 +22,7 @@ class Role(enum.Enum):
         return self is not Role.PRODUCER
 
 
-class RequestInfo(msgspec.Struct):
+class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cycle
     """What the connector needs to know about one engine request (not the engine's object).
 
     ``aborted`` matters to ``request_finished`` only: True when the engine stopped the
