@@ -1,7 +1,8 @@
-"""The vLLM adapter's request tracking walked along TRACKED_LIFECYCLE: refused params are
-claimed, announced as a failed load once vLLM parked the request, and never offered a load
-again; loads whose LoadSpec went out are reported by the ranks, never echoed; nothing stays
-tracked once each request finished."""
+"""The vLLM adapter's request tracking walked along TRACKED_LIFECYCLE: a decode request's
+tokens are claimed on its params' word and the params read at allocation; refused params
+are announced as a failed load once vLLM parked the request, and never offered a load again;
+loads whose LoadSpec went out are reported by the ranks, never echoed; nothing stays tracked
+once each request finished."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from tests.scheduler_helpers import (
 
 NUM_TOKENS = 40
 BAD_PARAMS: dict[str, Any] = {"do_remote_prefill": True, "remote_block_ids": "not-a-list"}
+# Refused at the first ask: without a literal true flag nothing is claimed unread.
+NOT_A_FLAG: dict[str, Any] = {**REMOTE_PARAMS, "do_remote_prefill": "yes"}
 
 
 class Blocks:
@@ -109,6 +112,30 @@ PATHS = [
         BAD_PARAMS,
         "match 0, alloc 0, meta, finish",
         [CLAIMED, (), FREE],
+    ),
+    (
+        "refused at the first ask, parked, announced once",
+        NOT_A_FLAG,
+        "match 0, match 0, alloc 40, meta, meta, match 0, finish",
+        [CLAIMED, CLAIMED, ("d1",), (), NOTHING, FREE],
+    ),
+    (
+        "refused at the first ask, finished before vLLM parked it",
+        NOT_A_FLAG,
+        "match 0, finish, meta",
+        [CLAIMED, FREE, ()],
+    ),
+    (
+        "claimed, then nothing left to load (a local prefix hit grew)",
+        REMOTE_PARAMS,
+        "match 16, match 40, meta, finish",
+        [(24, True), NOTHING, (), FREE],
+    ),
+    (
+        "finished after allocation, before its LoadSpec went out",
+        REMOTE_PARAMS,
+        "match 16, alloc 24, finish, meta",
+        [(24, True), (True, None), ()],
     ),
     (
         "a load the ranks report is not echoed",

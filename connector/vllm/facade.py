@@ -221,10 +221,14 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ----------------------------------------------------------------
 
+    # The hooks vLLM calls per request read self._scheduler directly (a call less each):
+    # on a worker it is None, and _require_scheduler raises the clear error.
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        scheduler = self._scheduler or self._require_scheduler()
+        return scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
         """Prefill side: stop ``backoff`` tokens short where decode must compute them (SSM)."""
@@ -234,7 +238,8 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._require_scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+        scheduler = self._scheduler or self._require_scheduler()
+        scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         params = request.kv_transfer_params
         if (
             self._saves is not None
@@ -244,7 +249,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        metadata = self._require_scheduler().build_connector_meta()
+        metadata = (self._scheduler or self._require_scheduler()).build_connector_meta()
         if self._saves is None or not len(self._saves):
             return metadata
         saves = self._saves.step(scheduled_rows(scheduler_output))
@@ -256,14 +261,18 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished_all_groups(request, (block_ids,))
+        scheduler = self._scheduler or self._require_scheduler()
+        if self._saves is not None:
+            self._saves.forget(request.request_id)  # aborted mid-prefill: nothing to stage
+        return scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        scheduler = self._scheduler or self._require_scheduler()
         if self._saves is not None:
             self._saves.forget(request.request_id)  # aborted mid-prefill: nothing to stage
-        return self._require_scheduler().request_finished(request, block_ids)
+        return scheduler.request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._kv_cache_config.transfer_group_ids

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -20,7 +20,6 @@ from vllm.v1.request import RequestStatus
 
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.lifecycle import TransitionTable
-from connector.metadata import BlockIds
 from connector.protocol import WorkerHandshake
 from connector.vllm.messages import (
     NixlPDHandshakeMetadata,
@@ -52,6 +51,7 @@ class TrackedState(LifecycleState):
     NEW = enum.auto()
     CLAIMED = enum.auto()  # params refused; tokens claimed so vLLM parks it as a pending load
     REFUSED = enum.auto()  # params refused; never offered a load again (announced if parked)
+    HANDED = enum.auto()  # SchedulerConnector holds its load; no LoadSpec has gone out yet
     RANKS_REPORT = enum.auto()  # a LoadSpec went out: the ranks tell vLLM its outcome themselves
     ENDED = enum.auto()
 
@@ -60,29 +60,26 @@ _T = TrackedState
 TRACKED_LIFECYCLE = TransitionTable(
     "vLLM request tracking",
     {
-        _T.NEW: {_T.CLAIMED, _T.REFUSED, _T.RANKS_REPORT},
+        _T.NEW: {_T.CLAIMED, _T.REFUSED, _T.HANDED},
         _T.CLAIMED: {_T.REFUSED, _T.ENDED},
         _T.REFUSED: {_T.ENDED},  # at request_finished
+        _T.HANDED: {_T.RANKS_REPORT, _T.ENDED},  # LoadSpec out, or finished without one
         _T.RANKS_REPORT: {_T.ENDED},  # once SchedulerConnector reports it
         _T.ENDED: (),
     },
 )
 # The states as module names: shorter to read, and cheaper than Enum class attributes per call.
-CLAIMED, REFUSED = TrackedState.CLAIMED, TrackedState.REFUSED
+CLAIMED, REFUSED, HANDED = TrackedState.CLAIMED, TrackedState.REFUSED, TrackedState.HANDED
 RANKS_REPORT, ENDED = TrackedState.RANKS_REPORT, TrackedState.ENDED
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Tracked:
     state: TrackedState = TrackedState.NEW
     reason: str = ""  # why its params were refused, announced as the failed load's reason
 
 
-def _request_info(
-    request: Request, *, aborted: bool = False, backoff: int = 0, num_tokens: int | None = None
-) -> RequestInfo:
-    if num_tokens is None:
-        num_tokens = _num_loadable_tokens(request, backoff)
+def _request_info(request: Request, num_tokens: int, *, aborted: bool = False) -> RequestInfo:
     return RequestInfo(request.request_id, num_tokens, request.kv_transfer_params, aborted)
 
 
@@ -94,24 +91,28 @@ def _num_loadable_tokens(request: Request, backoff: int) -> int:
     return num_tokens
 
 
-_BLOCK_ID_GROUPS = tuple[tuple[int, ...], ...]
-
-
-def _block_ids(groups: Iterable[Iterable[int]]) -> BlockIds:
-    try:  # vLLM's ids are Python ints: one C-level pass
-        return msgspec.convert(groups, _BLOCK_ID_GROUPS)
-    except msgspec.ValidationError:  # numpy ints and the like: as int() makes them
-        return tuple(tuple(int(block) for block in group) for group in groups)
+def _claims_a_load(params: object) -> bool:
+    """Do these params ask for a remote prefill's KV? (Read, not validated: see SchedulerSide.)"""
+    return type(params) is dict and params.get("do_remote_prefill") is True
 
 
 class SchedulerSide:
     """The scheduler process's half: request state via SchedulerConnector, plus the echo.
 
-    Requests with malformed params never reach SchedulerConnector. Their journey along
-    TRACKED_LIFECYCLE: CLAIMED as a pending load, announced as a failed load once vLLM parked
-    them (i.e. called update_state_after_alloc with tokens to load), then REFUSED: never
-    offered a load again, so "recompute" computes them locally. Loads whose LoadSpec went out
-    are RANKS_REPORT until reported: the ranks tell vLLM their outcome, so it is not echoed.
+    A decode request's params are read at allocation, not when vLLM first asks: vLLM may ask
+    get_num_new_matched_tokens many times before it allocates, and nothing binds until then
+    (vLLM's own connector reads them there too). So the first ask only claims the tokens of a
+    dict saying ``do_remote_prefill: true``, noting the request in ``_claims`` (a memo kept
+    until request_finished: unread, or read). Allocation, or an ask that finds nothing left to
+    load, hands the request to SchedulerConnector, which parses and validates its params
+    once: valid, it is HANDED; refused, its load is announced failed.
+
+    Requests with malformed params never reach SchedulerConnector's request state. Their
+    journey along TRACKED_LIFECYCLE: refused at allocation, announced as a failed load if vLLM
+    parked them (tokens to load), then REFUSED: never offered a load again, so "recompute"
+    computes them locally. (Params refused at the first ask, where nothing was claimed
+    unread, are CLAIMED until vLLM parks them.) A HANDED load whose LoadSpec went out is
+    RANKS_REPORT until reported: the ranks tell vLLM its outcome, so it is not echoed.
     """
 
     def __init__(
@@ -126,9 +127,17 @@ class SchedulerSide:
         self._kv_cache_config = kv_cache_config
         self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (vllm_semantics)
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
+        self._has_ssm = any(scratch is not None for scratch in self._ssm_scratch)
+        self._num_groups = len(kv_cache_config.kv_cache_groups)
+        self._transfers_every_group = kv_cache_config.transfer_group_ids == tuple(
+            range(self._num_groups)
+        )
         self._tracked: Book[TrackedState, _Tracked] = Book(
             TRACKED_LIFECYCLE, what="tracking", on_move=on_move
         )
+        # Decode requests whose params claim a load, from vLLM's first ask to request_finished:
+        # tokens computed locally at the last ask while the params are unread, None once read.
+        self._claims: dict[str, int | None] = {}
         # Outboxes: decided, not yet sent to the ranks to echo.
         self._announce = FinishedRequests()
         self._to_announce: dict[str, str] = {}  # parked refused requests -> reason
@@ -154,6 +163,24 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         request_id = request.request_id
+        params = request.kv_transfer_params
+        if params is None:
+            return 0, False
+        claims = self._claims
+        # Unread: claimed before, or a decode request vLLM asks about for the first time.
+        if claims[request_id] is not None if request_id in claims else _claims_a_load(params):
+            num_tokens = request.num_prompt_tokens
+            if num_tokens > self._backoff:
+                num_tokens -= self._backoff
+            num_tokens -= num_computed_tokens
+            if num_tokens > 0:  # claim now, read the params at allocation
+                claims[request_id] = num_computed_tokens
+                return num_tokens, True
+            claims[request_id] = None  # nothing to load: the connector settles it now
+        return self._ask_connector(request, num_computed_tokens)
+
+    def _ask_connector(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        request_id = request.request_id
         num_loadable = _num_loadable_tokens(request, self._backoff)
         num_tokens = num_loadable - num_computed_tokens
         tracked = self._tracked.get(request_id)
@@ -162,8 +189,8 @@ class SchedulerSide:
         if tracked is not None and tracked.state is CLAIMED:  # not parked yet: claim again
             return (num_tokens, True) if num_tokens > 0 else (0, False)
         try:
-            return self.connector.get_num_new_matched_tokens(
-                _request_info(request, num_tokens=num_loadable), num_computed_tokens
+            matched = self.connector.get_num_new_matched_tokens(
+                _request_info(request, num_loadable), num_computed_tokens
             )
         except InvalidTransferParams as exc:
             logger.warning("request %s: %s", request_id, exc)
@@ -171,15 +198,23 @@ class SchedulerSide:
                 return 0, False
             # Claim the tokens so vLLM parks the request as a pending load, then announce
             # the load as failed: vLLM's kv_load_failure_policy decides its fate.
-            self._tracked.add(request_id, _Tracked(reason=f"invalid kv_transfer_params: {exc}"))
             claimed = num_tokens > 0
-            self._tracked.move(request_id, CLAIMED if claimed else REFUSED)
+            refused = _Tracked(reason=f"invalid kv_transfer_params: {exc}")
+            self._tracked.start(request_id, refused, CLAIMED if claimed else REFUSED)
             return (num_tokens, True) if claimed else (0, False)
+        if tracked is None and loads_from_remote(request.kv_transfer_params):
+            self._track(request_id, HANDED)  # the connector holds its load from now on
+        return matched
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         request_id = request.request_id
+        num_computed = self._claims.get(request_id)
+        if num_computed is not None:
+            self._claims[request_id] = None  # read now, whatever the connector decides
+            if not self._hand_over(request, num_computed, num_external_tokens):
+                return
         tracked = self._tracked.get(request_id)
         if tracked is not None and tracked.state is CLAIMED:
             if num_external_tokens > 0:  # parked: vLLM now waits for our answer
@@ -189,17 +224,37 @@ class SchedulerSide:
         if tracked is not None and tracked.state is REFUSED:
             return
         self.connector.update_state_after_alloc(
-            _request_info(request, backoff=self._backoff),
+            _request_info(request, _num_loadable_tokens(request, self._backoff)),
             self._transfer_block_ids(blocks.get_block_ids()),
             num_external_tokens,
         )
 
+    def _hand_over(self, request: Request, num_computed: int, num_external_tokens: int) -> bool:
+        """Give a claimed request to SchedulerConnector, which reads its params now.
+
+        Returns whether it took it; refused params are announced as a failed load if vLLM
+        parked the request (``num_external_tokens`` > 0), and never offered a load again.
+        """
+        request_id = request.request_id
+        info = _request_info(request, _num_loadable_tokens(request, self._backoff))
+        try:
+            self.connector.get_num_new_matched_tokens(info, num_computed)
+        except InvalidTransferParams as exc:
+            logger.warning("request %s: %s", request_id, exc)
+            if num_external_tokens > 0:
+                self._to_announce[request_id] = f"invalid kv_transfer_params: {exc}"
+            self._track(request_id, REFUSED)
+            return False
+        self._track(request_id, HANDED)
+        return True
+
+    def _track(self, request_id: str, state: TrackedState) -> None:
+        self._tracked.start(request_id, _Tracked(), state)
+
     def build_connector_meta(self) -> NixlPDMetadata:
         step = self.connector.build_connector_meta()
-        for load in step.loads:
-            if self._tracked.get(load.request_id) is None:
-                self._tracked.add(load.request_id, _Tracked())
-                self._tracked.move(load.request_id, RANKS_REPORT)
+        for load in step.loads:  # every load was HANDED when the connector took it
+            self._tracked.move(load.request_id, RANKS_REPORT)
         invalid = FinishedRequests(failed_recving=dict(self._to_announce))
         self._to_announce.clear()
         announce, self._announce = merge(self._announce, invalid), FinishedRequests()
@@ -243,17 +298,29 @@ class SchedulerSide:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
-        tracked = self._tracked.get(request_id)
-        if tracked is not None and tracked.state in (CLAIMED, REFUSED):
-            self._tracked.move(request_id, ENDED)
-            return False, None
-        info = _request_info(request, aborted=request.status not in _COMPLETE)
         params = request.kv_transfer_params
-        if loads_from_remote(params) and not (params or {}).get("do_remote_decode"):
+        if params is None:
+            return False, None
+        # A claim still unread: the connector reads the params now, to release prefill's KV.
+        loads = self._claims.pop(request_id, False) is not False or loads_from_remote(params)
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            state = tracked.state
+            if state is CLAIMED or state is REFUSED:
+                self._tracked.move(request_id, ENDED)
+                return False, None
+            if state is HANDED:  # no LoadSpec went out: the ranks will not report it
+                self._tracked.move(request_id, ENDED)
+        aborted = request.status not in _COMPLETE
+        info = RequestInfo(request_id, request.num_prompt_tokens, params, aborted)
+        if loads and not params.get("do_remote_decode"):
             return self.connector.request_finished(info, ())  # a decode keeps no lease
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 
-    def _transfer_block_ids(self, block_ids: Sequence[list[int]]) -> BlockIds:
-        """The transfer groups' ids, each SSM group clipped to its running state."""
-        groups = self._kv_cache_config.select_transfer_block_ids(block_ids)
-        return clip_ssm_groups(_block_ids(groups), self._ssm_scratch)
+    def _transfer_block_ids(self, block_ids: Sequence[list[int]]) -> Sequence[Sequence[int]]:
+        """The transfer groups' ids, each SSM group clipped to its running state: vLLM's
+        lists as they are (Python ints, KVCacheBlock.block_id); SchedulerConnector copies
+        what it keeps."""
+        if not self._transfers_every_group or len(block_ids) != self._num_groups:
+            block_ids = self._kv_cache_config.select_transfer_block_ids(block_ids)  # and checks
+        return clip_ssm_groups(block_ids, self._ssm_scratch) if self._has_ssm else block_ids

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from connector.metadata import BlockIds
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -40,7 +38,9 @@ def ssm_scratch_blocks(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]
     )
 
 
-def clip_ssm_groups(groups: BlockIds, scratch: Sequence[int | None]) -> BlockIds:
+def clip_ssm_groups(
+    groups: Sequence[Sequence[int]], scratch: Sequence[int | None]
+) -> tuple[Sequence[int], ...]:
     """Each SSM group reduced to its running-state block; attention groups unchanged.
 
     vLLM's SSM list is [placeholders..., running state, scratch x num_speculative_blocks]:
@@ -52,14 +52,17 @@ def clip_ssm_groups(groups: BlockIds, scratch: Sequence[int | None]) -> BlockIds
     )
 
 
-def _running_state(group: tuple[int, ...], num_scratch: int) -> tuple[int, ...]:
+def _running_state(group: Sequence[int], num_scratch: int) -> Sequence[int]:
     keep = len(group) - min(num_scratch, len(group) - 1)
     return group[keep - 1 : keep]
 
 
 def loads_from_remote(params: Mapping[str, Any] | None) -> bool:
     """Decode side: does this request carry a remote prefill's params?"""
-    return isinstance(params, Mapping) and params.get("do_remote_prefill") is True
+    # type() first: isinstance against an ABC costs more than the rest of the check
+    return (type(params) is dict or isinstance(params, Mapping)) and params.get(
+        "do_remote_prefill"
+    ) is True
 
 
 def truncate_for_prefill(request: Request, backoff: int) -> bool:
