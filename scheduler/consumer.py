@@ -44,7 +44,8 @@ class _Load:
     num_tokens: int
     num_cached_tokens: int
     state: LoadState = LoadState.NEW
-    local_block_ids: BlockIds | None = None  # decode's blocks, once allocated
+    local_block_ids: BlockIds | None = None  # decode's blocks for the uncached suffix
+    unplannable: str = ""  # why decode's blocks cannot take the load: fails it at the next step
     ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
     failures: dict[int, str] = dataclasses.field(default_factory=dict)  # tp_rank -> reason
 
@@ -106,7 +107,15 @@ class Consumer:
             self._loads.move(request_id, RELEASING)
             self._release_only(request_id, load)
             return
-        load.local_block_ids = tuple(tuple(group) for group in block_ids)
+        try:  # the suffix now, while the engine waits on allocation anyway
+            load.local_block_ids = uncached_suffix_blocks(
+                block_ids,
+                self._groups,
+                num_cached_tokens=load.num_cached_tokens,
+                num_tokens=load.num_tokens,
+            )
+        except TransferPlanError as exc:
+            load.unplannable = f"cannot plan the load: {exc}"
         self._loads.move(request_id, ALLOCATED)
 
     def take_step(self) -> tuple[tuple[LoadSpec, ...], tuple[ReleaseSpec, ...]]:
@@ -156,17 +165,9 @@ class Consumer:
         return finished, failed
 
     def _emit(self, request_id: str, load: _Load) -> LoadSpec | None:
-        if load.local_block_ids is None:
-            return None  # ALLOCATED loads always carry their blocks
-        try:
-            local_block_ids = uncached_suffix_blocks(
-                load.local_block_ids,
-                self._groups,
-                num_cached_tokens=load.num_cached_tokens,
-                num_tokens=load.num_tokens,
-            )
-        except TransferPlanError as exc:
-            self._fail_now(request_id, load, f"cannot plan the load: {exc}")
+        local_block_ids = load.local_block_ids
+        if local_block_ids is None:  # ALLOCATED: its suffix, or why it has none
+            self._fail_now(request_id, load, load.unplannable)
             return None
         self._loads.move(request_id, LOADING)
         return LoadSpec(

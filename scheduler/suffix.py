@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from connector.errors import TransferPlanError
 from connector.layout import GroupKind, GroupSpec
 from connector.metadata import BlockIds
@@ -10,7 +12,7 @@ _SSM = GroupKind.SSM  # an Enum member read off its class costs ~0.5 µs on Pyth
 
 
 def uncached_suffix_blocks(
-    block_ids: BlockIds,
+    block_ids: Sequence[Sequence[int]],
     groups: tuple[GroupSpec, ...],
     *,
     num_cached_tokens: int,
@@ -47,7 +49,7 @@ def uncached_suffix_blocks(
 
 def _group_suffix(
     index: int,
-    group_ids: tuple[int, ...],
+    group_ids: Sequence[int],
     group: GroupSpec,
     num_cached_tokens: int,
     num_tokens: int,
@@ -63,4 +65,4 @@ def _group_suffix(
             f"cache group {index}: {len(group_ids)} block(s) of {group.block_size} tokens "
             f"cannot hold {num_tokens} tokens (need {end_block})"
         )
-    return tuple(group_ids[first_block:end_block])
+    return tuple(group_ids[first_block:end_block])  # a copy: the engine keeps its lists
