@@ -169,3 +169,23 @@ def test_the_paths_take_every_edge_of_the_tracking_table() -> None:
         for target in targets
     }
     assert every - taken == set()
+
+
+def test_a_decode_requests_params_are_parsed_once_at_allocation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import scheduler.connector as scheduler_connector
+
+    parsed: list[object] = []
+    real_parse = scheduler_connector.parse_kv_transfer_params
+
+    def counting_parse(raw: Any) -> Any:
+        parsed.append(raw)
+        return real_parse(raw)
+
+    monkeypatch.setattr(scheduler_connector, "parse_kv_transfer_params", counting_parse)
+    results, _ = walk(REMOTE_PARAMS, "match 16, match 16")
+    assert results == [(24, True)] * 2 and parsed == [], "asking twice read no params"
+    results, _ = walk(REMOTE_PARAMS, "match 16, match 16, alloc 24, meta, ranks ok, finish")
+    assert results == [(24, True)] * 2 + [(), FREE]
+    assert parsed == [REMOTE_PARAMS], "read once, at allocation, and kept to the finish"
