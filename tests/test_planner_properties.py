@@ -227,3 +227,5 @@ def test_same_block_sizes_cut_tokens_as_the_general_cutter_does(data: st.DataObj
     general = token_segments(start, end, side, side, local, first_logical, remote, first_logical)
     for name in ("local_blocks", "local_slots", "remote_blocks", "remote_slots", "num_tokens"):
         assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
+    # The hint the index path trusts instead of comparing: exactly the short segments.
+    assert fast.partial_at == tuple(np.flatnonzero(general.num_tokens < kernel).tolist())

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from connector.errors import TransferPlanError
 from connector.layout import GroupKind, RankLayout
@@ -54,7 +55,10 @@ class RankReads:
     lengths: Int64Array
 
 
-RequestSegments = tuple[Segments | None, ...]  # per cache group; None: the group reads nothing
+RequestSegments = tuple[Segments | None, ...]
+Mask = npt.NDArray[
+    np.bool_
+]  # per segment of a group: selected or not  # per cache group; None: the group reads nothing
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class TransferPlanner:
         )
 
     def rank_runs(
-        self, segments: RequestSegments, rank: int, keep: Sequence[Int64Array | None] = ()
+        self, segments: RequestSegments, rank: int, keep: Sequence[Mask | None] = ()
     ) -> Runs | None:
         """Merged byte runs reading ``segments`` from remote rank ``rank`` (None: none).
 
@@ -266,12 +270,17 @@ def same_blocks_segments(
         within = positions % blocks.ratio
         local_blocks = local_used[logical] * blocks.ratio + within
         remote_blocks = remote_used[logical] * blocks.ratio + within
+    head, tail = start - first * kernel, (last + 1) * kernel - end  # tokens cut off each end
     num_tokens = np.full(last + 1 - first, kernel, dtype=np.int64)
-    num_tokens[0] -= start - first * kernel
-    num_tokens[-1] -= (last + 1) * kernel - end
     slots = np.zeros(len(num_tokens), dtype=np.int64)
-    slots[0] = start - first * kernel
-    return Segments(local_blocks, slots, remote_blocks, slots, num_tokens)
+    if head:
+        num_tokens[0] -= head
+        slots[0] = head
+    if tail:
+        num_tokens[-1] -= tail
+    last_at = len(num_tokens) - 1
+    partial_at = ((0,) if head else ()) + ((last_at,) if tail and (last_at or not head) else ())
+    return Segments(local_blocks, slots, remote_blocks, slots, num_tokens, partial_at)
 
 
 def _whole_kernel_blocks(start: int, end: int, kernel_block_size: int) -> tuple[int, int]:
@@ -362,9 +371,7 @@ def _first_repeat(ids: Int64Array, ordered: Int64Array | None, high: int) -> int
     return int(repeats[0]) if len(repeats) else None
 
 
-def _selected(
-    segments: RequestSegments, keep: Sequence[Int64Array | None]
-) -> list[Segments | None]:
+def _selected(segments: RequestSegments, keep: Sequence[Mask | None]) -> list[Segments | None]:
     """Each group's segments, restricted to ``keep[g]`` where given; empty ones become None."""
     if not keep:
         return list(segments)
@@ -379,7 +386,7 @@ def _selected(
     return chosen
 
 
-def _subset(segments: Segments, mask: Int64Array) -> Segments:
+def _subset(segments: Segments, mask: Mask) -> Segments:
     return Segments(
         segments.local_blocks[mask],
         segments.local_slots[mask],

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.layout import GroupKind
-from worker.planner import RankReads, RequestSegments, TransferPlanner, rank_reads
+from worker.planner import Mask, RankReads, RequestSegments, TransferPlanner, rank_reads
 from worker.planner_pairing import GroupPairing, Int64Array, PlaneClass
 from worker.planner_ranges import Segments, class_runs
 
@@ -99,7 +99,7 @@ class PreparedRequest:
     local_indices: IndexArray
     remote_indices: IndexArray
     num_bytes: int  # bytes the READ copies
-    partial: tuple[Int64Array | None, ...]  # per group: segments left to byte ranges (a mask)
+    partial: tuple[Mask | None, ...]  # per group: segments left to byte ranges
 
 
 def _full_block_run(g: GroupPairing, cls: PlaneClass) -> tuple[int, int, int] | None:
@@ -252,7 +252,7 @@ class _Split:
     masks (per group, None: none partial or the group reads nothing)."""
 
     whole: tuple[_Whole, ...]
-    partial: tuple[Int64Array | None, ...]
+    partial: tuple[Mask | None, ...]
     num_partial: int  # partial segments, all groups
 
     @property
@@ -262,14 +262,14 @@ class _Split:
 
 def _split(rows: PreparedRows, segments: RequestSegments) -> _Split:
     whole: list[_Whole] = []
-    partial: list[Int64Array | None] = [None] * len(segments)
+    partial: list[Mask | None] = [None] * len(segments)
     num_partial = 0
     for group in rows.groups:
         seg = segments[group.index]
         if seg is None:
             continue
-        full = seg.num_tokens == group.full_tokens
-        if bool(full.all()):
+        full = _full_mask(seg, group.full_tokens)
+        if full is None:
             whole.append(_Whole(group, seg.local_blocks, seg.remote_blocks, 0))
             continue
         partial[group.index] = ~full
@@ -279,6 +279,18 @@ def _split(rows: PreparedRows, segments: RequestSegments) -> _Split:
             _Whole(group, seg.local_blocks[full], seg.remote_blocks[full], num_group_partial)
         )
     return _Split(tuple(whole), tuple(partial), num_partial)
+
+
+def _full_mask(seg: Segments, full_tokens: int) -> Mask | None:
+    """Which segments are whole kernel blocks (``full_tokens`` each); None: all of them."""
+    if seg.partial_at is not None:  # a hint: the positions of segments short of a kernel block
+        if not seg.partial_at:
+            return None
+        full = np.ones(len(seg.num_tokens), dtype=bool)
+        full[list(seg.partial_at)] = False
+        return full
+    full = seg.num_tokens == full_tokens
+    return None if np.count_nonzero(full) == len(full) else full
 
 
 def _by_index(split: _Split) -> PreparedRequest:

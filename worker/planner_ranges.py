@@ -32,6 +32,9 @@ class Segments:
     remote_blocks: Int64Array
     remote_slots: Int64Array
     num_tokens: Int64Array  # tokens in the segment
+    # Where known (both sides cut tokens alike), the positions of the segments shorter than
+    # a kernel block: a hint that spares the hot path a comparison; None: unknown.
+    partial_at: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
