@@ -69,7 +69,7 @@ class HandshakeClient:
         self._wait = wait or self._stop.wait  # the backoff pause; tests record it instead
         self._results: queue.SimpleQueue[HandshakeResult] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="handshake")
-        self._num_in_flight = 0  # engine thread only
+        self._num_in_flight = 0  # the polling thread only (the transfer thread)
 
     @property
     def num_in_flight(self) -> int:
@@ -84,16 +84,15 @@ class HandshakeClient:
     def poll(self, wait_s: float = 0.0) -> list[HandshakeResult]:
         """Results finished since the last call; waits up to ``wait_s`` for the first one."""
         results: list[HandshakeResult] = []
-        if wait_s > 0 and self._num_in_flight > 0:
+        if self._num_in_flight == 0:  # nothing submitted is unanswered: nothing can arrive
+            return results
+        if wait_s > 0:
             try:
                 results.append(self._results.get(timeout=wait_s))
             except queue.Empty:
                 return results
-        while True:
-            try:
-                results.append(self._results.get_nowait())
-            except queue.Empty:
-                break
+        while not self._results.empty():  # one consumer (the caller): empty() is exact
+            results.append(self._results.get_nowait())
         self._num_in_flight -= len(results)
         return results
 

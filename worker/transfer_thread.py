@@ -128,9 +128,8 @@ Queued = TypeVar("Queued")
 
 
 def _drain(inbox: queue.SimpleQueue[Queued]) -> list[Queued]:
+    """Everything queued so far (this thread is the only consumer, so empty() is exact)."""
     items = []
-    while True:
-        try:
-            items.append(inbox.get_nowait())
-        except queue.Empty:
-            return items
+    while not inbox.empty():
+        items.append(inbox.get_nowait())
+    return items
