@@ -2,8 +2,8 @@
 
 The "by index" columns: the per-request work of a READ by index from prepared lists
 (worker/planner_prepped.py: segments, then indices of whole blocks and the partial block's
-ranges), its index count, and what choose_prepared picks ("-": the pairing cannot be read
-by whole-block index). Real NIXL's make_read / make_prepped_xfer costs on top are measured
+ranges), its index count, and what choose_prepared (worker/planner_choice.py) picks ("-":
+the pairing cannot be read by whole-block index). Real NIXL's make_read / make_prepped_xfer costs on top are measured
 in benchmarks/README.md ("prepared lists").
 
 Model: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks (K and V planes per layer).
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from worker.planner import TransferPlanner
-from worker.planner_prepped import plan_rank, prepared_request, prepared_rows
+from worker.planner_choice import plan_rank
+from worker.planner_prepped import prepared_request, prepared_rows
 
 NUM_LAYERS = 32
 NUM_KV_HEADS = 8

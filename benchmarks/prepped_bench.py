@@ -5,7 +5,7 @@ so a 32k-token pool costs no RAM). Per request and remote rank: plan (segments, 
 indices), then make the READ (initialize_xfer or make_prepped_xfer) and release it; nothing is
 posted, so the figures are the Python and NIXL bookkeeping a request costs, not the copy.
 Model of benchmarks/vs_vllm.py: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks,
-HND. "rule" is what choose_prepared picks (worker/planner_prepped.py).
+HND. "rule" is what choose_prepared picks (worker/planner_choice.py).
 
 Run: ``UCX_NET_DEVICES=lo .venv/bin/python -m benchmarks.prepped_bench`` (about a minute).
 """
@@ -39,12 +39,8 @@ from connector.layout import (  # noqa: E402
 from worker.loads import build_descriptors  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
 from worker.planner import RequestSegments, TransferPlanner  # noqa: E402
-from worker.planner_prepped import (  # noqa: E402
-    PreparedRows,
-    plan_rank,
-    prepared_request,
-    prepared_rows,
-)
+from worker.planner_choice import plan_rank  # noqa: E402
+from worker.planner_prepped import PreparedRows, prepared_request, prepared_rows  # noqa: E402
 from worker.planner_ranges import Runs  # noqa: E402
 from worker.transfer_thread import keep_plan_memory_mapped  # noqa: E402
 

@@ -28,16 +28,14 @@ from tests.test_planner_properties import Case, cases
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import NixlAgent, TransferState
 from worker.planner import RankReads, RequestSegments, TransferPlanner
-from worker.planner_prepped import (
-    PreparedRows,
+from worker.planner_choice import (
     RankPlan,
     choose_prepared,
     plan_by_index,
     plan_by_ranges,
     plan_rank,
-    prepared_request,
-    prepared_rows,
 )
+from worker.planner_prepped import PreparedRows, prepared_request, prepared_rows
 
 _names = itertools.count()
 

@@ -36,7 +36,8 @@ from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadK
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
 from worker.planner import RankReads
-from worker.planner_prepped import PreparedRows, RankPlan, plan_rank
+from worker.planner_choice import RankPlan, plan_rank
+from worker.planner_prepped import PreparedRows
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,10 @@ with no RSS growth, against 45 ms and about 55 MB expanded).
 A pairing is preparable for a remote rank when, for every group read from it, one whole
 kernel block of a plane is one contiguous run on both sides (NHD with all heads, HND, MLA,
 SSM state, any opaque format) and both sides cut tokens into kernel blocks of the same size,
-so a full segment is a full block on both sides. Per request, full segments become indices;
-partial segments (the prompt's last block, a window start) stay byte ranges, exact as ever.
+so a full segment is a full block on both sides. Per request, full segments become indices
+(int32, NIXL's index type); partial segments (the prompt's last block, a window start) stay
+byte ranges, exact as ever. Whether a request reads by index at all is worker/planner_choice.py's
+call.
 
 Pure: ints and numpy arrays; the edge (worker/prepped.py) calls NIXL.
 """
@@ -27,20 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.layout import GroupKind
-from worker.planner import Mask, RankReads, RequestSegments, TransferPlanner, rank_reads
+from worker.planner import Mask, RequestSegments
 from worker.planner_pairing import GroupPairing, Int64Array, PlaneClass
 from worker.planner_ranges import Segments, class_runs
-
-# The cost rule of choose_prepared, in nanoseconds, measured on the 2-core machine with real
-# NIXL (benchmarks/plan_bench.py, "prepared" rows): building and posting one index (numpy
-# arithmetic plus make_prepped_xfer merging it away), the range path's fixed cost per remote
-# rank (planning, descriptors, initialize_xfer), and what each posted descriptor costs the
-# range path beyond the prepared one (planning it, validating it in initialize_xfer).
-INDEX_NS = 7
-RANGE_FIXED_NS = 300_000
-RANGE_DESCRIPTOR_EXTRA_NS = 100
-TAIL_NS = 80_000  # the index path's second READ (initialize_xfer, post) for partial segments
-
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
 MAX_LIST_ENTRIES = 2**31 - 1  # so every index of a prepared list fits in an int32
@@ -237,7 +228,7 @@ def prepared_rows(
 
 
 @dataclass(frozen=True)
-class _Whole:
+class WholeBlocks:
     """A group's full segments in one request: kernel block ids on each side."""
 
     group: PreparedGroup
@@ -247,11 +238,11 @@ class _Whole:
 
 
 @dataclass(frozen=True)
-class _Split:
+class RequestSplit:
     """One request's segments from one remote rank: the full ones per group, the partial ones'
     masks (per group, None: none partial or the group reads nothing)."""
 
-    whole: tuple[_Whole, ...]
+    whole: tuple[WholeBlocks, ...]
     partial: tuple[Mask | None, ...]
     num_partial: int  # partial segments, all groups
 
@@ -260,8 +251,9 @@ class _Split:
         return sum(len(w.local_blocks) * w.group.num_rows for w in self.whole)
 
 
-def _split(rows: PreparedRows, segments: RequestSegments) -> _Split:
-    whole: list[_Whole] = []
+def split_request(rows: PreparedRows, segments: RequestSegments) -> RequestSplit:
+    """A request's segments read from ``rows``' rank: whole blocks per group, partial masks."""
+    whole: list[WholeBlocks] = []
     partial: list[Mask | None] = [None] * len(segments)
     num_partial = 0
     for group in rows.groups:
@@ -270,15 +262,15 @@ def _split(rows: PreparedRows, segments: RequestSegments) -> _Split:
             continue
         full = _full_mask(seg, group.full_tokens)
         if full is None:
-            whole.append(_Whole(group, seg.local_blocks, seg.remote_blocks, 0))
+            whole.append(WholeBlocks(group, seg.local_blocks, seg.remote_blocks, 0))
             continue
         partial[group.index] = ~full
         num_group_partial = len(full) - int(np.count_nonzero(full))
         num_partial += num_group_partial
         whole.append(
-            _Whole(group, seg.local_blocks[full], seg.remote_blocks[full], num_group_partial)
+            WholeBlocks(group, seg.local_blocks[full], seg.remote_blocks[full], num_group_partial)
         )
-    return _Split(tuple(whole), tuple(partial), num_partial)
+    return RequestSplit(tuple(whole), tuple(partial), num_partial)
 
 
 def _full_mask(seg: Segments, full_tokens: int) -> Mask | None:
@@ -293,7 +285,7 @@ def _full_mask(seg: Segments, full_tokens: int) -> Mask | None:
     return None if np.count_nonzero(full) == len(full) else full
 
 
-def _by_index(split: _Split) -> PreparedRequest:
+def indexed_request(split: RequestSplit) -> PreparedRequest:
     """Indices of every full segment, plane-major then token order (so NIXL merges a run of
     blocks contiguous on both sides into one descriptor).
 
@@ -314,185 +306,12 @@ def _by_index(split: _Split) -> PreparedRequest:
 
 
 def prepared_request(rows: PreparedRows, segments: RequestSegments) -> PreparedRequest:
-    """The READ by index of every full segment (see _by_index), and the partial segments'
+    """The READ by index of every full segment (see indexed_request), and the partial segments'
     masks, which stay byte ranges."""
-    return _by_index(_split(rows, segments))
+    return indexed_request(split_request(rows, segments))
 
 
 def _joined(parts: list[IndexArray]) -> IndexArray:
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-
-
-BlockRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local first, remote first, blocks)
-
-
-def _block_runs(w: _Whole) -> BlockRuns:
-    """Runs of blocks consecutive on both sides: local [7, 8, 9, 3], remote [1, 2, 5, 6] ->
-    local firsts [7, 9, 3], remote firsts [1, 5, 6], lengths [2, 1, 1] blocks."""
-    local, remote = w.local_blocks, w.remote_blocks
-    if len(local) <= 1:
-        return local, remote, np.ones(len(local), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
-    firsts = np.concatenate((_ZERO, breaks))
-    counts = np.diff(np.concatenate((firsts, [len(local)])))
-    return local[firsts], remote[firsts], counts
-
-
-_ZERO = np.zeros(1, dtype=np.int64)
-
-
-def _row_ranges(
-    group: PreparedGroup, rows: npt.NDArray[np.bool_] | slice, runs: BlockRuns
-) -> tuple[Int64Array, ...]:
-    """(local regions, local offsets, remote regions, remote offsets, lengths) of ``runs``
-    in each selected row, row-major: row j, run of n blocks from block k on each side ->
-    ``n * row_bytes[j]`` bytes at ``offsets[j] + k * strides[j]``."""
-    local_first, remote_first, counts = runs
-    local, remote = group.local, group.remote
-    return (
-        np.repeat(local.regions[rows], len(counts)),
-        (local.offsets[rows, None] + local.strides[rows, None] * local_first).ravel(),
-        np.repeat(remote.regions[rows], len(counts)),
-        (remote.offsets[rows, None] + remote.strides[rows, None] * remote_first).ravel(),
-        (group.row_bytes[rows, None] * counts).ravel(),
-    )
-
-
-def _whole_ranges(w: _Whole) -> list[tuple[Int64Array, ...]]:
-    """The full segments of a group as byte ranges, straight from its rows: a run of blocks
-    consecutive on both sides is one range in a joining row, one range per block elsewhere."""
-    group = w.group
-    num_joining = group.num_joining
-    if num_joining == group.num_rows:
-        return [_row_ranges(group, slice(None), _block_runs(w))]
-    one_each = (w.local_blocks, w.remote_blocks, np.ones(len(w.local_blocks), dtype=np.int64))
-    if num_joining == 0:
-        return [_row_ranges(group, slice(None), one_each)]
-    return [
-        _row_ranges(group, group.joining, _block_runs(w)),
-        _row_ranges(group, ~group.joining, one_each),
-    ]
-
-
-def _estimated_ranges(split: _Split) -> int:
-    """Descriptors the range path would post: one per run of blocks consecutive on both sides
-    in a joining row, one per block in other rows, one per partial segment and row (a lower
-    bound when planes also join)."""
-    total = 0
-    for w in split.whole:
-        group = w.group
-        num_blocks = len(w.local_blocks)
-        if group.num_joining and num_blocks > 1:
-            breaks = (np.diff(w.local_blocks) != 1) | (np.diff(w.remote_blocks) != 1)
-            total += group.num_joining * (int(np.count_nonzero(breaks)) + 1)
-        elif group.num_joining:
-            total += group.num_joining * num_blocks
-        total += (group.num_rows - group.num_joining) * num_blocks + w.num_partial * group.num_rows
-    return total
-
-
-def choose_prepared(num_indices: int, num_ranges: int, has_partial: bool) -> bool:
-    """The per-request rule: read by index when that costs less than planning byte ranges.
-
-    Both paths post about the same descriptors once NIXL merged the indices; the index path
-    pays per index (cheap: numpy and C++), the range path a fixed planning cost and more per
-    posted descriptor. With a partial segment the index path plans that segment as ranges
-    too (the same fixed cost) and posts a second READ, so only the per-descriptor saving can
-    pay for the indices. Measured (real NIXL, 32 layers): 2k contiguous whole blocks, 8,192
-    indices -> by index (about 100 us against 380); 16k contiguous, 65,536 -> ranges (340 us
-    against 430); fragmented ids -> by index (2k: 0.2 ms against 0.8; 16k: 3.6 ms against 8.6).
-    """
-    if num_indices == 0:
-        return False
-    index_ns = INDEX_NS * num_indices
-    if has_partial:
-        return index_ns + TAIL_NS < RANGE_DESCRIPTOR_EXTRA_NS * num_ranges
-    return index_ns < RANGE_FIXED_NS + RANGE_DESCRIPTOR_EXTRA_NS * num_ranges
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """What one request reads from one remote rank: by index, by byte ranges, or both (the
-    full blocks by index and the partial segments as ranges: two READs)."""
-
-    remote_rank: int
-    by_index: PreparedRequest | None
-    ranges: RankReads | None
-
-    @property
-    def num_reads(self) -> int:
-        return (self.by_index is not None) + (self.ranges is not None)
-
-    def sizes(self) -> list[tuple[int, int]]:
-        """(bytes, descriptors) of each READ, for the load's timeline; a READ by index counts
-        its indices (before NIXL merges them)."""
-        found = []
-        if self.by_index is not None:
-            found.append((self.by_index.num_bytes, len(self.by_index.local_indices)))
-        if self.ranges is not None:
-            found.append((int(self.ranges.lengths.sum()), len(self.ranges.lengths)))
-        return found
-
-
-def _ranges_from_rows(
-    planner: TransferPlanner, segments: RequestSegments, rank: int, split: _Split
-) -> RankPlan | None:
-    """One READ of byte ranges: full blocks straight from the rows, partial segments planned
-    exactly (planner.rank_runs)."""
-    parts = [part for w in split.whole if len(w.local_blocks) for part in _whole_ranges(w)]
-    if split.num_partial:
-        tail = planner.rank_runs(segments, rank, split.partial)
-        if tail is not None:
-            parts.append((tail.local_regions, tail.local_offsets, tail.remote_regions,
-                          tail.remote_offsets, tail.lengths))  # fmt: skip
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return RankPlan(rank, None, RankReads(rank, *parts[0]))
-    columns = (np.concatenate(column) for column in zip(*parts, strict=True))
-    return RankPlan(rank, None, RankReads(rank, *columns))
-
-
-def _indexed(
-    planner: TransferPlanner, segments: RequestSegments, rank: int, split: _Split
-) -> RankPlan | None:
-    tail = planner.rank_runs(segments, rank, split.partial) if split.num_partial else None
-    request = _by_index(split) if split.num_indices else None
-    if request is None and tail is None:
-        return None
-    return RankPlan(rank, request, None if tail is None else rank_reads(rank, tail))
-
-
-def plan_by_index(
-    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows
-) -> RankPlan | None:
-    """Full segments by index from ``rows``' lists; partial ones as byte ranges, a second READ."""
-    return _indexed(planner, segments, rank, _split(rows, segments))
-
-
-def plan_by_ranges(
-    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows | None
-) -> RankPlan | None:
-    """One READ of byte ranges: with ``rows``, full blocks come straight from them."""
-    if rows is not None:
-        return _ranges_from_rows(planner, segments, rank, _split(rows, segments))
-    runs = planner.rank_runs(segments, rank)
-    return None if runs is None else RankPlan(rank, None, rank_reads(rank, runs))
-
-
-def plan_rank(
-    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows | None
-) -> RankPlan | None:
-    """Plan one request's reads from ``rank``, choosing the path with choose_prepared."""
-    if rows is None:
-        return plan_by_ranges(planner, segments, rank, None)
-    split = _split(rows, segments)
-    num_indices, has_partial = split.num_indices, split.num_partial > 0
-    # With no ranges at all the rule is at its strictest: if indices win then, they win.
-    if choose_prepared(num_indices, 0, has_partial) or choose_prepared(
-        num_indices, _estimated_ranges(split), has_partial
-    ):
-        return _indexed(planner, segments, rank, split)
-    return _ranges_from_rows(planner, segments, rank, split)

@@ -301,3 +301,43 @@ def merge(parts: list[Runs]) -> Runs:
     keep[seams[joins]] = False
     firsts = np.flatnonzero(keep)
     return Runs(lr[firsts], lo[firsts], rr[firsts], ro[firsts], np.add.reduceat(ln, firsts), empty)
+
+
+# --- whole kernel blocks, row by row (worker/planner_prepped.py's rows) -------------------
+
+BlockRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local first, remote first, blocks)
+RowGeometry = tuple[Int64Array, Int64Array, Int64Array]  # per row: region, offset, stride
+
+
+def block_runs(local: Int64Array, remote: Int64Array) -> BlockRuns:
+    """Runs of kernel blocks consecutive on both sides: local [7, 8, 9, 3], remote
+    [1, 2, 5, 6] -> local firsts [7, 9, 3], remote firsts [1, 5, 6], lengths [2, 1, 1]."""
+    if len(local) <= 1:
+        return local, remote, np.ones(len(local), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
+    firsts = np.concatenate((_ZERO, breaks))
+    counts = np.diff(np.concatenate((firsts, [len(local)])))
+    return local[firsts], remote[firsts], counts
+
+
+_ZERO = np.zeros(1, dtype=np.int64)
+
+
+def row_runs(
+    local: RowGeometry, remote: RowGeometry, row_bytes: Int64Array, runs: BlockRuns
+) -> tuple[Int64Array, ...]:
+    """(local regions, local offsets, remote regions, remote offsets, lengths) of ``runs`` in
+    each row, row-major. Kernel block k of row j is ``row_bytes[j]`` bytes at ``offsets[j] +
+    k * strides[j]`` in region ``regions[j]`` on each side, so a run of n blocks from block k
+    is one range of ``n * row_bytes[j]`` bytes: callers pass runs longer than one block only
+    for rows whose blocks fill their stride on both sides."""
+    local_first, remote_first, counts = runs
+    (local_regions, local_offsets, local_strides) = local
+    (remote_regions, remote_offsets, remote_strides) = remote
+    return (
+        np.repeat(local_regions, len(counts)),
+        (local_offsets[:, None] + local_strides[:, None] * local_first).ravel(),
+        np.repeat(remote_regions, len(counts)),
+        (remote_offsets[:, None] + remote_strides[:, None] * remote_first).ravel(),
+        (row_bytes[:, None] * counts).ravel(),
+    )
