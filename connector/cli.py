@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         help="both engines in this process over FakeNixl (no UCX)",
     )
     demo.add_argument(
+        "--staged",
+        action="store_true",
+        help="host staging: NIXL reads host mirrors of the KV, copied each step (as for a "
+        "device NIXL cannot reach)",
+    )
+    demo.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS", help="for the batch (120)"
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
@@ -145,6 +151,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--num-blocks", type=int, default=256, metavar="N", help="KV blocks per group (256)"
     )
     serve.add_argument("--seed", type=int, default=0, help="model weights' seed (0)")
+    serve.add_argument(
+        "--staged", action="store_true",
+        help="host staging: NIXL reads a host mirror of the KV; give both engines the flag",
+    )  # fmt: skip
     serve.add_argument(
         "--lease", type=float, default=30.0, metavar="SECONDS",
         help="prefill: how long finished KV waits for decode to read it (30)",
@@ -264,6 +274,7 @@ def _demo(args: argparse.Namespace) -> int:
         prompt_len=args.prompt_len,
         max_tokens=args.max_tokens,
         fake_nixl=args.fake_nixl,
+        staged=args.staged,
         timeout_s=args.timeout,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM cleans up like Ctrl-C
@@ -310,6 +321,7 @@ def _serve(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         layout=args.layout,
         seed=args.seed,
+        staged=args.staged,
         kv_lease_duration_s=args.lease,
         heartbeat_interval_s=args.heartbeat,
         handshake_timeout_s=args.handshake_timeout,

@@ -47,6 +47,7 @@ class DemoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_len: int = 64
     max_tokens: int = 8  # tokens decode generates after prefill's first token
     fake_nixl: bool = False
+    staged: bool = False  # both engines: NIXL reads host mirrors of the KV (examples/staging.py)
     seed: int = 0
     timeout_s: float = 120.0
     drain_timeout_s: float = 10.0  # after the batch: how long engines may take to free blocks
@@ -135,6 +136,7 @@ def engine_configs(options: DemoOptions, run_id: str) -> tuple[EngineConfig, Eng
                 num_blocks=2 * options.requests * per_request + 8,
                 layout=options.layout,
                 seed=options.seed,
+                staged=options.staged,
             )
         )
     return configs[0], configs[1]

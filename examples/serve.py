@@ -63,6 +63,9 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: int = 256
     layout: str = "nhd"
     seed: int = 0
+    staged: bool = (
+        False  # NIXL reads a host mirror of the KV, copied per step (examples/staging.py)
+    )
     # The connector's timeouts (flags --lease, --heartbeat, --handshake-timeout, ...).
     kv_lease_duration_s: float = 30.0  # prefill keeps finished KV this long for decode
     heartbeat_interval_s: float = 5.0  # decode extends leases this often while it waits
@@ -126,6 +129,7 @@ def engine_config(options: ServeOptions) -> EngineConfig:
         num_blocks=options.num_blocks,
         layout=options.layout,
         seed=options.seed,
+        staged=options.staged,
     )
 
 

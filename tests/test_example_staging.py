@@ -6,11 +6,15 @@ real bytes) reads a host mirror only, filled and drained by batched block copies
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import msgspec
 import pytest
 
+from connector.cli import main
 from connector.layout import MemoryLayout
+from examples.demo import DemoOptions, engine_configs
 from examples.engine import Engine, EngineConfig
 from examples.kv_cache import RankBuffers, build_spec, copy_kernel_blocks
 from examples.model import ModelKind
@@ -115,3 +119,25 @@ def test_copy_kernel_blocks_moves_exactly_the_named_blocks_of_every_plane() -> N
             assert np.array_equal(target_plane[[3, 4]], source_plane[[3, 4]])
             others = [b for b in range(len(target_plane)) if b not in (3, 4)]
             assert not target_plane[others].any()
+
+
+def test_the_staged_flag_reaches_both_demo_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--fake-nixl", "--staged", "--json", "--requests", "2", "--prompt-len", "20"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["options"]["staged"] is True
+    assert result["tokens_match"] and result["kv_match"] and result["leaked_blocks_decode"] == 0
+    configs = engine_configs(msgspec.convert(result["options"], DemoOptions), "run")
+    assert [config.staged for config in configs] == [True, True]
+
+
+def test_the_staged_flag_reaches_the_served_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import examples.serve as serve
+
+    served: list[serve.ServeOptions] = []
+    monkeypatch.setattr(serve, "stop_on_signals", lambda stop: None)
+    monkeypatch.setattr(serve, "run_server", lambda options, *a, **k: served.append(options))
+    assert main(["serve", "--role", "prefill", "--port", "0", "--staged"]) == 0
+    assert serve.engine_config(served[0]).staged
+    assert main(["serve", "--role", "prefill", "--port", "0"]) == 0
+    assert not serve.engine_config(served[1]).staged
