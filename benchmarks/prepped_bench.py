@@ -1,9 +1,11 @@
 """Per-request work on the transfer thread, byte ranges against READs by index, on real NIXL.
 
 One process, two real NIXL agents (UCX, loopback) with registered but untouched memory (mmap,
-so a 32k-token pool costs no RAM). Per request and remote rank: plan (segments, then ranges or
-indices), then make the READ (initialize_xfer or make_prepped_xfer) and release it; nothing is
-posted, so the figures are the Python and NIXL bookkeeping a request costs, not the copy.
+so a 32k-token pool costs no RAM). Per request and remote rank: plan (segments, then one path of
+worker/planner_choice.py), then make its READs (initialize_xfer or make_prepped_xfer) and
+release them; nothing is posted, so the figures are the Python and NIXL bookkeeping a request
+costs, not the copy. Paths: byte ranges from the exact planner alone, byte ranges with whole
+blocks from the prepared rows (what the range path does now), and by index.
 Model of benchmarks/vs_vllm.py: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks,
 HND. "rule" is what choose_prepared picks (worker/planner_choice.py).
 
@@ -13,6 +15,7 @@ Run: ``UCX_NET_DEVICES=lo .venv/bin/python -m benchmarks.prepped_bench`` (about 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import random
@@ -39,9 +42,8 @@ from connector.layout import (  # noqa: E402
 from worker.loads import build_descriptors  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
 from worker.planner import RequestSegments, TransferPlanner  # noqa: E402
-from worker.planner_choice import plan_rank  # noqa: E402
-from worker.planner_prepped import PreparedRows, prepared_request, prepared_rows  # noqa: E402
-from worker.planner_ranges import Runs  # noqa: E402
+from worker.planner_choice import RankPlan, plan_by_index, plan_by_ranges, plan_rank  # noqa: E402
+from worker.planner_prepped import PreparedRows, prepared_rows  # noqa: E402
 from worker.transfer_thread import keep_plan_memory_mapped  # noqa: E402
 
 POOL_BLOCKS = 4096
@@ -115,24 +117,13 @@ class Pair:
     def segments(self) -> RequestSegments:
         return self.planner.segments(*self.ids, num_tokens=self.num_tokens, num_cached_tokens=0)
 
-    def by_ranges(self) -> None:
+    def plans(self, path: PlanPath) -> None:
+        """Plan every remote rank's part with ``path`` and make (then release) its READs."""
         segments = self.segments()
         for rank in self.planner.read_ranks:
-            runs = self.planner.rank_runs(segments, rank)
-            if runs is not None:
-                self._range_read(rank, runs)
-
-    def by_index(self) -> None:
-        segments = self.segments()
-        for rank in self.planner.read_ranks:
-            request = prepared_request(self.rows[rank], segments)
-            local_list, remote_list = self.lists[rank]
-            self.reader.release(self.reader.make_prepped_read(
-                local_list, request.local_indices, remote_list, request.remote_indices,
-            ))  # fmt: skip
-            tail = self.planner.rank_runs(segments, rank, request.partial)
-            if tail is not None:
-                self._range_read(rank, tail)
+            plan = path(self.planner, segments, rank, self.rows[rank])
+            if plan is not None:
+                self._reads(plan)
 
     def rule(self) -> str:
         segments = self.segments()
@@ -142,16 +133,40 @@ class Pair:
         ]
         return "index" if all(p is not None and p.by_index is not None for p in plans) else "ranges"
 
-    def _range_read(self, rank: int, runs: Runs) -> None:
-        transfer = self.reader.make_read(
-            self.names[rank],
-            build_descriptors(self.local_addresses, runs.local_regions, runs.local_offsets, runs.lengths),
-            build_descriptors(
-                self.owner_addresses[rank], runs.remote_regions, runs.remote_offsets, runs.lengths
-            ),
-            b"bench:1",
-        )  # fmt: skip
-        self.reader.release(transfer)
+    def _reads(self, plan: RankPlan) -> None:
+        rank = plan.remote_rank
+        if plan.by_index is not None:
+            local_list, remote_list = self.lists[rank]
+            self.reader.release(self.reader.make_prepped_read(
+                local_list, plan.by_index.local_indices, remote_list, plan.by_index.remote_indices,
+            ))  # fmt: skip
+        if plan.ranges is not None:
+            reads = plan.ranges
+            self.reader.release(self.reader.make_read(
+                self.names[rank],
+                build_descriptors(self.local_addresses, reads.local_regions, reads.local_offsets, reads.lengths),
+                build_descriptors(
+                    self.owner_addresses[rank], reads.remote_regions, reads.remote_offsets, reads.lengths
+                ),
+                b"bench:1",
+            ))  # fmt: skip
+
+
+PlanPath = Callable[[TransferPlanner, RequestSegments, int, PreparedRows], RankPlan | None]
+
+
+def _generic_ranges(
+    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows
+) -> RankPlan | None:
+    """Byte ranges from the exact planner alone (before whole blocks came from the rows)."""
+    return plan_by_ranges(planner, segments, rank, None)
+
+
+PATHS: dict[str, PlanPath] = {
+    "ranges (exact planner)": _generic_ranges,
+    "ranges (rows)": plan_by_ranges,
+    "by index": plan_by_index,
+}
 
 
 def _pair(reader: RealNixlAgent, local: RankLayout, local_addresses: list[int], case: Case,
@@ -183,21 +198,22 @@ def main() -> None:
     local = build_rank_layout(_spec(), 0, 1)
     local_addresses = _register(reader, local)
     print(f"µs per request, median of {REPEATS} x 3 interleaved rounds")
-    print("| request | ranges µs | by index µs | rule | ranges / rule's |")
-    print("|---|---:|---:|---|---:|")
+    print(f"| request | {' | '.join(f'{name} µs' for name in PATHS)} | rule | best / rule's |")
+    print(f"|---|{'---:|' * len(PATHS)}---|---:|")
     for case in CASES:
         owners = [
             RealNixlAgent(f"bench-owner-{uuid.uuid4().hex[:6]}") for _ in range(case.prefill_tp)
         ]
         pair = _pair(reader, local, local_addresses, case, owners)
-        ranges_us, index_us = [], []
+        samples: dict[str, list[float]] = {name: [] for name in PATHS}
         for _ in range(3):  # interleaved rounds
-            ranges_us.append(_median_us(pair.by_ranges))
-            index_us.append(_median_us(pair.by_index))
+            for name, path in PATHS.items():
+                samples[name].append(_median_us(functools.partial(pair.plans, path)))
+        medians = {name: statistics.median(found) for name, found in samples.items()}
         rule = pair.rule()
-        ranges, by_index = statistics.median(ranges_us), statistics.median(index_us)
-        chosen = by_index if rule == "index" else ranges
-        print(f"| {case.name} | {ranges:,.0f} | {by_index:,.0f} | {rule} | {ranges / chosen:.2f} |")
+        chosen = medians["by index"] if rule == "index" else medians["ranges (rows)"]
+        cells = " | ".join(f"{us:,.0f}" for us in medians.values())
+        print(f"| {case.name} | {cells} | {rule} | {min(medians.values()) / chosen:.2f} |")
         for local_list, remote_list in pair.lists.values():
             reader.release_list(remote_list)
             reader.release_list(local_list)
