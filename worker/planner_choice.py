@@ -53,10 +53,10 @@ def _whole_ranges(w: WholeBlocks) -> list[tuple[Int64Array, ...]]:
     if group.num_joining == 0:
         selections = [(_ALL, one_each)]
     elif group.num_joining == group.num_rows:
-        selections = [(_ALL, block_runs(w.local_blocks, w.remote_blocks))]
+        selections = [(_ALL, block_runs(w.local_blocks, w.remote_blocks, w.breaks))]
     else:
         selections = [
-            (group.joining, block_runs(w.local_blocks, w.remote_blocks)),
+            (group.joining, block_runs(w.local_blocks, w.remote_blocks, w.breaks)),
             (~group.joining, one_each),
         ]
     return [
@@ -79,8 +79,7 @@ def _estimated_ranges(split: RequestSplit) -> int:
         group = w.group
         num_blocks = len(w.local_blocks)
         if group.num_joining and num_blocks > 1:
-            breaks = (np.diff(w.local_blocks) != 1) | (np.diff(w.remote_blocks) != 1)
-            total += group.num_joining * (int(np.count_nonzero(breaks)) + 1)
+            total += group.num_joining * (int(np.count_nonzero(w.breaks)) + 1)
         elif group.num_joining:
             total += group.num_joining * num_blocks
         total += (group.num_rows - group.num_joining) * num_blocks + w.num_partial * group.num_rows

@@ -22,6 +22,7 @@ Pure: ints and numpy arrays; the edge (worker/prepped.py) calls NIXL.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import numpy.typing as npt
 from connector.layout import GroupKind
 from worker.planner import Mask, RequestSegments
 from worker.planner_pairing import GroupPairing, Int64Array, PlaneClass
-from worker.planner_ranges import Segments, class_runs
+from worker.planner_ranges import Segments, class_runs, run_breaks
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
 MAX_LIST_ENTRIES = 2**31 - 1  # so every index of a prepared list fits in an int32
@@ -235,6 +236,12 @@ class WholeBlocks:
     local_blocks: Int64Array
     remote_blocks: Int64Array
     num_partial: int  # the group's partial segments, left to byte ranges
+
+    @functools.cached_property
+    def breaks(self) -> Mask:
+        """planner_ranges.run_breaks of the blocks: shared by the rule's estimate and the
+        range path (computed on first use)."""
+        return run_breaks(self.local_blocks, self.remote_blocks)
 
 
 @dataclass(frozen=True)

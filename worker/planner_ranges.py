@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from worker.planner_pairing import CopyMode, Int64Array, PlaneClass, SideBlocks
 
@@ -309,13 +310,22 @@ BlockRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local first, remote fi
 RowGeometry = tuple[Int64Array, Int64Array, Int64Array]  # per row: region, offset, stride
 
 
-def block_runs(local: Int64Array, remote: Int64Array) -> BlockRuns:
+def run_breaks(local: Int64Array, remote: Int64Array) -> npt.NDArray[np.bool_]:
+    """Per pair of neighbours (i, i + 1): block i + 1 does not follow block i on both sides."""
+    return (local[1:] - local[:-1] != 1) | (remote[1:] - remote[:-1] != 1)
+
+
+def block_runs(
+    local: Int64Array, remote: Int64Array, breaks: npt.NDArray[np.bool_] | None = None
+) -> BlockRuns:
     """Runs of kernel blocks consecutive on both sides: local [7, 8, 9, 3], remote
-    [1, 2, 5, 6] -> local firsts [7, 9, 3], remote firsts [1, 5, 6], lengths [2, 1, 1]."""
+    [1, 2, 5, 6] -> local firsts [7, 9, 3], remote firsts [1, 5, 6], lengths [2, 1, 1].
+    ``breaks``: run_breaks(local, remote), if at hand."""
     if len(local) <= 1:
         return local, remote, np.ones(len(local), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(remote) != 1)) + 1
-    firsts = np.concatenate((_ZERO, breaks))
+    if breaks is None:
+        breaks = run_breaks(local, remote)
+    firsts = np.concatenate((_ZERO, np.flatnonzero(breaks) + 1))
     counts = np.diff(np.concatenate((firsts, [len(local)])))
     return local[firsts], remote[firsts], counts
 
