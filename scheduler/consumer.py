@@ -81,7 +81,8 @@ class Consumer:
         if load is None:
             load = _Load(source, num_tokens, num_cached_tokens)
             if num_new_tokens <= 0:  # nothing to load (a full local prefix hit)
-                self._release_only(request_id, self._loads.start(request_id, load, RELEASING))
+                self._loads.start(request_id, load, RELEASING)
+                self._tell_prefill_to_free(request_id, load)
                 return 0, False
             self._loads.start(request_id, load, MATCHED)
             return num_new_tokens, True
@@ -91,8 +92,7 @@ class Consumer:
         load.source, load.num_tokens = source, num_tokens
         load.num_cached_tokens = num_cached_tokens
         if num_new_tokens <= 0:
-            self._loads.move(request_id, RELEASING)
-            self._release_only(request_id, load)
+            self._release_only(request_id, load, RELEASING)
             return 0, False
         return num_new_tokens, True
 
@@ -104,8 +104,7 @@ class Consumer:
             return
         if num_external_tokens == 0:
             # The engine chose not to load after all; prefill may free its blocks.
-            self._loads.move(request_id, RELEASING)
-            self._release_only(request_id, load)
+            self._release_only(request_id, load, RELEASING)
             return
         try:  # the suffix now, while the engine waits on allocation anyway
             load.local_block_ids = uncached_suffix_blocks(
@@ -142,8 +141,7 @@ class Consumer:
         elif state is REPORTED_RELEASING:
             self._loads.move(request_id, RELEASING)
         elif state is MATCHED:  # no blocks yet: nothing of ours to hold
-            self._loads.move(request_id, RELEASING)
-            self._release_only(request_id, load)
+            self._release_only(request_id, load, RELEASING)
         elif state is ALLOCATED:
             logger.info("request %s aborted before its load started; releasing prefill", request_id)
             self._pending_releases.append(ReleaseSpec(request_id, load.source))
@@ -222,9 +220,13 @@ class Consumer:
         # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
         self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)
 
-    def _release_only(self, request_id: str, load: _Load) -> None:
-        """Tell prefill (ranks and side channel) to free ``load``'s blocks; the caller has
-        moved it to a releasing state."""
+    def _release_only(self, request_id: str, load: _Load, target: LoadState) -> None:
+        """Move ``load`` to a releasing state and tell prefill to free its blocks."""
+        self._loads.move(request_id, target)
+        self._tell_prefill_to_free(request_id, load)
+
+    def _tell_prefill_to_free(self, request_id: str, load: _Load) -> None:
+        """Through the ranks (a ReleaseSpec) and the side channel, whichever arrives first."""
         self._pending_releases.append(ReleaseSpec(request_id, load.source))
         self._release_over_side_channel(load.source)
 
@@ -238,8 +240,7 @@ class Consumer:
 
     def _fail_now(self, request_id: str, load: _Load, reason: str) -> None:
         logger.warning("request %s failed: %s", request_id, reason)
-        self._loads.move(request_id, REPORTED_RELEASING)
-        self._release_only(request_id, load)
+        self._release_only(request_id, load, REPORTED_RELEASING)
         self._failed[request_id] = reason
 
     def _send_heartbeats_if_due(self) -> None:

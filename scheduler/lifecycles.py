@@ -151,7 +151,6 @@ class Book(Generic[State, Record]):
             self._on_move(request_id, current, target)
         return record
 
-
     def ids(self, state: State) -> tuple[str, ...]:
         """The ids in ``state``, oldest arrival first."""
         return tuple(self._by_state[state])
