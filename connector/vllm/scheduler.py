@@ -210,10 +210,11 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         request_id = request.request_id
+        info = _request_info(request, _num_loadable_tokens(request, self._backoff))
         num_computed = self._claims.get(request_id)
         if num_computed is not None:
             self._claims[request_id] = None  # read now, whatever the connector decides
-            if not self._hand_over(request, num_computed, num_external_tokens):
+            if not self._hand_over(info, num_computed, num_external_tokens):
                 return
         tracked = self._tracked.get(request_id)
         if tracked is not None and tracked.state is CLAIMED:
@@ -224,19 +225,16 @@ class SchedulerSide:
         if tracked is not None and tracked.state is REFUSED:
             return
         self.connector.update_state_after_alloc(
-            _request_info(request, _num_loadable_tokens(request, self._backoff)),
-            self._transfer_block_ids(blocks.get_block_ids()),
-            num_external_tokens,
+            info, self._transfer_block_ids(blocks.get_block_ids()), num_external_tokens
         )
 
-    def _hand_over(self, request: Request, num_computed: int, num_external_tokens: int) -> bool:
+    def _hand_over(self, info: RequestInfo, num_computed: int, num_external_tokens: int) -> bool:
         """Give a claimed request to SchedulerConnector, which reads its params now.
 
         Returns whether it took it; refused params are announced as a failed load if vLLM
         parked the request (``num_external_tokens`` > 0), and never offered a load again.
         """
-        request_id = request.request_id
-        info = _request_info(request, _num_loadable_tokens(request, self._backoff))
+        request_id = info.request_id
         try:
             self.connector.get_num_new_matched_tokens(info, num_computed)
         except InvalidTransferParams as exc:
