@@ -107,7 +107,9 @@ class Load:
         current = self.state
         if target is current:
             return
-        self.state = LOAD_LIFECYCLE.move(f"load of request {self.request_id}", current, target)
+        if not LOAD_LIFECYCLE.allows(current, target):  # name the load only for the error
+            LOAD_LIFECYCLE.move(f"load of request {self.request_id}", current, target)
+        self.state = target
         if self.on_move is not None:
             self.on_move(self.request_id, current, target)
 

@@ -379,8 +379,8 @@ def _first_repeat(ids: Int64Array, ordered: Int64Array | None, high: int) -> int
         return int(np.argmax(counts > 1)) if counts.max() > 1 else None
     if ordered is None:
         ordered = np.sort(ids)
-    repeats = ordered[1:][ordered[1:] == ordered[:-1]]
-    return int(repeats[0]) if len(repeats) else None
+    same = ordered[1:] == ordered[:-1]
+    return int(ordered[1:][same][0]) if np.count_nonzero(same) else None
 
 
 def _selected(segments: RequestSegments, keep: Sequence[Mask | None]) -> list[Segments | None]:
