@@ -217,6 +217,54 @@ def test_every_path_of_plan_rank_lands_the_oracles_bytes(case: Case) -> None:
             assert difference is None, f"decode rank {decode_rank}, {name}: {difference}"
 
 
+def _mixed_spec(num_blocks: int = 32) -> KVCacheSpec:
+    """Decode TP 2 of a layer with 4 KV heads (each rank reads half a prefill block: its rows
+    do not join) and one with a single, replicated head (whole blocks: its rows join)."""
+    layers = (
+        LayerSpec(name="wide", num_kv_heads=4, head_dim=2, dtype_bytes=2),
+        LayerSpec(name="narrow", num_kv_heads=1, head_dim=2, dtype_bytes=2),
+    )
+    group = GroupSpec(
+        kind=GroupKind.FULL, block_size=4, kernel_block_size=4, num_blocks=num_blocks,
+        layers=layers,
+    )  # fmt: skip
+    return KVCacheSpec("m", "bf16", "bf16", (group,), MemoryLayout.HND)
+
+
+MIXED = {  # (decode block ids, prefill block ids, tokens): contiguous runs and scattered ids
+    "runs of blocks, partial last block": ((3, 4, 5, 9, 10), (0, 1, 2, 20, 21), 18),
+    "scattered ids, whole blocks": ((7, 2, 30, 11), (5, 6, 1, 0), 16),
+}
+
+
+@pytest.mark.parametrize(
+    ("local_ids", "remote_ids", "num_tokens"), MIXED.values(), ids=MIXED.keys()
+)
+def test_rows_that_join_and_rows_that_do_not_in_one_group(
+    local_ids: tuple[int, ...], remote_ids: tuple[int, ...], num_tokens: int
+) -> None:
+    spec = _mixed_spec()
+    request = oracle.Request(num_tokens, 0, (local_ids,), (remote_ids,))
+    case = Case(spec, spec, 1, 2, request)
+    fabric = FakeFabric()
+    prefill = build_rank_layout(spec, 0, 1)
+    memory = oracle.fill_prefill(prefill, request, seed=0)  # held: the agent keeps addresses
+    owners = [_agent(fabric, memory)]
+    for decode_rank in range(2):
+        local = build_rank_layout(spec, decode_rank, 2)
+        planner = TransferPlanner(local, prefill)
+        rows = prepared_rows(
+            planner.groups, 0, local_addresses=[1] * len(local.region_bytes), local_device=0,
+            remote_addresses=[1] * len(prefill.region_bytes), remote_device=0,
+        )  # fmt: skip
+        assert rows is not None and 0 < rows.groups[0].num_joining < rows.groups[0].num_rows
+        expected = oracle.expected_decode(local, request)
+        for name, path in PATHS.items():
+            actual = _decode_rank_planned(path, case, fabric, owners, prefill, local)
+            difference = oracle.first_difference(actual, expected)
+            assert difference is None, f"decode rank {decode_rank}, {name}: {difference}"
+
+
 @settings(max_examples=200, deadline=None)
 @given(cases())
 def test_reads_by_index_land_the_oracles_bytes_and_the_range_paths(case: Case) -> None:

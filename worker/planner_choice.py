@@ -48,17 +48,15 @@ def _whole_ranges(w: WholeBlocks) -> list[tuple[Int64Array, ...]]:
     """The full segments of a group as byte ranges, straight from its rows: a run of blocks
     consecutive on both sides is one range in a joining row, one range per block elsewhere."""
     group = w.group
-    one_each = (w.local_blocks, w.remote_blocks, np.ones(len(w.local_blocks), dtype=np.int64))
     selections: list[tuple[Mask | slice, BlockRuns]]
-    if group.num_joining == 0:
-        selections = [(_ALL, one_each)]
-    elif group.num_joining == group.num_rows:
+    if group.num_joining == group.num_rows:  # the common case: every row fills its stride
         selections = [(_ALL, block_runs(w.local_blocks, w.remote_blocks, w.breaks))]
     else:
-        selections = [
-            (group.joining, block_runs(w.local_blocks, w.remote_blocks, w.breaks)),
-            (~group.joining, one_each),
-        ]
+        one_each = (w.local_blocks, w.remote_blocks, np.ones(len(w.local_blocks), np.int64))
+        selections = [(_ALL, one_each)]
+        if group.num_joining:
+            runs = block_runs(w.local_blocks, w.remote_blocks, w.breaks)
+            selections = [(group.joining, runs), (~group.joining, one_each)]
     return [
         row_runs(
             _rows_of(group.local, rows), _rows_of(group.remote, rows), group.row_bytes[rows], runs
