@@ -104,8 +104,9 @@ def load_ended(
     ids: tuple[str, str, str, str],  # (request id, remote request id, remote engine id, agent)
     reason: str | None,
     now_s: float,
-) -> LoadTrace:
-    """Record a finished load's metrics and write its trace line; returns the trace."""
+) -> LoadTrace | None:
+    """Record a finished load's metrics and write its trace line; returns the trace, or None
+    when the trace logger is off (then none is built: this runs once per load)."""
     if reason is None:
         recorder.inc(LOADS_FINISHED)
     else:
@@ -116,6 +117,8 @@ def load_ended(
         recorder.observe(TRANSFER_DESCRIPTORS, timeline.num_descriptors)
     if reason is None and timeline.posted_s is not None and timeline.done_s is not None:
         recorder.observe(TRANSFER_SECONDS, timeline.done_s - timeline.posted_s)
+    if not trace_logger.isEnabledFor(logging.DEBUG):
+        return None
     start_s = timeline.scheduled_s
     trace = LoadTrace(
         *ids,
