@@ -56,10 +56,8 @@ class RankReads:
     lengths: Int64Array
 
 
-RequestSegments = tuple[Segments | None, ...]
-Mask = npt.NDArray[
-    np.bool_
-]  # per segment of a group: selected or not  # per cache group; None: the group reads nothing
+RequestSegments = tuple[Segments | None, ...]  # per cache group; None: the group reads nothing
+Mask = npt.NDArray[np.bool_]  # per segment of a group: selected or not
 
 
 @dataclass(frozen=True)
