@@ -17,8 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from connector.metrics import (
     LOADS_FAILED,
@@ -48,14 +46,14 @@ class LoadTimeline:
     remote_ranks: tuple[int, ...] = ()
     notified_ranks: set[int] = field(default_factory=set)
 
-    def planned(self, now_s: float, reads: Iterable[tuple[int, npt.NDArray[np.int64]]]) -> None:
-        """Stamp the plan: ``reads`` is (remote rank, descriptor lengths in bytes) per READ."""
+    def planned(self, now_s: float, reads: Iterable[tuple[int, int, int]]) -> None:
+        """Stamp the plan: ``reads`` is (remote rank, bytes, descriptors) per READ."""
         self.planned_s = now_s
         ranks: list[int] = []
-        for remote_rank, lengths in reads:
+        for remote_rank, num_bytes, num_descriptors in reads:
             ranks.append(remote_rank)
-            self.num_bytes += int(lengths.sum())
-            self.num_descriptors += int(lengths.shape[0])
+            self.num_bytes += num_bytes
+            self.num_descriptors += num_descriptors
         self.remote_ranks = tuple(ranks)
 
 

@@ -31,7 +31,7 @@ from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
 from connector.protocol import encode_free_notif
-from connector.trace import LoadTimeline, load_ended
+from connector.trace import load_ended
 from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
@@ -103,19 +103,6 @@ def make_range_read(
         local_memory=local_memory,
         remote_memory=handshake.memory,
     )
-
-
-def stamp_planned(timeline: LoadTimeline, now_s: float, plans: Sequence[RankPlan]) -> None:
-    """LoadTimeline.planned from each READ's (bytes, descriptors): a READ by index has no
-    per-descriptor lengths to sum (building them cost 10-60 us per request)."""
-    timeline.planned_s = now_s
-    ranks: list[int] = []
-    for plan in plans:
-        for num_bytes, num_descriptors in plan.sizes():
-            ranks.append(plan.remote_rank)
-            timeline.num_bytes += num_bytes
-            timeline.num_descriptors += num_descriptors
-    timeline.remote_ranks = tuple(ranks)
 
 
 def record_outcome(
@@ -316,8 +303,9 @@ class LoadTable:
             unknown = sorted({plan.remote_rank for plan in plans} - set(agents))
             load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
             return
-        now_s = self._clock()
-        stamp_planned(load.timeline, now_s, plans)
+        # (bytes, descriptors) per READ: a READ by index has no per-descriptor lengths to sum
+        sizes = ((plan.remote_rank, *size) for plan in plans for size in plan.sizes())
+        load.timeline.planned(self._clock(), sizes)
         for plan in plans:
             if not self._post_rank(load, link, plan):
                 return
