@@ -119,12 +119,19 @@ def _decode_rank_by_index(
 _RUN_FIELDS = ("local_regions", "local_offsets", "remote_regions", "remote_offsets", "lengths")
 
 
+def _prefill_ranks(
+    case: Case, fabric: FakeFabric
+) -> tuple[list[RankLayout], list[oracle.Buffers], list[tuple[FakeNixl, list[int]]]]:
+    """Each prefill rank's layout, its buffers filled by the oracle, and an agent over them."""
+    prefill = [build_rank_layout(case.prefill, r, case.prefill_tp) for r in range(case.prefill_tp)]
+    memory = [oracle.fill_prefill(layout, case.request, seed=r) for r, layout in enumerate(prefill)]
+    return prefill, memory, [_agent(fabric, buffers) for buffers in memory]
+
+
 def _check_case(case: Case) -> None:
     fabric = FakeFabric()
     request = case.request
-    prefill = [build_rank_layout(case.prefill, r, case.prefill_tp) for r in range(case.prefill_tp)]
-    memory = [oracle.fill_prefill(layout, request, seed=r) for r, layout in enumerate(prefill)]
-    owners = [_agent(fabric, buffers) for buffers in memory]
+    prefill, memory, owners = _prefill_ranks(case, fabric)
     for decode_rank in range(case.decode_tp):
         local = build_rank_layout(case.decode, decode_rank, case.decode_tp)
         actual, by_index = _decode_rank_by_index(case, fabric, prefill, owners, local)
@@ -205,9 +212,7 @@ def _decode_rank_planned(
 def test_every_path_of_plan_rank_lands_the_oracles_bytes(case: Case) -> None:
     fabric = FakeFabric()
     request = case.request
-    prefill = [build_rank_layout(case.prefill, r, case.prefill_tp) for r in range(case.prefill_tp)]
-    memory = [oracle.fill_prefill(layout, request, seed=r) for r, layout in enumerate(prefill)]
-    owners = [_agent(fabric, buffers) for buffers in memory]
+    prefill, _, owners = _prefill_ranks(case, fabric)
     for decode_rank in range(case.decode_tp):
         local = build_rank_layout(case.decode, decode_rank, case.decode_tp)
         expected = oracle.expected_decode(local, request)
