@@ -71,6 +71,30 @@ def _range_read(
     )
 
 
+def _decode_side(
+    case: Case,
+    fabric: FakeFabric,
+    owners: list[tuple[FakeNixl, list[int]]],
+    prefill: RankLayout,
+    local: RankLayout,
+) -> tuple[oracle.Buffers, FakeNixl, list[int], TransferPlanner, RequestSegments]:
+    """A decode rank's sentinel buffers and agent (knowing every prefill agent), its planner
+    and the request's segments."""
+    buffers = oracle.sentinel(local)
+    agent, addresses = _agent(fabric, buffers)
+    for owner, _ in owners:
+        agent.add_remote_agent(owner.get_agent_metadata())
+    planner = TransferPlanner(local, prefill)
+    request = case.request
+    segments = planner.segments(
+        request.local_block_ids,
+        request.remote_block_ids,
+        num_tokens=request.num_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+    return buffers, agent, addresses, planner, segments
+
+
 def _decode_rank_by_index(
     case: Case,
     fabric: FakeFabric,
@@ -79,17 +103,8 @@ def _decode_rank_by_index(
     local: RankLayout,
 ) -> tuple[oracle.Buffers, int]:
     """Decode rank memory after reading by index wherever possible; and how many READs went so."""
-    buffers = oracle.sentinel(local)
-    agent, addresses = _agent(fabric, buffers)
-    for owner, _ in owners:
-        agent.add_remote_agent(owner.get_agent_metadata())
-    planner = TransferPlanner(local, prefill[0])
-    request = case.request
-    segments = planner.segments(
-        request.local_block_ids,
-        request.remote_block_ids,
-        num_tokens=request.num_tokens,
-        num_cached_tokens=request.num_cached_tokens,
+    buffers, agent, addresses, planner, segments = _decode_side(
+        case, fabric, owners, prefill[0], local
     )
     by_index = 0
     for rank in planner.read_ranks:
@@ -175,17 +190,8 @@ def _decode_rank_planned(
     local: RankLayout,
 ) -> oracle.Buffers:
     """Decode rank memory after executing plan_rank's READs (or one path's) on FakeNixl."""
-    buffers = oracle.sentinel(local)
-    agent, addresses = _agent(fabric, buffers)
-    for owner, _ in owners:
-        agent.add_remote_agent(owner.get_agent_metadata())
-    planner = TransferPlanner(local, prefill)
-    request = case.request
-    segments = planner.segments(
-        request.local_block_ids,
-        request.remote_block_ids,
-        num_tokens=request.num_tokens,
-        num_cached_tokens=request.num_cached_tokens,
+    buffers, agent, addresses, planner, segments = _decode_side(
+        case, fabric, owners, prefill, local
     )
     for rank in planner.read_ranks:
         owner, owner_addresses = owners[rank]
