@@ -69,7 +69,6 @@ def engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def _transfer(prefill: Any, decode: Any, num_tokens: int) -> tuple[list[bytes], list[bytes]]:
     """Prefill a request, fill its whole blocks with noise, load it on decode: both blocks."""
-    from vllm.v1.request import RequestStatus
 
     from tests import vllm_harness as h
 
@@ -82,16 +81,7 @@ def _transfer(prefill: Any, decode: Any, num_tokens: int) -> tuple[list[bytes], 
     remote = params["remote_block_ids"]
     h.fill_blocks(prefill, remote, seed=3)
     decode.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params))
-    loaded: list[list[int]] = []
-
-    def received(engine: Any) -> bool:
-        request = engine.scheduler.requests.get("r")
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids("r"))
-        return True
-
-    decode.run_until(received)
+    loaded = h.run_until_loaded(decode, "r")
     assert decode.stats["loads_failed"] == 0
     return h.block_bytes(prefill, 0, 0, remote[0]), h.block_bytes(decode, 0, 0, loaded[0])
 

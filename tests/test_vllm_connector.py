@@ -193,16 +193,7 @@ def test_decode_reads_the_prefill_bytes(make_pair: Any) -> None:
     expected = h.block_bytes(prefill, 0, 0, prefill_blocks[0][:2])
 
     decode.add(_decode_request("req-b", num_tokens, params))
-    loaded: list[list[int]] = []
-
-    def received(engine: h.Engine) -> bool:
-        request = engine.scheduler.requests.get("req-b")
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids("req-b"))
-        return True
-
-    decode.run_until(received)
+    loaded = h.run_until_loaded(decode, "req-b")
     assert h.block_bytes(decode, 0, 0, loaded[0][:2]) == expected
 
 
@@ -212,16 +203,7 @@ def _loads_the_bytes(reader: h.Engine, writer: h.Engine, request_id: str, params
     h.fill_blocks(writer, writer_blocks, seed=11)
     expected = h.block_bytes(writer, 0, 0, writer_blocks[0][:2])
     reader.add(_decode_request(request_id, 2 * BLOCK_SIZE, params))
-    loaded: list[list[int]] = []
-
-    def received(engine: h.Engine) -> bool:
-        request = engine.scheduler.requests.get(request_id)
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids(request_id))
-        return True
-
-    reader.run_until(received)
+    loaded = h.run_until_loaded(reader, request_id)
     assert h.block_bytes(reader, 0, 0, loaded[0][:2]) == expected
     reader.run_until(lambda e: e.finished(request_id) is not None)
     assert str(reader.finished(request_id).finish_reason) == "length"
@@ -258,16 +240,7 @@ def test_decode_prefix_hit_reads_only_the_uncached_suffix(make_pair: Any) -> Non
     h.fill_blocks(prefill, second["remote_block_ids"], seed=12)  # new bytes everywhere
     prefill_bytes = h.block_bytes(prefill, 0, 0, second["remote_block_ids"][0])
     decode.add(_decode_request("second", num_tokens, second))
-    loaded: list[int] = []
-
-    def received(engine: h.Engine) -> bool:
-        request = engine.scheduler.requests.get("second")
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids("second")[0][:3])
-        return True
-
-    decode.run_until(received)
+    loaded = h.run_until_loaded(decode, "second")[0][:3]
     decode_bytes = h.block_bytes(decode, 0, 0, loaded)
     assert decode_bytes[2] == prefill_bytes[2], "the uncached last block was not loaded"
     assert decode_bytes[:2] != prefill_bytes[:2], "cached blocks were overwritten by a READ"
@@ -288,16 +261,7 @@ def test_tensor_parallel_pairs_move_every_head(make_pair: Any, tp_sizes: tuple[i
     h.fill_blocks(prefill, [blocks], seed=3)
     expected = h.heads_bytes(prefill, blocks)
     decode.add(_decode_request("req-tp", num_tokens, params))
-    loaded: list[int] = []
-
-    def received(engine: h.Engine) -> bool:
-        request = engine.scheduler.requests.get("req-tp")
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids("req-tp")[0][:2])
-        return True
-
-    decode.run_until(received)
+    loaded = h.run_until_loaded(decode, "req-tp")[0][:2]
     assert h.heads_bytes(decode, loaded) == expected
     decode.run_until(lambda e: e.finished("req-tp") is not None)
     prefill.run_until(lambda e: e.num_free_blocks() == free_prefill)
@@ -420,16 +384,7 @@ def test_hybrid_sliding_window_and_full_attention(make_pair: Any) -> None:
     h.fill_blocks(prefill, [full, sliding[3:]], seed=5)
     expected = [h.block_bytes(prefill, 0, 0, full), h.block_bytes(prefill, 0, 1, sliding[3:])]
     decode.add(_decode_request("req-h", num_tokens, params))
-    loaded: list[list[int]] = []
-
-    def received(engine: h.Engine) -> bool:
-        request = engine.scheduler.requests.get("req-h")
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids("req-h"))
-        return True
-
-    decode.run_until(received)
+    loaded = h.run_until_loaded(decode, "req-h")
     got = [h.block_bytes(decode, 0, 0, loaded[0][:4]), h.block_bytes(decode, 0, 1, loaded[1][3:4])]
     assert got == expected
     decode.run_until(lambda e: e.finished("req-h") is not None)

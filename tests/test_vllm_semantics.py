@@ -27,7 +27,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     MambaSpec,
 )
-from vllm.v1.request import RequestStatus  # noqa: E402
 
 from connector.errors import UnsupportedConfiguration  # noqa: E402
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
@@ -104,17 +103,6 @@ def _prefill(prefill: h.Engine, num_tokens: int) -> tuple[Any, dict[str, Any]]:
     return request, dict(prefill.finished("r").kv_transfer_params)
 
 
-def _received(request_id: str, loaded: list[Any]) -> Any:
-    def check(engine: h.Engine) -> bool:
-        request = engine.scheduler.requests.get(request_id)
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids(request_id))
-        return True
-
-    return check
-
-
 def test_with_mamba_prefill_stops_one_token_short_and_decode_derives_the_last_state(
     hybrid: Any,
 ) -> None:
@@ -130,8 +118,7 @@ def test_with_mamba_prefill_stops_one_token_short_and_decode_derives_the_last_st
     expected_state = h.block_bytes(prefill, 0, 1, state_blocks)
 
     decode.add(h.make_request("r", 2 * BLOCK_SIZE + 1, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
-    loaded: list[Any] = []
-    decode.run_until(_received("r", loaded), timeout_s=30)
+    loaded = h.run_until_loaded(decode, "r", timeout_s=30)
     assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
     (decode_state,) = loaded[1][-1:]
     assert h.block_bytes(decode, 0, 1, [decode_state]) == expected_state
@@ -146,8 +133,7 @@ def test_speculative_scratch_slots_never_travel(hybrid: Any) -> None:
     h.fill_blocks(prefill, params["remote_block_ids"], seed=9)
     expected_state = h.block_bytes(prefill, 0, 1, state_blocks)
     decode.add(h.make_request("r", BLOCK_SIZE + 3, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
-    loaded: list[Any] = []
-    decode.run_until(_received("r", loaded), timeout_s=30)
+    loaded = h.run_until_loaded(decode, "r", timeout_s=30)
     assert decode.stats["loads_failed"] == 0
     running_state = clip_ssm_groups(tuple(map(tuple, loaded)), (None, 2))[1]
     assert h.block_bytes(decode, 0, 1, running_state) == expected_state

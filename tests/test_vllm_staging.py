@@ -24,7 +24,6 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from tests import vllm_harness as h  # noqa: E402
@@ -153,16 +152,7 @@ def _transfer(prefill: h.Engine, decode: h.Engine, request_id: str, num_tokens: 
             request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3
         )
     )
-    loaded: list[int] = []
-
-    def received(engine: h.Engine) -> bool:
-        request = engine.scheduler.requests.get(request_id)
-        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return False
-        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
-        return True
-
-    decode.run_until(received)
+    loaded = h.run_until_loaded(decode, request_id)[0]
     return loaded, list(params["remote_block_ids"][0])
 
 

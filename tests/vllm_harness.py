@@ -46,7 +46,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
@@ -416,3 +416,21 @@ def prefill_for_decode(
         f"prefill returned no kv_transfer_params for {request_id}"
     )
     return dict(output.kv_transfer_params)
+
+
+def run_until_loaded(
+    decode: Engine, request_id: str, *, timeout_s: float = 10.0
+) -> list[list[int]]:
+    """Step ``decode`` until ``request_id`` stops waiting for its remote KV; return its block
+    ids per cache group at that moment (before decoding frees or reuses any)."""
+    loaded: list[list[int]] = []
+
+    def received(engine: Engine) -> bool:
+        request = engine.scheduler.requests.get(request_id)
+        if request is None or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return False
+        loaded.extend(engine.scheduler.kv_cache_manager.get_block_ids(request_id))
+        return True
+
+    decode.run_until(received, timeout_s=timeout_s)
+    return loaded
