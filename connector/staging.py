@@ -16,13 +16,15 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from connector.errors import TransferPlanError
 from connector.metadata import BlockIds
 
 KernelIds = npt.NDArray[np.int64]
 
 
 class StagedBlocks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One request's logical blocks (per cache group) that a step copies."""
+    """One request's logical blocks that a step copies: one tuple per transfer group, in the
+    order the lease names them (an engine's groups outside transfers are not staged)."""
 
     request_id: str
     block_ids: BlockIds
@@ -33,13 +35,21 @@ def kernel_block_ids(
 ) -> tuple[KernelIds, ...]:
     """Every entry's logical blocks as kernel block ids: one sorted, unique array per group.
 
+    Each entry names exactly the groups of ``ratios`` (the transfer groups), in that order;
+    any other count raises TransferPlanError rather than copy one group's ids into another.
     Logical block b of a group with ratio r (kernel blocks per logical block) is kernel blocks
     [b*r, b*r + r); e.g. r=2, blocks (3, 5) -> (6, 7, 10, 11). ``null_block`` (the engine's
     placeholder block, 0 in vLLM and the example engine) is never copied: it holds no KV.
     """
     per_group: list[list[int]] = [[] for _ in ratios]
     for entry in entries:
-        for group, group_ids in enumerate(entry[: len(ratios)]):
+        if len(entry) != len(ratios):
+            raise TransferPlanError(
+                f"staged blocks name {len(entry)} cache groups, but the host buffer mirrors "
+                f"{len(ratios)} transfer groups: a staged copy must name exactly the transfer "
+                "groups, in the lease's order (the engine adapter selects them)"
+            )
+        for group, group_ids in enumerate(entry):
             per_group[group].extend(group_ids)
     result = []
     for ids, ratio in zip(per_group, ratios, strict=True):
@@ -55,8 +65,9 @@ def kernel_block_ids(
 class ScheduledRow:
     """One request scheduled in a step, as the engine's scheduler output says.
 
-    ``block_ids`` are the request's whole block table when ``full_table`` (new or resumed
-    requests), else only the blocks added this step (None: none added).
+    ``block_ids`` (one tuple per transfer group, in the lease's order) are the request's whole
+    block table when ``full_table`` (new or resumed requests), else only the blocks added this
+    step (None: none added).
     """
 
     request_id: str

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from connector.errors import TransferPlanError
 from connector.metadata import BlockIds
 from connector.staging import (
     SaveTracker,
@@ -58,6 +59,26 @@ def test_kernel_block_ids_copy_exactly_the_requests_kernel_blocks(
             if block != 0:
                 inside[block * ratio : (block + 1) * ratio] = True
     assert got.tolist() == np.flatnonzero(inside).tolist()
+
+
+@pytest.mark.parametrize(
+    ("entries", "ratios", "seen"),
+    [
+        ([((1,), (2,))], [1], 2),  # a row of every cache group, one of them outside transfers
+        ([((1,),)], [1, 1], 1),
+    ],
+    ids=["more groups than the host buffer mirrors", "fewer groups than it mirrors"],
+)
+def test_kernel_block_ids_refuse_entries_that_are_not_the_transfer_groups(
+    entries: list[BlockIds], ratios: list[int], seen: int
+) -> None:
+    """Never copy one group's ids into another's tensors (stale host bytes for the lease)."""
+    with pytest.raises(
+        TransferPlanError,
+        match=f"staged blocks name {seen} cache groups, but the host buffer mirrors "
+        f"{len(ratios)} transfer groups",
+    ):
+        kernel_block_ids(entries, ratios)
 
 
 def _row(

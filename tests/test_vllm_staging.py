@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
     pytest.skip("vllm is not installed (scripts/install_vllm.sh)", allow_module_level=True)
 
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
@@ -45,19 +46,28 @@ def _value(request_id: str, rank: int, layer: str, position: int) -> float:
     return float(sum(map(ord, request_id)) * 1000 + rank * 100 + int(layer[-1]) * 10) + position
 
 
+def _group_of(engine: h.Engine) -> dict[str, int]:
+    """Each layer's vLLM cache group (the index into a request's block table)."""
+    groups = engine.scheduler.kv_cache_config.kv_cache_groups
+    return {name: index for index, group in enumerate(groups) for name in group.layer_names}
+
+
 def _forward(engine: h.Engine, scheduled: Any, rank: int) -> None:
-    """Write the KV of every prompt position scheduled this step on a prefill engine."""
+    """Write the KV of every prompt position scheduled this step on a prefill engine, each
+    layer into its own cache group's blocks."""
     manager = engine.scheduler.kv_cache_manager
     caches = engine.kv_caches[rank]
+    group_of = _group_of(engine)
     for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
         request = engine.scheduler.requests[request_id]
         # vLLM's scheduler advanced num_computed_tokens when it scheduled the step.
         start = request.num_computed_tokens - num_tokens
         end = min(start + num_tokens, request.num_prompt_tokens)
-        blocks = manager.get_block_ids(request_id)[0]
+        table = manager.get_block_ids(request_id)
         for position in range(start, end):
-            block, slot = blocks[position // BLOCK_SIZE], position % BLOCK_SIZE
+            slot = position % BLOCK_SIZE
             for name, tensor in caches.items():
+                block = table[group_of[name]][position // BLOCK_SIZE]
                 tensor[block, :, slot] = _value(request_id, rank, name, position)
 
 
@@ -114,7 +124,9 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         chunk_tokens: int | None = None,
         save: bool = True,
         layout: str | None = None,
+        kv_cache: Callable[[str], KVCacheConfig] | None = None,
     ) -> tuple[h.Engine, h.Engine]:
+        """``kv_cache``: each engine's cache config by name ("prefill", "decode"), TP 1."""
         if layout is not None:  # vLLM's own planner and allocator lay the cache out
             monkeypatch.setattr(h, "allocate_kv_caches", _vllm_allocation)
         pair = []
@@ -125,6 +137,8 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             if chunk_tokens is not None and name == "prefill":
                 config.scheduler_config.max_num_batched_tokens = chunk_tokens
             cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, tp_size=tp_size)
+            if kv_cache is not None:
+                cache = kv_cache(name)
             if layout is not None:
                 config.cache_config.kv_cache_layout = layout
                 config.cache_config.num_gpu_blocks_override = NUM_BLOCKS
@@ -144,16 +158,25 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         engine.shutdown()
 
 
-def _transfer(prefill: h.Engine, decode: h.Engine, request_id: str, num_tokens: int) -> Any:
-    """Prefill then decode one request; returns (decode's loaded blocks, prefill's blocks)."""
+def _transfer_all_groups(
+    prefill: h.Engine, decode: h.Engine, request_id: str, num_tokens: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Prefill then decode one request; returns (decode's block table, one list per vLLM
+    cache group; prefill's leased blocks, one list per transfer group)."""
     params = h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
     decode.add(
         h.make_request(
             request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3
         )
     )
-    loaded = h.run_until_loaded(decode, request_id)[0]
-    return loaded, list(params["remote_block_ids"][0])
+    table = h.run_until_loaded(decode, request_id)
+    return table, [list(group) for group in params["remote_block_ids"]]
+
+
+def _transfer(prefill: h.Engine, decode: h.Engine, request_id: str, num_tokens: int) -> Any:
+    """Prefill then decode one request; returns (decode's loaded blocks, prefill's blocks)."""
+    table, leased = _transfer_all_groups(prefill, decode, request_id, num_tokens)
+    return table[0], leased[0]
 
 
 def _prompt_bytes(engine: h.Engine, blocks: list[int], num_tokens: int) -> list[bytes]:
@@ -349,3 +372,116 @@ def test_vllms_copy_op_is_ignored_on_its_cpu_platform(
     assert _prompt_bytes(decode, loaded, num_tokens - 1) == _prompt_bytes(
         prefill, prefill_blocks, num_tokens - 1
     )
+
+
+def _with_a_group_outside_transfers(hidden_first: bool) -> KVCacheConfig:
+    """layers.1 in the one transfer group; layers.0 in a group vLLM keeps out of transfers
+    (``enable_kv_transfer=False``, as vLLM 0.33's HiSparse builds its hot and resident
+    groups), placed before the transfer group or after it. The two groups take different
+    blocks of the pool, so copying one group's blocks for the other's leaves the lease stale.
+    """
+    dense = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    spec = dense.kv_cache_groups[0].kv_cache_spec
+    hidden = KVCacheGroupSpec(["layers.0"], spec, enable_kv_transfer=False)
+    transfer = KVCacheGroupSpec(["layers.1"], spec)
+    groups = [hidden, transfer] if hidden_first else [transfer, hidden]
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups, kv_cache_layout="LBNHC"
+    )
+
+
+def _transfer_layer_bytes(engine: h.Engine, blocks: list[int], num_tokens: int) -> bytes:
+    """The transfer layer's (layers.1) KV of tokens [0, num_tokens) on rank 0, in token order."""
+    tensor = engine.kv_caches[0]["layers.1"]
+    rows = [tensor[blocks[p // BLOCK_SIZE], :, p % BLOCK_SIZE] for p in range(num_tokens)]
+    return bytes(torch.stack(rows).numpy().tobytes())
+
+
+GROUP_ORDER_CASES = [
+    pytest.param(True, True, id="a-non-transfer-group-before-the-transfer-group-on-both"),
+    pytest.param(True, False, id="device-to-host-on-prefill-with-a-non-transfer-group-first"),
+    pytest.param(False, True, id="host-to-device-on-decode-with-a-non-transfer-group-first"),
+    pytest.param(False, False, id="control-the-transfer-group-first-on-both"),
+]
+
+
+@pytest.mark.parametrize(("prefill_hidden_first", "decode_hidden_first"), GROUP_ORDER_CASES)
+def test_staging_copies_the_leased_transfer_groups_blocks(
+    make_pair: Any, prefill_hidden_first: bool, decode_hidden_first: bool
+) -> None:
+    """Both staged copies (prefill device->host, decode host->device) take the transfer
+    group's blocks, wherever vLLM puts that group among its cache groups."""
+    hidden_first = {"prefill": prefill_hidden_first, "decode": decode_hidden_first}
+    num_tokens = 2 * BLOCK_SIZE + 5
+    for mode, extra in (("direct", None), ("staged", STAGED)):
+        prefill, decode = make_pair(
+            extra, kv_cache=lambda name: _with_a_group_outside_transfers(hidden_first[name])
+        )
+        table, (leased,) = _transfer_all_groups(prefill, decode, f"req-{mode}", num_tokens)
+        (transfer_group,) = decode.scheduler.kv_cache_config.transfer_group_ids
+        expected = _transfer_layer_bytes(prefill, leased, num_tokens - 1)
+        got = _transfer_layer_bytes(decode, table[transfer_group], num_tokens - 1)
+        assert expected != bytes(len(expected)), "prefill wrote nothing"
+        assert got == expected, f"{mode}: decode's transfer-group KV differs from prefill's"
+
+
+def _output(new_block_ids: tuple[list[int], ...], cached_block_ids: tuple[list[int], ...]) -> Any:
+    """A vLLM SchedulerOutput with one new request "new" and one running request "running"."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    output = SchedulerOutput.make_empty()
+    output.scheduled_new_reqs = [
+        NewRequestData("new", [1] * 40, [], None, None, new_block_ids, 0, None)
+    ]
+    cached = output.scheduled_cached_reqs
+    cached.req_ids = ["running"]
+    cached.new_block_ids = [cached_block_ids]
+    cached.num_computed_tokens = [16]
+    output.num_scheduled_tokens = {"new": 40, "running": 16}
+    return output
+
+
+def _groups(*transfers: bool) -> KVCacheConfig:
+    spec = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS).kv_cache_groups[0]
+    groups = [
+        KVCacheGroupSpec([f"layers.{index}"], spec.kv_cache_spec, enable_kv_transfer=transfer)
+        for index, transfer in enumerate(transfers)
+    ]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+ROW_CASES = [
+    pytest.param((True,), ((1, 2, 3),), ((9,),), id="one-group-passes-through"),
+    pytest.param((False, True), ((4, 5, 6),), ((10,),), id="a-non-transfer-group-first-is-dropped"),
+    pytest.param(
+        (False, True, True), ((4, 5, 6), (7, 8)), ((10,), (11,)), id="transfer-groups-in-order"
+    ),
+    pytest.param((True, False), ((1, 2, 3),), ((9,),), id="a-non-transfer-group-last-is-dropped"),
+]
+
+
+@pytest.mark.parametrize(("transfers", "new_blocks", "running_blocks"), ROW_CASES)
+def test_scheduled_rows_carry_the_transfer_groups_as_the_lease_names_them(
+    transfers: tuple[bool, ...], new_blocks: Any, running_blocks: Any
+) -> None:
+    from connector.vllm.staging import scheduled_rows
+
+    every_group = ([1, 2, 3], [4, 5, 6], [7, 8])[: len(transfers)]
+    every_new = ([9], [10], [11])[: len(transfers)]
+    rows = list(scheduled_rows(_output(every_group, every_new), _groups(*transfers)))
+    assert [(row.request_id, row.block_ids, row.full_table) for row in rows] == [
+        ("new", new_blocks, True),
+        ("running", running_blocks, False),
+    ]
+
+
+def test_scheduled_rows_refuse_a_row_of_other_groups_than_the_config_has() -> None:
+    from connector.errors import UnsupportedConfiguration
+    from connector.vllm.staging import scheduled_rows
+
+    with pytest.raises(
+        UnsupportedConfiguration,
+        match="gives request 'new' block lists for 1 KV cache groups, but the KV cache config "
+        "has 2",
+    ):
+        list(scheduled_rows(_output(([1, 2],), ([3],)), _groups(False, True)))

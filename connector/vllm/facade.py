@@ -17,8 +17,9 @@ Who decides what (one request's journey through vLLM):
   prefill frees) reach vLLM through the next step: every rank echoes them. Either way a
   failure never crashes the engine.
 - Host staging (kv_buffer_device "cpu", connector/vllm/staging.py): the scheduler adds to
-  each step's metadata the requests whose prefill completes in it; ranks copy those blocks
-  device->host in wait_for_save, and loaded blocks host->device before reporting a load.
+  each step's metadata the requests whose prefill completes in it (their transfer groups'
+  blocks, as the lease names them); ranks copy those blocks device->host in wait_for_save,
+  and loaded blocks host->device before reporting a load.
 - Malformed kv_transfer_params fail only their request: the adapter answers "tokens will
   arrive" and announces the request as a failed load in the same step; vLLM then fails it
   ("fail") or recomputes it locally ("recompute").
@@ -252,7 +253,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         metadata = (self._scheduler or self._require_scheduler()).build_connector_meta()
         if self._saves is None or not len(self._saves):
             return metadata
-        saves = self._saves.step(scheduled_rows(scheduler_output))
+        saves = self._saves.step(scheduled_rows(scheduler_output, self._kv_cache_config))
         return NixlPDMetadata(metadata.step, metadata.announce, saves)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -27,6 +27,7 @@ except ImportError:  # vLLM builds without the GPU-sync checker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 Direction = Literal["h2d", "d2h"]
 # vLLM's CopyBlocksOp: (src caches, dst caches, src block ids, dst block ids, direction).
@@ -50,13 +51,22 @@ def staging_enabled(
     return vllm_kv_buffer_device == "cpu" and platform_device != "cpu"
 
 
-def scheduled_rows(scheduler_output: SchedulerOutput) -> Iterator[ScheduledRow]:
-    """Every request scheduled this step, with its blocks as vLLM's scheduler output has them."""
+def scheduled_rows(
+    scheduler_output: SchedulerOutput, kv_cache_config: KVCacheConfig
+) -> Iterator[ScheduledRow]:
+    """Every request scheduled this step, with its blocks in the transfer groups only.
+
+    vLLM's scheduler output has a block list per KV cache group; a lease (and so the host
+    buffer) holds the transfer groups, in ``transfer_group_ids`` order, and a group outside
+    transfers may come first (vLLM 0.33's HiSparse layout). Groups (hot, source, indexer) with
+    transfer ids (1, 2) -> rows of (source, indexer) blocks, as the lease names them.
+    """
+    picks = _TransferGroups(kv_cache_config)
     tokens = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
         yield ScheduledRow(
             new.req_id,
-            _block_ids(new.block_ids),
+            picks.of(new.req_id, new.block_ids),
             True,
             int(new.num_computed_tokens),
             int(tokens.get(new.req_id, 0)),
@@ -65,15 +75,31 @@ def scheduled_rows(scheduler_output: SchedulerOutput) -> Iterator[ScheduledRow]:
     for index, request_id in enumerate(cached.req_ids):
         yield ScheduledRow(
             request_id,
-            _block_ids(cached.new_block_ids[index]),
+            picks.of(request_id, cached.new_block_ids[index]),
             request_id in cached.resumed_req_ids,
             int(cached.num_computed_tokens[index]),
             int(tokens.get(request_id, 0)),
         )
 
 
-def _block_ids(groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
-    return None if groups is None else tuple(tuple(int(b) for b in group) for group in groups)
+class _TransferGroups:
+    """Picks the transfer groups' block lists out of a row of every cache group's."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
+        self.group_ids = kv_cache_config.transfer_group_ids
+        self.num_groups = len(kv_cache_config.kv_cache_groups)
+
+    def of(self, request_id: str, groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
+        if groups is None:
+            return None
+        if len(groups) != self.num_groups:
+            raise UnsupportedConfiguration(
+                f"vLLM's scheduler output gives request {request_id!r} block lists for "
+                f"{len(groups)} KV cache groups, but the KV cache config has {self.num_groups}; "
+                "cannot tell which are the transfer groups to stage: run the vLLM version this "
+                "connector supports (0.33)"
+            )
+        return tuple(tuple(int(b) for b in groups[group]) for group in self.group_ids)
 
 
 # Copy run by run (slices, no gather buffer) while a layer needs at most one slice copy per
