@@ -21,6 +21,8 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     tp_size: int
     remote_request_id: str  # the prefill side's request id: free notifications are keyed by it
     remote_block_ids: BlockIds  # prefill's logical blocks for tokens [0, num_tokens), per group
+    boot_id: str = ""  # prefill's side-channel boot when it leased ("": params had none)
+    lease_id: str = ""  # the lease prefill drew for these blocks ("": none, load unprovable)
 
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

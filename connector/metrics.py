@@ -91,6 +91,8 @@ LOAD_FAILURE_KINDS = (
     "transfer",
     "transfer_timeout",
     "internal",
+    "lease_expired",  # prefill no longer held the lease when the READs landed
+    "lease_unproven",  # prefill could not be asked, or the params name no lease
     "other",
 )
 HANDSHAKE_FAILURE_KINDS = (
@@ -180,6 +182,8 @@ _LOAD_PATTERNS = (
     ("the plan reads", "plan"),
     ("READ from", "transfer"),
     ("internal error", "internal"),
+    ("lease expired", "lease_expired"),
+    ("lease not proven", "lease_unproven"),
 )
 _HANDSHAKE_PATTERNS = (
     ("did not answer", "timeout"),

@@ -13,6 +13,13 @@ Keys (the same ones vLLM's NixlConnector uses, so existing routers work):
     tp_size            int    prefill tensor-parallel size, >= 1 (absent: 1, as vLLM assumes)
     remote_num_tokens  int    tokens whose KV prefill holds, >= 0 (informational)
     transfer_mode      str    "pull": decode reads from prefill (the only mode served here)
+    remote_boot_id     str    the boot id of prefill's side channel when it leased the blocks
+    remote_lease_id    str    the lease prefill drew for these blocks (random, never reused)
+
+remote_boot_id and remote_lease_id are ours (vLLM's NixlConnector has neither): decode names
+them when it asks prefill whether the lease still holds after its READs, and in every message
+that could end the lease, so nothing meant for another lease or another boot touches it. A
+load whose params lack them cannot be proven and fails (worker/lease_proof.py).
 
 A key whose value is null counts as absent (routers such as vLLM's toy proxy send
 ``"remote_engine_id": null`` alongside ``do_remote_decode``). With ``do_remote_prefill`` every
@@ -44,6 +51,7 @@ _BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 _Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 _TpSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 _NumTokens = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+_Token = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[0-9A-Za-z_.-]+$")]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -63,6 +71,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     tp_size: _TpSize | None = None
     remote_num_tokens: _NumTokens | None = None
     transfer_mode: Literal["pull"] | None = None
+    remote_boot_id: _Token | None = None
+    remote_lease_id: _Token | None = None
     ignored_keys: tuple[str, ...] = ()  # unknown keys seen in the dict (tolerated, for logging)
 
     def remote_source(self) -> RemoteSource:
@@ -77,7 +87,16 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         if block_ids is None:
             raise InvalidTransferParams("kv_transfer_params: remote_block_ids is missing")
         tp_size = 1 if self.tp_size is None else self.tp_size
-        return RemoteSource(engine_id, host, port, tp_size, request_id, block_ids)
+        return RemoteSource(
+            engine_id,
+            host,
+            port,
+            tp_size,
+            request_id,
+            block_ids,
+            boot_id=self.remote_boot_id or "",
+            lease_id=self.remote_lease_id or "",
+        )
 
 
 # key -> (msgspec type, accepted values for the error message)
@@ -92,6 +111,8 @@ _KEY_RULES: dict[str, tuple[Any, str]] = {
     "tp_size": (_TpSize, "an integer >= 1"),
     "remote_num_tokens": (_NumTokens, "an integer >= 0"),
     "transfer_mode": (str, f"{TRANSFER_MODE!r} (decode reads the KV from prefill)"),
+    "remote_boot_id": (_Token, "the boot id string the prefill engine returned"),
+    "remote_lease_id": (_Token, "the lease id string the prefill engine returned"),
 }
 _REQUIRED_FOR_PREFILL = (
     "remote_engine_id",
@@ -291,11 +312,14 @@ def params_for_decode(
     port: int,
     tp_size: int,
     num_tokens: int | None = None,
+    boot_id: str = "",
+    lease_id: str = "",
 ) -> dict[str, Any]:
     """The kv_transfer_params prefill returns for the decode engine (JSON-serialisable).
 
     ``num_tokens``, when given, is sent as remote_num_tokens: the tokens whose KV the blocks
-    hold (vLLM's decode and routers read it).
+    hold (vLLM's decode and routers read it). ``boot_id`` and ``lease_id`` (when given) name
+    the side channel's boot and the lease, for decode's proof that its READs were covered.
     """
     params = {
         "do_remote_prefill": True,
@@ -311,6 +335,10 @@ def params_for_decode(
     }
     if num_tokens is not None:
         params["remote_num_tokens"] = num_tokens
+    if boot_id:
+        params["remote_boot_id"] = boot_id
+    if lease_id:
+        params["remote_lease_id"] = lease_id
     return params
 
 

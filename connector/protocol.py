@@ -55,6 +55,7 @@ STALE_BOOT = "stale_boot"  # ErrorReply.code: the request named another boot of 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 RequestIds = Annotated[tuple[RequestId, ...], msgspec.Meta(max_length=100_000)]
+LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class WorkerHandshake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,7 +106,26 @@ class Release(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="rele
     remote_request_ids: RequestIds
 
 
-Request = Hello | HandshakeRequest | Heartbeat | Release
+class LeaseRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One lease as prefill issued it: its request id and the lease id drawn for it."""
+
+    remote_request_id: RequestId
+    lease_id: LeaseId
+
+
+class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_check"):
+    """Decode finished reading these leases' blocks: are they all still held, right now?
+
+    The answer is the proof a load needs (DESIGN: block ids are addresses, not capabilities):
+    a lease that is held after the last READ landed was held during every READ, because a
+    lease never revives and its id is never reused. Changes nothing on the server.
+    """
+
+    engine_id: EngineId
+    leases: Annotated[tuple[LeaseRef, ...], msgspec.Meta(max_length=100_000)]
+
+
+Request = Hello | HandshakeRequest | Heartbeat | Release | LeaseCheck
 
 
 # Replies: server -> client.
@@ -130,12 +150,18 @@ class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
     num_known: int
 
 
+class LeaseStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_status"):
+    """Per LeaseRef of a LeaseCheck, in order: is that very lease held now?"""
+
+    held: tuple[bool, ...]
+
+
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
     reason: str
     code: str = ""  # machine-readable kind where the client acts on it (STALE_BOOT), else ""
 
 
-Reply = HelloReply | HandshakeReply | Ack | ErrorReply
+Reply = HelloReply | HandshakeReply | Ack | LeaseStatus | ErrorReply
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -260,7 +286,21 @@ def _short_text(text: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-# Free notifications: b"<remote_request_id>:<consumers>", carried by NIXL after a READ's data.
+# Free notifications: b"<remote_request_id>:<consumers>", sent by NIXL once a READ's data landed.
+
+LEASE_KEY_SEPARATOR = "@"
+
+
+def lease_key(remote_request_id: str, lease_id: str) -> str:
+    """What a free notification names: one lease, not just a request id.
+
+    ``"<remote_request_id>@<lease_id>"``. Request ids repeat (routers reuse them, a restarted
+    prefill reuses its engine id); lease ids are random per lease, so a late notification for
+    an ended lease, or one meant for an earlier boot, can never count towards a live lease.
+    Params without a lease id (an older prefill) name the bare request id.
+    """
+    return f"{remote_request_id}{LEASE_KEY_SEPARATOR}{lease_id}" if lease_id else remote_request_id
+
 
 _COUNT_PATTERN = re.compile(rb"[0-9]{1,9}")
 

@@ -1,4 +1,5 @@
-"""Blocking side-channel client calls: fetch a rank's handshake, send heartbeats and releases.
+"""Blocking side-channel client calls: fetch a rank's handshake, send heartbeats, releases and
+lease checks.
 
 Each exchange opens a fresh ZMQ REQ socket (linger 0, receive timeout, bounded reply size),
 sends one request and waits for one reply, then closes the socket. Every request but Hello
@@ -28,6 +29,9 @@ from connector.protocol import (
     Heartbeat,
     Hello,
     HelloReply,
+    LeaseCheck,
+    LeaseRef,
+    LeaseStatus,
     Release,
     Reply,
     Request,
@@ -147,6 +151,34 @@ def send_release(
     """
     request = Release(engine_id, tuple(remote_request_ids))
     return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
+
+
+def check_leases(
+    host: str,
+    port: int,
+    leases: Sequence[tuple[str, str]],
+    *,
+    engine_id: str,
+    boot_id: str,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[bool, ...]:
+    """For each (remote request id, lease id): does prefill ``engine_id``, boot ``boot_id``,
+    hold that very lease now?
+
+    One exchange, no Hello: the boot id comes from the params, so a prefill that restarted
+    since it leased raises PeerRestarted (its leases died with it).
+    """
+    refs = tuple(LeaseRef(request_id, lease_id) for request_id, lease_id in leases)
+    request = LeaseCheck(engine_id, refs)
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
+    if not isinstance(reply, LeaseStatus) or len(reply.held) != len(refs):
+        raise HandshakeError(
+            f"side channel {host}:{port} answered a lease check of {len(refs)} lease(s) with "
+            f"{_short(repr(reply))}"
+        )
+    return reply.held
 
 
 def _expect_ack(

@@ -91,6 +91,7 @@ class SchedulerConnector:
             leases=self._leases,
             clock=clock,
             address=self._side_channel_address,
+            boot_id=self._side_channel_boot_id,
         )
         self._consumer = Consumer(
             groups=spec.groups,
@@ -127,6 +128,7 @@ class SchedulerConnector:
             engine_id=self._engine_id,
             on_heartbeat=lambda ids: self._leases.extend(ids, self._clock()),
             on_release=self._leases.release,
+            on_lease_check=lambda refs: self._leases.held(refs, self._clock()),
             secret=self._config.side_channel_secret,
             max_message_bytes=self._config.max_message_bytes,
         )
@@ -268,6 +270,9 @@ class SchedulerConnector:
         if self._side_channel is not None:
             return self._side_channel.host, self._side_channel.port
         return self._config.side_channel_host, self._config.side_channel_port
+
+    def _side_channel_boot_id(self) -> str:
+        return "" if self._side_channel is None else self._side_channel.boot_id
 
     def _is_valid_report(self, report: WorkerReport) -> bool:
         if 0 <= report.tp_rank < self._tp_size:

@@ -235,7 +235,11 @@ class Consumer:
         # unreachable or incompatible), only the side channel can still free prefill's blocks
         # before the lease ends. Releasing an already-freed request is a no-op there.
         self._heartbeats.submit_release(
-            source.host, source.port, [source.remote_request_id], engine_id=source.engine_id
+            source.host,
+            source.port,
+            [source.remote_request_id],
+            engine_id=source.engine_id,
+            boot_id=source.boot_id,
         )
 
     def _fail_now(self, request_id: str, load: _Load, reason: str) -> None:
@@ -248,15 +252,16 @@ class Consumer:
         if now < self._next_heartbeat_s:
             return
         self._next_heartbeat_s = now + self._heartbeat_interval_s
-        # One heartbeat per prefill engine; its side channel refuses ids meant for another.
-        by_engine: dict[tuple[str, int, str], list[str]] = {}
+        # One heartbeat per prefill engine boot; its side channel refuses ids meant for another.
+        by_engine: dict[tuple[str, int, str, str], list[str]] = {}
         for _, load in self._loads.records(*_HEARTBEATING):
             source = load.source
-            by_engine.setdefault((source.host, source.port, source.engine_id), []).append(
-                source.remote_request_id
+            engine = (source.host, source.port, source.engine_id, source.boot_id)
+            by_engine.setdefault(engine, []).append(source.remote_request_id)
+        for (host, port, engine_id, boot_id), remote_request_ids in sorted(by_engine.items()):
+            self._heartbeats.submit(
+                host, port, remote_request_ids, engine_id=engine_id, boot_id=boot_id
             )
-        for (host, port, engine_id), remote_request_ids in sorted(by_engine.items()):
-            self._heartbeats.submit(host, port, remote_request_ids, engine_id=engine_id)
 
     @property
     def has_pending_work(self) -> bool:

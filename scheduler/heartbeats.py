@@ -10,11 +10,12 @@ each message waits at most MAX_MESSAGE_TIMEOUT_S for its reply, and after a fail
 messages to that engine are skipped for a while (``Backoff``) instead of each waiting out its
 own timeout. A skipped message is lost like a failed one: at worst a lease runs out.
 
-Every message names the prefill side channel's boot id (connector/protocol.py), learned with a
-Hello on the first message to a destination and remembered (``BootIds``). When the server says
-it is another boot (it restarted: PeerRestarted), the remembered id is dropped, so the next
-message asks again; the refused message itself is not retried, because the leases it named
-died with the old boot.
+Every message names the prefill side channel's boot id (connector/protocol.py): the one the
+request's params carry (``remote_boot_id``, the boot that leased), so a prefill that restarted
+since refuses it (PeerRestarted) and no lease of the new boot is touched. Params without one
+(an older prefill) fall back to learning it with a Hello on the first message to a destination
+(``BootIds``); after a PeerRestarted that remembered id is dropped and the next message asks
+again. A refused message is never retried: the leases it named died with the old boot.
 """
 
 from __future__ import annotations
@@ -43,18 +44,26 @@ class SendFn(Protocol):
     """Send one message to the side channel at host:port of prefill engine ``engine_id``."""
 
     def __call__(
-        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+        self,
+        host: str,
+        port: int,
+        remote_request_ids: Sequence[str],
+        *,
+        engine_id: str,
+        boot_id: str = "",
     ) -> object: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class Destination:
-    """One prefill engine's side channel. Keyed by engine too: a refusal from an engine that
-    restarted on the same host:port must not silence messages meant for the new engine."""
+    """One prefill engine's side channel, and the boot the message is for ("": learn it).
+    Keyed by engine and boot too: a refusal from an engine that restarted on the same host:port
+    must not silence messages meant for the new engine."""
 
     engine_id: str
     host: str
     port: int
+    boot_id: str = ""
 
     def __str__(self) -> str:
         return f"engine {self.engine_id!r} at {self.host}:{self.port}"
@@ -191,16 +200,30 @@ class HeartbeatSender:
         return self._num_stale
 
     def submit(
-        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+        self,
+        host: str,
+        port: int,
+        remote_request_ids: Sequence[str],
+        *,
+        engine_id: str,
+        boot_id: str = "",
     ) -> bool:
-        """Queue one heartbeat to prefill ``engine_id``; False if full or stopped."""
-        return self._enqueue(self._send, Destination(engine_id, host, port), remote_request_ids)
+        """Queue one heartbeat to boot ``boot_id`` of prefill ``engine_id``; False if full or
+        stopped."""
+        destination = Destination(engine_id, host, port, boot_id)
+        return self._enqueue(self._send, destination, remote_request_ids)
 
     def submit_release(
-        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+        self,
+        host: str,
+        port: int,
+        remote_request_ids: Sequence[str],
+        *,
+        engine_id: str,
+        boot_id: str = "",
     ) -> bool:
         """Queue one release (decode will never read these); False if full or stopped."""
-        destination = Destination(engine_id, host, port)
+        destination = Destination(engine_id, host, port, boot_id)
         return self._enqueue(self._send_release, destination, remote_request_ids)
 
     def _enqueue(
@@ -221,15 +244,27 @@ class HeartbeatSender:
         return True
 
     def _network_heartbeat(
-        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+        self,
+        host: str,
+        port: int,
+        remote_request_ids: Sequence[str],
+        *,
+        engine_id: str,
+        boot_id: str = "",
     ) -> int:
-        destination = Destination(engine_id, host, port)
+        destination = Destination(engine_id, host, port, boot_id)
         return self._with_boot_id(send_heartbeat, destination, remote_request_ids)
 
     def _network_release(
-        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+        self,
+        host: str,
+        port: int,
+        remote_request_ids: Sequence[str],
+        *,
+        engine_id: str,
+        boot_id: str = "",
     ) -> int:
-        destination = Destination(engine_id, host, port)
+        destination = Destination(engine_id, host, port, boot_id)
         return self._with_boot_id(send_release, destination, remote_request_ids)
 
     def _with_boot_id(
@@ -238,10 +273,11 @@ class HeartbeatSender:
         destination: Destination,
         remote_request_ids: Sequence[str],
     ) -> int:
-        """Send naming the destination's boot id (asked for once); forget it on PeerRestarted."""
+        """Send naming the destination's boot id: the params' one, else asked for once and
+        forgotten on PeerRestarted."""
         host, port, engine_id = destination.host, destination.port, destination.engine_id
         secret, timeout_s = self._secret, self._message_timeout_s
-        boot_id = self._boot_ids.get(destination)
+        boot_id = destination.boot_id or self._boot_ids.get(destination)
         if boot_id is None:
             boot_id = fetch_boot_id(host, port, engine_id=None, secret=secret, timeout_s=timeout_s)
             self._boot_ids.learned(destination, boot_id)
@@ -284,6 +320,7 @@ class HeartbeatSender:
                 destination.port,
                 message.remote_request_ids,
                 engine_id=destination.engine_id,
+                boot_id=destination.boot_id,
             )
         except PeerRestarted as exc:
             # The engine answers, as a new boot: no backoff, the next message asks its boot id.

@@ -10,6 +10,10 @@ were released); each lease's lifecycle state is Producer's record (LEASE_LIFECYC
 A heartbeat or release can only touch the lease it names: ids with no held lease (never
 leased here, or already ended) are *stray*: counted in ``stats``, and nothing else happens.
 Recently ended ids are remembered (bounded) to tell "already ended" from "never leased".
+
+Each lease also has a lease id, drawn at random when it starts and returned in the params:
+``held`` answers decode's LeaseCheck for that very lease, so a later lease of a repeated
+request id never vouches for an earlier one's blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class LeaseTable:
         # Guards _expiry_s, _released, _ended and stats: every method uses them under it.
         self._lock = threading.Lock()
         self._expiry_s: dict[str, float] = {}  # held leases: request id -> expiry time
+        self._lease_ids: dict[str, str] = {}  # held leases: request id -> lease id
         self._released: list[str] = []  # released over the side channel, not yet taken
         self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended ids, oldest first
         self._stats = LeaseStats()
@@ -52,11 +57,26 @@ class LeaseTable:
     def duration_s(self) -> float:
         return self._duration_s
 
-    def lease(self, request_id: str, now: float) -> None:
-        """Hold ``request_id``'s blocks until ``now + duration_s`` (or until extended)."""
+    def lease(self, request_id: str, now: float, lease_id: str = "") -> None:
+        """Hold ``request_id``'s blocks until ``now + duration_s`` (or until extended), as
+        lease ``lease_id``."""
         with self._lock:
             self._expiry_s[request_id] = now + self._duration_s
+            self._lease_ids[request_id] = lease_id
             self._ended.pop(request_id, None)
+
+    def held(self, refs: Iterable[tuple[str, str]], now: float) -> tuple[bool, ...]:
+        """For each (request id, lease id): is that very lease held, and not past its expiry?
+
+        Past expiry counts as not held even before ``expired`` collects it: the engine thread
+        may free those blocks at any moment.
+        """
+        with self._lock:
+            return tuple(
+                self._lease_ids.get(request_id) == lease_id
+                and self._expiry_s[request_id] > now
+                for request_id, lease_id in refs
+            )
 
     def extend(self, request_ids: Iterable[str], now: float) -> int:
         """Push held leases out to ``now + duration_s``; returns how many were held."""
@@ -123,6 +143,7 @@ class LeaseTable:
     def _end(self, request_id: str) -> None:
         """Drop a held lease and remember that it ended. Lock held."""
         del self._expiry_s[request_id]
+        del self._lease_ids[request_id]
         self._ended[request_id] = None
         if len(self._ended) > MAX_ENDED_IDS:
             self._ended.popitem(last=False)

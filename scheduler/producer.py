@@ -7,12 +7,18 @@ its lease expires (EXPIRED), or decode releases it over the side channel (RELEAS
 once in ``finished_sending``. Ended early once announced, its id also goes into ``forgotten`` so
 the ranks stop counting for it. Only the engine thread calls this class; the LeaseTable (expiry
 times and the side channel's releases) is the part shared with the side-channel thread.
+
+Each lease draws a random lease id, returned in the params with the side channel's boot id.
+The ranks count free notifications by lease key (``lease_key``: request id and lease id), so
+``sends``, ``forgotten`` and the ranks' ``finished_sending`` name lease keys, never bare
+request ids: a notification for an ended lease or another boot counts towards nothing here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,6 +32,7 @@ from connector.metrics import (
     default_recorder,
 )
 from connector.params import params_for_decode
+from connector.protocol import lease_key
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
@@ -41,6 +48,7 @@ class _Lease:
     """One held lease; ``state`` says where it stands (Book moves it)."""
 
     leased_s: float  # when it was taken, on the producer's clock
+    key: str  # lease_key(request id, lease id): what the ranks count notifications by
     state: LeaseState = LeaseState.NEW
     ranks_done: frozenset[int] = frozenset()  # reported finished_sending (replaced, not grown)
 
@@ -54,6 +62,7 @@ class Producer:
         leases: LeaseTable,
         clock: Callable[[], float],
         address: Callable[[], tuple[str, int]],
+        boot_id: Callable[[], str] = lambda: "",  # the side channel's boot id, once started
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         on_move: OnMove | None = None,  # sees every state change (tests)
     ) -> None:
@@ -63,6 +72,8 @@ class Producer:
         self._leases = leases  # expiry times and side-channel releases, shared across threads
         self._clock = clock
         self._address = address  # the side channel's (host, port) decode engines call
+        self._boot_id = boot_id
+        self._by_key: dict[str, str] = {}  # lease key -> request id, for the ranks' reports
         self._book: Book[LeaseState, _Lease] = Book(LEASE_LIFECYCLE, what="lease", on_move=on_move)
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_forgotten: list[str] = []
@@ -88,8 +99,11 @@ class Producer:
             )
             return False, None
         now_s = self._clock()
-        self._leases.lease(request_id, now_s)
-        self._book.start(request_id, _Lease(now_s), LEASED)
+        lease_id = secrets.token_hex(8)
+        key = lease_key(request_id, lease_id)
+        self._leases.lease(request_id, now_s, lease_id)
+        self._book.start(request_id, _Lease(now_s, key), LEASED)
+        self._by_key[key] = request_id
         params = params_for_decode(
             engine_id=self._engine_id,
             request_id=request_id,
@@ -98,23 +112,27 @@ class Producer:
             port=port,
             tp_size=self._tp_size,
             num_tokens=num_tokens,
+            boot_id=self._boot_id(),
+            lease_id=lease_id,
         )
         return True, params
 
     def take_step(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(sends, forgotten) for the next metadata, after ending expired and released leases."""
+        """(sends, forgotten) for the next metadata, as lease keys, after ending expired and
+        released leases."""
         self.end_lapsed_leases()
-        sends = self._book.ids(LEASED)
-        for request_id in sends:
-            self._book.move(request_id, ANNOUNCED)
+        sends = tuple(
+            self._book.move(request_id, ANNOUNCED).key for request_id in self._book.ids(LEASED)
+        )
         forgotten, self._pending_forgotten = tuple(self._pending_forgotten), []
         return sends, forgotten
 
     def on_reports(self, reports: Iterable[WorkerReport]) -> None:
         for report in reports:
-            for request_id in report.finished_sending:
-                lease = self._book.get(request_id)
-                if lease is None:
+            for key in report.finished_sending:
+                request_id = self._by_key.get(key)
+                lease = None if request_id is None else self._book.get(request_id)
+                if request_id is None or lease is None:
                     self.num_stray_reports += 1  # already ended (expired, released) or not ours
                     continue
                 lease.ranks_done |= {report.tp_rank}
@@ -148,11 +166,12 @@ class Producer:
     def _end_early(self, request_id: str, ended: LeaseState) -> None:
         lease = self._book.get(request_id)
         if lease is not None and lease.state is ANNOUNCED:
-            self._pending_forgotten.append(request_id)  # LEASED: the ranks never heard of it
+            self._pending_forgotten.append(lease.key)  # LEASED: the ranks never heard of it
         self._finish(request_id, ended)
 
     def _finish(self, request_id: str, ended: LeaseState) -> None:
         lease = self._book.move(request_id, ended)
+        del self._by_key[lease.key]
         self._metrics.observe(PREFILL_FREE_SECONDS, self._clock() - lease.leased_s)
         self._finished.append(request_id)
 

@@ -1,7 +1,7 @@
 """The side-channel server: a ZMQ ROUTER on a background thread answering handshakes and leases.
 
-It serves each TP rank's WorkerHandshake, and applies heartbeats and releases through two
-callbacks (which must be thread-safe: they run on this thread). A heartbeat or release names
+It serves each TP rank's WorkerHandshake, applies heartbeats and releases, and answers lease
+checks, through three callbacks (which must be thread-safe: they run on this thread). A heartbeat or release names
 the engine it is for; one meant for another engine (a late message to an engine that restarted
 on this host:port, whose request ids may repeat) is refused and never reaches the callbacks.
 Every request but Hello also names this server's boot id, drawn at random when it is made:
@@ -34,6 +34,8 @@ from connector.protocol import (
     Heartbeat,
     Hello,
     HelloReply,
+    LeaseCheck,
+    LeaseStatus,
     Release,
     Reply,
     Request,
@@ -50,6 +52,12 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 50
 LeaseCallback = Callable[[tuple[str, ...]], int]  # request ids -> how many were held
+# (request id, lease id) pairs -> whether each very lease is held now
+LeaseCheckCallback = Callable[[tuple[tuple[str, str], ...]], tuple[bool, ...]]
+
+
+def _no_leases(refs: tuple[tuple[str, str], ...]) -> tuple[bool, ...]:
+    return (False,) * len(refs)
 
 
 class SideChannelServer:
@@ -72,6 +80,7 @@ class SideChannelServer:
         engine_id: str,
         on_heartbeat: LeaseCallback,
         on_release: LeaseCallback,
+        on_lease_check: LeaseCheckCallback = _no_leases,
         secret: str | None = None,
         max_message_bytes: int = 16 * 2**20,
         clock: Callable[[], float] = time.time,
@@ -90,6 +99,7 @@ class SideChannelServer:
         self._handshakes = dict(handshakes)
         self._on_heartbeat = on_heartbeat
         self._on_release = on_release
+        self._on_lease_check = on_lease_check
         self._secret = secret
         self._max_message_bytes = max_message_bytes
         self._clock = clock
@@ -221,6 +231,9 @@ class SideChannelServer:
             return self._refuse_other_engine(request)
         if isinstance(request, Heartbeat):
             return self._ack(request, self._on_heartbeat(request.remote_request_ids))
+        if isinstance(request, LeaseCheck):
+            refs = tuple((ref.remote_request_id, ref.lease_id) for ref in request.leases)
+            return LeaseStatus(self._on_lease_check(refs))
         return self._ack(request, self._on_release(request.remote_request_ids))
 
     def _ack(self, request: Heartbeat | Release, num_known: int) -> Ack:
@@ -250,7 +263,7 @@ class SideChannelServer:
             code=STALE_BOOT,
         )
 
-    def _refuse_other_engine(self, request: Heartbeat | Release) -> ErrorReply:
+    def _refuse_other_engine(self, request: Heartbeat | Release | LeaseCheck) -> ErrorReply:
         """Touch no lease: the ids are another engine's, and may name this engine's requests."""
         kind = type(request).__name__.lower()
         self._log.info(

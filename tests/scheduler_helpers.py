@@ -58,13 +58,25 @@ class RecordingHeartbeats(HeartbeatSender):
         self.released: list[tuple[str, str, int, tuple[str, ...]]] = []
 
     def submit(
-        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+        self,
+        host: str,
+        port: int,
+        remote_request_ids: Sequence[str],
+        *,
+        engine_id: str,
+        boot_id: str = "",
     ) -> bool:
         self.sent.append((engine_id, host, port, tuple(remote_request_ids)))
         return True
 
     def submit_release(
-        self, host: str, port: int, remote_request_ids: Sequence[str], *, engine_id: str
+        self,
+        host: str,
+        port: int,
+        remote_request_ids: Sequence[str],
+        *,
+        engine_id: str,
+        boot_id: str = "",
     ) -> bool:
         self.released.append((engine_id, host, port, tuple(remote_request_ids)))
         return True

@@ -431,7 +431,7 @@ def test_lease_expires_when_no_decode_reads(engines: Callable[..., Engine], cloc
 def test_heartbeats_renew_the_lease(engines: Callable[..., Engine], clock: Clock) -> None:
     acked = threading.Event()
 
-    def send(host: str, port: int, ids: Sequence[str], *, engine_id: str) -> None:
+    def send(host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = "") -> None:
         send_heartbeat(host, port, ids, engine_id=engine_id, secret=None, timeout_s=2.0)
         acked.set()
 

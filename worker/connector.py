@@ -30,10 +30,11 @@ from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
-from connector.metadata import ConnectorMetadata, WorkerReport
+from connector.metadata import ConnectorMetadata, RemoteSource, WorkerReport
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from worker.compat import fingerprint
 from worker.handshake import Fetcher, HandshakeClient
+from worker.lease_proof import LeaseCheck, LeaseProofs
 from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
@@ -61,6 +62,26 @@ def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
     return fetch
 
 
+def side_channel_lease_check(config: ConnectorConfig) -> LeaseCheck:
+    """Ask the lease's prefill side channel, naming the boot the params name (no Hello)."""
+    from connector.side_channel_client import check_leases
+
+    def check(remote: RemoteSource) -> bool:
+        (held,) = check_leases(
+            remote.host,
+            remote.port,
+            [(remote.remote_request_id, remote.lease_id)],
+            engine_id=remote.engine_id,
+            boot_id=remote.boot_id,
+            secret=config.side_channel_secret,
+            timeout_s=config.handshake_timeout_s,
+            max_message_bytes=config.max_message_bytes,
+        )
+        return held
+
+    return check
+
+
 def handshake_wait_s(config: ConnectorConfig) -> float:
     """How long a load may wait for its peer: every handshake attempt, then one lease more."""
     return config.handshake_timeout_s * (config.handshake_retries + 1) + config.kv_lease_duration_s
@@ -80,6 +101,7 @@ class WorkerConnector:
         agent: NixlAgent,
         clock: Callable[[], float] = time.monotonic,
         fetch: Fetcher | None = None,
+        lease_check: LeaseCheck | None = None,
     ) -> None:
         self._config = config
         self._engine_id = engine_id
@@ -102,6 +124,7 @@ class WorkerConnector:
             clock=clock,
             local_backends=config.backends,
         )
+        self._proofs = LeaseProofs(lease_check or side_channel_lease_check(config))
         self._notifications = NotificationCounter(
             clock=clock, early_ttl_s=config.kv_lease_duration_s
         )
@@ -146,6 +169,7 @@ class WorkerConnector:
             transfer_timeout_s=self._config.kv_lease_duration_s,
             handshake_wait_s=handshake_wait_s(self._config),
             on_peer_failure=self._peers.retire,
+            proofs=self._proofs,
         )
         self._agent_metadata = self._agent.get_agent_metadata()
         self._peers.use_prepared_lists(PreparedLists(self._agent, self._region_addresses, memory))
@@ -219,8 +243,10 @@ class WorkerConnector:
                 self._tp_rank,
             )
             self._client.close()
+            self._proofs.close()
             return
         self._client.close()
+        self._proofs.close()
         if self._loads is not None:
             self._loads.abandon_all()
         self._peers.close()

@@ -1,15 +1,17 @@
 """One decode load on a worker rank: its record, its states and the moves between them, as data.
 
-    WAITING ──────────────► READING ──────────► SUCCEEDED
-       │  \\                  │   \\
-       │   └─► FAILING ◄─────┘    └─► ABORT_READING ──► ABORTED
-       │         │  \\                    ▲
-       │         ▼   └────────────────────┘
-       ├──────► FAILED ◄── (READING, when nothing is live)
-       └─► ABORT_WAITING ──────────────────────────────► ABORTED
+    WAITING ──────────────► READING ──────────► CONFIRMING ──► SUCCEEDED
+       │  \\                  │   \\                │  \\
+       │   └─► FAILING ◄─────┘    └─► ABORT_READING ◄┘   └─► FAILED
+       │         │  \\                    │   ▲
+       │         ▼   └────────────────────┼───┘
+       ├──────► FAILED ◄── (READING,       ▼
+       │                   nothing live)  ABORTED
+       └─► ABORT_WAITING ──────────────────► ABORTED
 
-A load waits for its peer's handshake (WAITING), posts its READs (READING) and ends once:
-SUCCEEDED, FAILED or ABORTED. A failure or an abort while READs are live waits for them
+A load waits for its peer's handshake (WAITING), posts its READs (READING), then, with every
+READ landed, waits for prefill's word that the lease still holds (CONFIRMING: the proof,
+worker/lease_proof.py) and ends once: SUCCEEDED, FAILED or ABORTED. A failure or an abort while READs are live waits for them
 (FAILING, ABORT_READING): decode blocks are never handed back under a READ. An abort before
 anything was posted still waits for the handshake (ABORT_WAITING), to notify prefill.
 """
@@ -35,6 +37,7 @@ class LoadState(enum.Enum):
     WAITING = enum.auto()  # for the peer's handshake
     ABORT_WAITING = enum.auto()  # aborted before posting: waits for the handshake to notify
     READING = enum.auto()  # READs posted and live
+    CONFIRMING = enum.auto()  # every READ landed; asking prefill whether the lease held
     FAILING = enum.auto()  # failed (``failure`` says why); READs still live
     ABORT_READING = enum.auto()  # aborted while READs are live
     SUCCEEDED = enum.auto()
@@ -48,7 +51,8 @@ LOAD_LIFECYCLE = TransitionTable(
     {
         _L.WAITING: {_L.READING, _L.FAILING, _L.SUCCEEDED, _L.FAILED, _L.ABORT_WAITING},
         _L.ABORT_WAITING: {_L.ABORTED},
-        _L.READING: {_L.SUCCEEDED, _L.FAILING, _L.FAILED, _L.ABORT_READING},
+        _L.READING: {_L.CONFIRMING, _L.FAILING, _L.FAILED, _L.ABORT_READING},
+        _L.CONFIRMING: {_L.SUCCEEDED, _L.FAILED, _L.ABORT_READING},
         _L.FAILING: {_L.FAILED, _L.ABORT_READING},
         _L.ABORT_READING: {_L.ABORTED},
         _L.SUCCEEDED: (),
@@ -77,7 +81,7 @@ class Load:
     state: LoadState = LoadState.WAITING
     failure: str | None = None  # the first failure; the outcome unless aborted
     posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
-    riding: set[int] = field(default_factory=set)  # ranks whose notification rides a READ
+    proof_ticket: int | None = None  # the lease check in flight (CONFIRMING)
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
     timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
 
@@ -121,7 +125,7 @@ class Load:
     def abort(self) -> None:
         if self.state is _L.WAITING:
             self.move(_L.ABORT_WAITING)
-        elif self.state in (_L.READING, _L.FAILING):
+        elif self.state in (_L.READING, _L.FAILING, _L.CONFIRMING):
             self.move(_L.ABORT_READING)
 
     def end(self) -> None:
@@ -132,14 +136,21 @@ class Load:
             self.move(_L.FAILED if self.failure is not None else _L.SUCCEEDED)
 
     def settle(self) -> None:
-        """After posting or polling: end once nothing is live, or mark a failure under READs."""
+        """After posting or polling: once nothing is live, confirm READs that all landed (the
+        lease proof) or end; with READs live, mark a failure."""
         if self.posted:
             if self.failure is not None and self.state in (_L.WAITING, _L.READING):
                 self.move(_L.FAILING)
             elif self.state is _L.WAITING:
                 self.move(_L.READING)
+        elif self.state is _L.READING and self.failure is None:
+            self.move(_L.CONFIRMING)
         else:
             self.end()
+
+    @property
+    def confirming(self) -> bool:
+        return self.state is _L.CONFIRMING
 
     @property
     def reading(self) -> bool:

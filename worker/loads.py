@@ -1,16 +1,17 @@
 """Decode side: the loads in flight on one rank, each from its LoadSpec to its one outcome.
 
 A ``Load`` (worker/load_lifecycle.py: its states and moves) waits for its peer's handshake,
-then plans and posts the READs of each remote rank it reads (one READ carrying that rank's
-free notification, or two, by index and by byte ranges, after which the notification goes
-alone) and sends notification-only messages to the ranks it covers but does not read. It ends
-once, with success or a reason, and only when no posted READ is live: decode blocks are never
-handed back under a READ.
+then plans and posts the READs of each remote rank it reads (one, or two: by index and by
+byte ranges). Once every READ landed it asks prefill whether the lease still holds
+(worker/lease_proof.py): only a held lease makes it a success. Then, success or not, every
+covered remote rank gets its free notification: none rides a READ, so this rank's own
+notification cannot end the lease before the proof. It ends once, with success or a reason,
+and only when no posted READ is live: decode blocks are never handed back under a READ.
 
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
-A failed load also notifies the covered ranks it had not notified (best effort), so prefill
-does not hold its blocks until the lease expires.
+A failed load notifies the covered ranks too (best effort), so prefill does not hold its
+blocks until the lease expires.
 
 Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
@@ -30,8 +31,9 @@ from connector.errors import ConnectorError
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
-from connector.protocol import encode_free_notif
+from connector.protocol import encode_free_notif, lease_key
 from connector.trace import load_ended
+from worker.lease_proof import LeaseProofs, unprovable_reason
 from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
@@ -118,9 +120,11 @@ def record_outcome(
 
 
 def free_notif(load: Load, remote_rank: int) -> bytes:
-    """The free notification for ``remote_rank``; its count is the peer's duty, the one source
-    (every rank read or notified is a rank this rank covers)."""
-    return encode_free_notif(load.remote.remote_request_id, load.peer.duty[remote_rank])
+    """The free notification for ``remote_rank``, naming the lease (``lease_key``); its count
+    is the peer's duty, the one source (every rank read or notified is one this rank covers)."""
+    remote = load.remote
+    key = lease_key(remote.remote_request_id, remote.lease_id)
+    return encode_free_notif(key, load.peer.duty[remote_rank])
 
 
 def notify(agent: NixlAgent, load: Load, remote_rank: int) -> None:
@@ -168,6 +172,7 @@ class LoadTable:
         transfer_timeout_s: float,  # a request's READs are given up after this long on this rank
         handshake_wait_s: float,  # a load waits at most this long for its peer's handshake
         on_peer_failure: Callable[[Peer], None],
+        proofs: LeaseProofs,
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         on_move: OnMove | None = None,  # tests watch every load's moves
     ) -> None:
@@ -180,6 +185,7 @@ class LoadTable:
         self._transfer_timeout_s = transfer_timeout_s
         self._handshake_wait_s = handshake_wait_s
         self._on_peer_failure = on_peer_failure
+        self._proofs = proofs
         self._loads: dict[str, Load] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # ended ids, to spot late aborts
 
@@ -256,6 +262,25 @@ class LoadTable:
         elif load.reading:
             self._poll(load)
             load.settle()
+        if load.confirming:
+            self._confirm(load)
+
+    def _confirm(self, load: Load) -> None:
+        """Every READ landed: succeed only once prefill says the lease still holds."""
+        if load.proof_ticket is None:
+            reason = unprovable_reason(load.remote)
+            if reason is not None:
+                load.fail(reason)
+                load.end()
+                return
+            load.proof_ticket = self._proofs.submit(load.remote)
+        answered, reason = self._proofs.take(load.proof_ticket)
+        if not answered:
+            return
+        load.proof_ticket = None
+        if reason is not None:
+            load.fail(reason)
+        load.end()
 
     def _start(self, load: Load) -> None:
         peer = load.peer
@@ -310,19 +335,12 @@ class LoadTable:
             if not self._post_rank(load, link, plan):
                 return
         load.timeline.posted_s = self._clock()
-        if len(load.peer.duty) > len(plans):  # covered ranks this request does not read
-            read_ranks = {plan.remote_rank for plan in plans}
-            for remote_rank in sorted(set(load.peer.duty) - read_ranks):
-                notify(self._agent, load, remote_rank)
 
     def _post_rank(self, load: Load, link: PeerLink, plan: RankPlan) -> bool:
-        """Post the one or two READs of a remote rank. A single READ carries the rank's free
-        notification; with two, it is sent once both are done (neither may free early)."""
+        """Post the one or two READs of a remote rank, carrying no notification: it goes once
+        the lease is proven (or the load failed)."""
         remote_rank = plan.remote_rank
         notif = b""
-        if plan.num_reads == 1:
-            notif = free_notif(load, remote_rank)
-            load.riding.add(remote_rank)
         if plan.by_index is not None:
             prepared = link.prepared[remote_rank]
             make = functools.partial(
@@ -377,8 +395,6 @@ class LoadTable:
             if state is TransferState.DONE:
                 load.timeline.done_s = self._clock()
                 self._release(load, key)
-                if not any(k[0] == remote_rank for k in load.posted):
-                    self._rank_done(load, remote_rank)
             elif self._clock() - load.created_s > self._transfer_timeout_s:
                 load.fail(
                     f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} did not "
@@ -387,23 +403,16 @@ class LoadTable:
                 # A READ the backend cannot cancel stays live: keep waiting for it.
                 self._release(load, key, keep_if_live=True)
 
-    def _rank_done(self, load: Load, remote_rank: int) -> None:
-        """Every READ from ``remote_rank`` landed: its free notification rode on the READ, or
-        goes now (a request read in two parts, unless one of them failed)."""
-        if remote_rank in load.riding:
-            load.notified.add(remote_rank)
-        elif load.failure is None:
-            notify(self._agent, load, remote_rank)
-
     def _finish(self, load: Load) -> Outcome:
         del self._loads[load.request_id]
         load.peer.load_detached()
         self._recent[load.request_id] = None
         if len(self._recent) > MAX_RECENT_IDS:
             self._recent.popitem(last=False)
+        if load.proof_ticket is not None:  # aborted while prefill was being asked
+            self._proofs.abandon(load.proof_ticket)
         reason = load.reason
-        if reason is not None:
-            notify_rest(self._agent, load)
+        notify_rest(self._agent, load)
         if load.state is LoadState.FAILED:
             logger.warning("request %s failed: %s", load.request_id, reason)
         record_outcome(self._metrics, self._agent.name, load, reason, self._clock())

@@ -1,0 +1,123 @@
+"""Prove a load's lease: after its READs landed, ask prefill whether that very lease still holds.
+
+Block ids are addresses, not capabilities: a READ returns whatever the blocks hold when it
+runs. A load is therefore reported successful only when prefill says, after the last READ of
+this rank completed, that the lease the params name is still held. A held lease was held
+during every READ: prefill never revives an ended lease, and lease ids are random per lease,
+so a later lease of a repeated request id cannot answer for an earlier one. The free
+notifications go out only after the answer, so this rank's own notification cannot end the
+lease before it is checked.
+
+Threading contract: check threads only talk to side channels (through the injected ``check``)
+and put answers on a queue; the transfer thread submits and collects. Each check is bounded
+by its own timeout, and every submitted check ends in exactly one answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from connector.errors import ConnectorError, PeerRestarted
+from connector.metadata import RemoteSource
+
+logger = logging.getLogger(__name__)
+
+# Is the lease ``remote`` names held by its prefill engine right now? Raises ConnectorError
+# when prefill cannot be asked (PeerRestarted: it is another boot, so the lease is gone).
+LeaseCheck = Callable[[RemoteSource], bool]
+
+# Failure reasons start with these (connector/metrics.py maps them to bounded kinds).
+LEASE_EXPIRED = "lease expired"
+LEASE_UNPROVEN = "lease not proven"
+
+
+def unprovable_reason(remote: RemoteSource) -> str | None:
+    """Why a load from ``remote`` can never be proven (its params name no lease), or None."""
+    if remote.lease_id and remote.boot_id:
+        return None
+    return (
+        f"{LEASE_UNPROVEN}: the kv_transfer_params of prefill request "
+        f"{remote.remote_request_id!r} carry no remote_lease_id/remote_boot_id, so decode "
+        "cannot show prefill held the blocks while it read them; pass through every key the "
+        "prefill engine returned, and run the same nixl-pd-connector on both engines"
+    )
+
+
+def lease_failure(remote: RemoteSource, held: bool | ConnectorError) -> str | None:
+    """The load's failure reason for a check's answer, or None when the lease held."""
+    if held is True:
+        return None
+    what = (
+        f"prefill engine {remote.engine_id!r} request {remote.remote_request_id!r} "
+        f"(lease {remote.lease_id})"
+    )
+    if held is False:
+        return (
+            f"{LEASE_EXPIRED}: {what} was no longer held when this rank's READs completed "
+            "(expired, released, or ended by another reader); its blocks may hold another "
+            "request's KV, so the loaded bytes are discarded"
+        )
+    if isinstance(held, PeerRestarted):
+        return f"{LEASE_EXPIRED}: {what}: the prefill engine restarted since it leased ({held})"
+    return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
+
+
+class LeaseProofs:
+    """A small pool of check threads; answers come back by ticket through ``take``."""
+
+    def __init__(self, check: LeaseCheck, *, max_threads: int = 4) -> None:
+        self._check = check
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
+        self._tickets = itertools.count(1)
+        self._answers: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()
+        # The transfer thread only: answers arrived, and tickets whose load no longer waits.
+        self._arrived: dict[int, str | None] = {}
+        self._abandoned: set[int] = set()
+
+    def submit(self, remote: RemoteSource) -> int:
+        """Start checking ``remote``'s lease; its answer comes back from ``take(ticket)``."""
+        ticket = next(self._tickets)
+        self._pool.submit(self._run, ticket, remote)
+        return ticket
+
+    def take(self, ticket: int) -> tuple[bool, str | None]:
+        """(answered?, failure reason or None if the lease held) for ``ticket``."""
+        self._collect()
+        if ticket not in self._arrived:
+            return False, None
+        return True, self._arrived.pop(ticket)
+
+    def abandon(self, ticket: int) -> None:
+        """The load no longer waits for ``ticket`` (aborted): drop its answer when it comes."""
+        self._collect()
+        if ticket in self._arrived:
+            del self._arrived[ticket]
+        else:
+            self._abandoned.add(ticket)
+
+    def close(self) -> None:
+        """Wait for running checks (each bounded by its timeout) and stop the threads."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _collect(self) -> None:
+        while not self._answers.empty():  # one consumer (the transfer thread): empty() is exact
+            ticket, reason = self._answers.get_nowait()
+            if ticket in self._abandoned:
+                self._abandoned.discard(ticket)
+            else:
+                self._arrived[ticket] = reason
+
+    def _run(self, ticket: int, remote: RemoteSource) -> None:
+        held: bool | ConnectorError
+        try:
+            held = self._check(remote)
+        except ConnectorError as error:
+            held = error
+        except Exception as error:  # a bug must still answer, never leave a load waiting
+            logger.exception("lease check of %s crashed", remote.remote_request_id)
+            held = ConnectorError(f"lease check crashed: {error!r}")
+        self._answers.put((ticket, lease_failure(remote, held)))
