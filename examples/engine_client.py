@@ -3,8 +3,13 @@
 A ZMQ DEALER keeps many requests in flight; every wait is bounded. ZMQ hides a dead peer (it
 queues and reconnects quietly), so the client watches two signals to report a dead server as
 such instead of letting its requests time out: the connection dropping (a killed process: the
-kernel closes its sockets) and silence (a stopped or hung one: a ping, GetStats, sent after
+kernel closes its sockets) and silence (a stopped or hung one: a Ping, sent after
 ``ping_after_s`` without any message, unanswered for ``dead_after_s``).
+
+Busy is not dead: the server answers Ping from its socket's own thread
+(``examples.request_socket``), even while one engine step takes longer than ``dead_after_s``.
+A server that answers pings keeps its requests until their own deadline (the router's
+timeout), however slow its engine is.
 """
 
 from __future__ import annotations
@@ -27,16 +32,17 @@ from examples.engine_loop import (
     GetStats,
     Info,
     Output,
+    Ping,
     Stats,
     Submit,
     event_decoder,
 )
-from examples.serve import MAX_REQUEST_BYTES
+from examples.request_socket import MAX_REQUEST_BYTES
 
 Reply = TypeVar("Reply", Info, Stats)
 MAX_EVENTS_PER_POLL = 1024
 PING_AFTER_S = 1.0  # silence, while requests are pending, before a liveness ping
-DEAD_AFTER_S = 5.0  # an unanswered ping older than this: the server is stopped or hung
+DEAD_AFTER_S = 5.0  # an unanswered ping older than this: the process is stopped or hung
 MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
@@ -122,12 +128,12 @@ class EngineClient:
         now_s = self._clock()
         if self._ping_sent_s is None:
             if now_s - self._last_heard_s > self._ping_after_s:
-                self._send(GetStats())
+                self._send(Ping())
                 self._ping_sent_s = now_s
         elif now_s - self._ping_sent_s > self._dead_after_s:
             self._problem = (
                 f"the server at {self.address} stopped answering: no reply to a ping within "
-                f"{self._dead_after_s} s (is it stopped, hung or overloaded?)"
+                f"{self._dead_after_s} s (is the process stopped or hung?)"
             )
 
     def _send(self, command: Command) -> None:

@@ -1,8 +1,8 @@
 """The command loop that serves one engine over a transport, and the messages it speaks.
 
-``EngineLoop`` applies commands (Submit, GetStats, GetInfo, Shutdown) and sends events (Output,
-Stats, Info, Error; the processes add Ready and Fatal), each request's output to the peer that
-submitted it. ``examples.server`` runs it over stdin/stdout (the demo's child processes),
+``EngineLoop`` applies commands (Submit, GetStats, GetInfo, Ping, Shutdown) and sends events
+(Output, Stats, Info, Pong, Error; the processes add Ready and Fatal), each request's output to
+the peer that submitted it. ``examples.server`` runs it over stdin/stdout (the demo's child processes),
 ``examples.serve`` over a loopback ZMQ socket (``nixl-pd serve``).
 """
 
@@ -45,11 +45,15 @@ class GetInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="get_
     pass
 
 
+class Ping(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ping"):
+    """Are you alive? ``nixl-pd serve`` answers it off the engine thread, even mid-step."""
+
+
 class Shutdown(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shutdown"):
     pass
 
 
-Command = Submit | GetStats | GetInfo | Shutdown
+Command = Submit | GetStats | GetInfo | Ping | Shutdown
 
 
 class Ready(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ready"):
@@ -73,6 +77,10 @@ class Info(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="info"):
     side_channel_port: int
 
 
+class Pong(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="pong"):
+    pass  # the process is alive; its engine may still be busy with a long step
+
+
 class Error(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
     message: str  # a command that could not be decoded; the server keeps serving
 
@@ -81,14 +89,14 @@ class Fatal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="fatal"
     message: str
 
 
-Event = Ready | Output | Stats | Info | Error | Fatal
+Event = Ready | Output | Stats | Info | Pong | Error | Fatal
 
 command_decoder = msgspec.json.Decoder(Command)
 event_decoder = msgspec.json.Decoder(Event)
 COMMAND_HELP = (
     'send one JSON object per message: {"type": "submit", "request": {"request_id": ..., '
     '"prompt_token_ids": [...], "max_tokens": ..., "kv_transfer_params": {...}}}, '
-    '{"type": "get_stats"} or {"type": "get_info"}'
+    '{"type": "get_stats"}, {"type": "get_info"} or {"type": "ping"}'
 )
 
 Peer = tuple[bytes, ...]  # where a command came from, so replies go back there (() on stdin)
@@ -233,7 +241,9 @@ class EngineLoop:
     def _apply(self, command: Command, peer: Peer) -> bool:
         if isinstance(command, Shutdown):
             return False
-        if isinstance(command, GetStats):
+        if isinstance(command, Ping):
+            self.transport.send(peer, Pong())
+        elif isinstance(command, GetStats):
             self.transport.send(peer, stats_of(self.engine))
         elif isinstance(command, GetInfo):
             side_channel_port = (

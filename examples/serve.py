@@ -1,19 +1,19 @@
 """`nixl-pd serve`: one example engine as a long-running process on a loopback request socket.
 
-The socket is a ZMQ ROUTER: clients (``examples.route.EngineClient``, a DEALER; or a REQ socket)
-send one JSON command per message (``examples.engine_loop``: Submit, GetStats, GetInfo) and get
-events back: each request's Output when it finishes, Stats, Info, or Error for a command that
-does not decode. Messages are size-bounded (an oversized one drops that peer's connection) and
-decoded only through typed msgspec decoders; nothing a client sends stops the server. It runs
-``EngineLoop``, the loop the demo's child processes run, until SIGINT or SIGTERM. With
-``metrics_port`` set it also serves the connector's metrics (connector.metrics) on
-``http://host:port/metrics``.
+The socket is a ZMQ ROUTER (``examples.request_socket``): clients (``examples.engine_client``, a
+DEALER; or a REQ socket) send one JSON command per message (``examples.engine_loop``: Submit,
+GetStats, GetInfo, Ping) and get events back: each request's Output when it finishes, Stats,
+Info, Pong, or Error for a command that does not decode. Its own thread answers Ping, so a
+server busy with a long engine step still shows it is alive. Messages are size-bounded (an
+oversized one drops that peer's connection) and decoded only through typed msgspec decoders;
+nothing a client sends stops the server. It runs ``EngineLoop``, the loop the demo's child
+processes run, until SIGINT or SIGTERM. With ``metrics_port`` set it also serves the
+connector's metrics (connector.metrics) on ``http://host:port/metrics``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -21,32 +21,18 @@ import uuid
 from collections.abc import Callable
 
 import msgspec
-import zmq
 
 from connector.config import ENV_SIDE_CHANNEL_SECRET, ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.metrics import default_recorder
-from connector.side_channel_client import zmq_endpoint
 from examples.engine import Engine, EngineConfig
-from examples.engine_loop import (
-    Command,
-    EngineLoop,
-    Event,
-    GetInfo,
-    GetStats,
-    Peer,
-    Submit,
-    decode_command,
-)
+from examples.engine_loop import EngineLoop
+from examples.request_socket import SocketTransport
 from examples.server import connector_config, real_agent_factory
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}  # request sockets, as in vLLM's P/D examples
-MAX_REQUEST_BYTES = 4 * 2**20  # a 4096-token prompt is ~25 KiB of JSON
-MAX_BATCH_MESSAGES = 256  # commands taken per loop turn, so steps keep running under load
-# Shutdown is not a socket command: whoever started the server stops it (Ctrl-C, SIGTERM).
-socket_command_decoder = msgspec.json.Decoder(Submit | GetStats | GetInfo)
 
 
 class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -71,50 +57,6 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 5.0  # decode extends leases this often while it waits
     handshake_timeout_s: float = 5.0  # per side-channel attempt
     handshake_retries: int = 2  # more attempts after the first, with backoff
-
-
-class SocketTransport:
-    """The request socket: a bound ZMQ ROUTER used only by the engine loop's thread."""
-
-    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_REQUEST_BYTES) -> None:
-        self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self.socket.setsockopt(zmq.IPV6, 1)
-        try:
-            self.socket.bind(zmq_endpoint(host, port or "*"))
-        except zmq.ZMQError as exc:
-            self.socket.close(linger=0)
-            raise UnsupportedConfiguration(
-                f"request socket cannot bind {host}:{port} ({exc}); another server may hold "
-                "the port: pass a free --port (0 picks one)"
-            ) from None
-        self.port = int(self.socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-
-    def receive(self, timeout_s: float) -> list[tuple[bytes, Peer]] | None:
-        messages: list[tuple[bytes, Peer]] = []
-        if not self.socket.poll(math.ceil(timeout_s * 1000)):  # 0.5 ms -> 1 ms, not a busy 0
-            return messages
-        while len(messages) < MAX_BATCH_MESSAGES:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            # ROUTER prepends the peer's identity; a REQ peer adds an empty delimiter frame.
-            messages.append((frames[len(frames) - 1], tuple(frames[: len(frames) - 1])))
-        return messages
-
-    def decode(self, payload: bytes) -> Command:
-        return decode_command(socket_command_decoder, payload)
-
-    def send(self, peer: Peer, event: Event) -> None:
-        try:  # a peer that is gone or not reading: ROUTER drops the reply
-            self.socket.send_multipart([*peer, msgspec.json.encode(event)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("reply to a peer dropped: %s", exc)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
 
 
 def engine_config(options: ServeOptions) -> EngineConfig:

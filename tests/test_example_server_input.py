@@ -28,7 +28,7 @@ from examples.engine_loop import (
     Peer,
     decode_command,
 )
-from examples.serve import socket_command_decoder
+from examples.request_socket import socket_command_decoder
 
 
 def submit(request_id: str = "ok", **request: object) -> bytes:
