@@ -9,10 +9,16 @@ for that key starts a fresh handshake, which picks up a restarted peer's new age
 retired record's prepared lists and agents are freed once no load and no posted READ refers to
 it (its states and moves: worker/peer_lifecycle.py).
 
-A failed handshake is remembered per key (a negative cache): later requests for that key fail
-at once with the reason instead of waiting for a handshake of their own, and one background
-probe (a single attempt) per ``probe_interval_s`` finds a prefill that came back under the same
-engine id. A restarted prefill normally has a new engine id: a new key, handshaken at once.
+A failed handshake is remembered per key (a negative cache) while the failure is fresh:
+requests for that key then fail at once with the reason instead of waiting for a handshake of
+their own, and one background probe (a single attempt) per ``probe_interval_s`` looks for a
+prefill that came back under the same engine id (a stopped one continued, say). A probe that
+has answered decides the next request, even before the transfer thread's next poll. A failure
+no attempt has confirmed for ``stale_after_s`` (no request asked for the key meanwhile, so
+nobody probed) is no longer believed: the next request makes one fresh attempt, and it and the
+requests after it wait for that attempt instead of failing with a reason that may be stale
+(issue 25: a prefill continued 26 s earlier failed half the next batch with such a reason). A
+restarted prefill normally has a new engine id: a new key, handshaken at once.
 
 The rank's transfer thread only (worker/transfer_thread.py): the table calls the NIXL agent
 (add/remove remote agents); the handshake threads behind ``HandshakeClient`` only fetch bytes.
@@ -47,6 +53,7 @@ from worker.topology import head_shapes, notification_duty
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0  # a failed peer key gets at most one background probe per interval
+STALE_AFTER_S = 3.0  # a failure no attempt confirmed for this long: the next request retries
 MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
 
 
@@ -113,6 +120,7 @@ class PeerTable:
         clock: Callable[[], float],
         local_backends: Sequence[str] = ("UCX",),
         probe_interval_s: float = PROBE_INTERVAL_S,
+        stale_after_s: float = STALE_AFTER_S,
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
         self._agent = agent
@@ -127,9 +135,11 @@ class PeerTable:
         self._local_backends = tuple(local_backends)
         self._clock = clock
         self._probe_interval_s = probe_interval_s
+        self._stale_after_s = stale_after_s
         self._current: dict[PeerKey, Peer] = {}  # HANDSHAKING or READY
         self._failures: dict[PeerKey, _Failure] = {}  # the negative cache, oldest first
         self._pending: dict[int, Peer] = {}  # job id -> the peer its handshake is for
+        self._finished: list[Peer] = []  # handshakes completed since the last poll()
         self._job_ids = itertools.count(1)
         self._retired: list[Peer] = []  # retired generations whose agents are still loaded
         self._agent_refs: dict[str, int] = {}  # loaded remote agent -> peers using it
@@ -142,10 +152,15 @@ class PeerTable:
     def ensure(self, source: RemoteSource) -> Peer:
         """The peer serving ``source``, starting a handshake if none is usable.
 
-        A TP pairing that cannot work, or a key whose handshake failed recently, gives a
-        FAILED peer at once, without a handshake.
+        A TP pairing that cannot work, or a key whose handshake failed recently (a fresh
+        failure, or one a background probe is re-checking), gives a FAILED peer at once,
+        without a handshake. A stale failure gets one fresh attempt that the request waits for.
         """
         key = peer_key(source)
+        failure = self._failures.get(key)
+        if failure is not None and failure.probing:
+            self._take_results()  # a probe that has answered decides, not the cached failure
+            failure = self._failures.get(key)
         peer = self._current.get(key)
         if peer is not None:
             return peer
@@ -153,24 +168,19 @@ class PeerTable:
             duty = notification_duty(self._tp_rank, self._tp_size, source.tp_size, self._shapes)
         except UnsupportedConfiguration as error:
             return _failed_peer(source, str(error))
-        failure = self._failures.get(key)
-        if failure is not None:
+        if failure is not None and not self._stale(failure):
             return self._fail_fast(source, duty, failure)
+        if failure is not None:  # nobody confirmed it for a while: it may be back; ask once
+            del self._failures[key]
         peer = Peer(source.engine_id, source.host, source.port, source.tp_size, duty)
         self._current[key] = peer
-        self._submit(peer, retries=None)
+        self._submit(peer, retries=None if failure is None else 0)
         return peer
 
     def poll(self) -> list[Peer]:
         """Peers whose handshake finished since the last call (READY or FAILED)."""
-        finished = []
-        for result in self._client.poll():
-            peer = self._pending.pop(result.job.job_id, None)
-            if peer is None:
-                logger.error("handshake result for unknown job %s dropped", result.job)
-                continue
-            self._complete(peer, result)
-            finished.append(peer)
+        self._take_results()
+        finished, self._finished = self._finished, []
         self._remove_idle_retired()
         return finished
 
@@ -201,6 +211,20 @@ class PeerTable:
             peer.engine_id, peer.host, peer.port, tuple(peer.duty), job_id=job_id, retries=retries
         )
         self._client.submit(job)
+
+    def _take_results(self) -> None:
+        """Complete the handshakes that finished; poll() reports them."""
+        for result in self._client.poll():
+            peer = self._pending.pop(result.job.job_id, None)
+            if peer is None:
+                logger.error("handshake result for unknown job %s dropped", result.job)
+                continue
+            self._complete(peer, result)
+            self._finished.append(peer)
+
+    def _stale(self, failure: _Failure) -> bool:
+        """No attempt has confirmed ``failure`` for stale_after_s, and none is under way."""
+        return not failure.probing and self._clock() - failure.failed_s >= self._stale_after_s
 
     def _fail_fast(self, source: RemoteSource, duty: dict[int, int], failure: _Failure) -> Peer:
         """A FAILED peer for a key that failed recently; maybe start its background probe."""
