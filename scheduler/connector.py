@@ -212,6 +212,11 @@ class SchedulerConnector:
         """
         return self._producer.has_pending_work or self._consumer.has_pending_work
 
+    @property
+    def num_tracked_loads(self) -> int:
+        """Decode requests with a load record (each kept until its request_finished)."""
+        return self._consumer.num_tracked
+
     def shutdown(self) -> None:
         if self._side_channel is not None:
             self._side_channel.stop()

@@ -5,8 +5,14 @@ Each request's load is one record in a Book, moved only along LOAD_LIFECYCLE
 (ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
 rank) -> every rank reports -> REPORTED once, in finished_recving or failed_recving. An abort
 before the LoadSpec went out sends a ReleaseSpec instead so the prefill engine frees its blocks
-at once. Requests with nothing to load (a full local prefix hit) are RELEASING only and never
-reported: the engine is not waiting for them. Only the engine thread calls this class.
+at once. Only the engine thread calls this class.
+
+The record lives until request_finished, whatever happens before: once prefill was told to
+free (RELEASING, RELEASED) or the load was reported, an engine that asks again (preemption, a
+prefix-cache reset, a failed allocation) gets (0, False) and computes locally. A new load can
+never start on blocks prefill already freed. Prefill is told to free only when the engine
+decided: at allocation with nothing to load (a full local prefix hit), as vLLM's own connector
+does, or at request_finished; never at an ask, which the engine may repeat with a smaller hit.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ logger = logging.getLogger(__name__)
 MATCHED, ALLOCATED, LOADING = LoadState.MATCHED, LoadState.ALLOCATED, LoadState.LOADING
 DRAINING, REPORTED, ENDED = LoadState.DRAINING, LoadState.REPORTED, LoadState.ENDED
 RELEASING, REPORTED_RELEASING = LoadState.RELEASING, LoadState.REPORTED_RELEASING
+RELEASED = LoadState.RELEASED
 _RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
 _RANKS_HOLD_BLOCKS = (ALLOCATED, LOADING, DRAINING)  # at request_finished: delay the free
 _RANKS_ANSWER_RELEASE = (RELEASING, REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
 _HEARTBEATING = (MATCHED, ALLOCATED, LOADING, DRAINING)  # prefill must keep the KV
-_PENDING = tuple(state for state in LoadState if state not in (REPORTED, ENDED))
+_PENDING = tuple(state for state in LoadState if state not in (REPORTED, RELEASED, ENDED))
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +55,7 @@ class _Load:
     unplannable: str = ""  # why decode's blocks cannot take the load: fails it at the next step
     ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
     failures: dict[int, str] = dataclasses.field(default_factory=dict)  # tp_rank -> reason
+    finished: bool = False  # request_finished was called: forget the record once it is quiet
 
 
 class Consumer:
@@ -79,22 +87,16 @@ class Consumer:
         load = self._loads.get(request_id)
         num_new_tokens = num_tokens - num_cached_tokens
         if load is None:
-            load = _Load(source, num_tokens, num_cached_tokens)
-            if num_new_tokens <= 0:  # nothing to load (a full local prefix hit)
-                self._loads.start(request_id, load, RELEASING)
-                self._tell_prefill_to_free(request_id, load)
-                return 0, False
-            self._loads.start(request_id, load, MATCHED)
-            return num_new_tokens, True
-        if load.state is not MATCHED:
-            return 0, False  # allocated, loading, reported or releasing: nothing new to claim
-        # Scheduled again before allocation: the local prefix hit may have changed.
-        load.source, load.num_tokens = source, num_tokens
-        load.num_cached_tokens = num_cached_tokens
-        if num_new_tokens <= 0:
-            self._release_only(request_id, load, RELEASING)
-            return 0, False
-        return num_new_tokens, True
+            self._loads.start(request_id, _Load(source, num_tokens, num_cached_tokens), MATCHED)
+        elif load.state is MATCHED:
+            # Scheduled again before allocation: the local prefix hit may have changed.
+            load.source, load.num_tokens = source, num_tokens
+            load.num_cached_tokens = num_cached_tokens
+        else:
+            return 0, False  # allocated, loading, reported or released: never a new load
+        # Nothing to load (a full local prefix hit): prefill is released at allocation, once
+        # the engine decided; an ask may be repeated with a smaller hit.
+        return (num_new_tokens, True) if num_new_tokens > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -136,7 +138,8 @@ class Consumer:
             self._release_over_side_channel(source)
             return False, None
         state = load.state
-        if state is REPORTED:
+        load.finished = True
+        if state in (REPORTED, RELEASED):
             self._loads.move(request_id, ENDED)
         elif state is REPORTED_RELEASING:
             self._loads.move(request_id, RELEASING)
@@ -199,8 +202,10 @@ class Consumer:
         if load.state in _RANKS_ANSWER_RELEASE:
             load.ranks_done.add(tp_rank)
             if len(load.ranks_done) == self._tp_size:
-                done = ENDED if load.state is RELEASING else REPORTED
-                self._loads.move(request_id, done)
+                if load.state is REPORTED_RELEASING:
+                    self._loads.move(request_id, REPORTED)
+                else:  # the request may live on: keep its record until request_finished
+                    self._loads.move(request_id, ENDED if load.finished else RELEASED)
             return
         if load.state not in _RANKS_ANSWER_LOAD:
             return  # already reported, or a report before any instruction

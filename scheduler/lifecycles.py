@@ -34,6 +34,7 @@ class LoadState(LifecycleState):
     REPORTED = enum.auto()  # reported to the engine; forgotten at request_finished
     REPORTED_RELEASING = enum.auto()  # reported failed (unplannable); ranks still ack a release
     RELEASING = enum.auto()  # release only: ranks ack a ReleaseSpec; the engine waits for nothing
+    RELEASED = enum.auto()  # prefill told to free, the request lives on: it never loads again
     ENDED = enum.auto()
 
 
@@ -41,14 +42,16 @@ _L = LoadState
 LOAD_LIFECYCLE = TransitionTable(
     "decode load",
     {
-        _L.NEW: {_L.MATCHED, _L.RELEASING},  # nothing to load (full prefix hit): release only
-        _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},  # asked again before allocation: no move
+        _L.NEW: {_L.MATCHED},
+        # asked again before allocation: no move; nothing to load at allocation: release only
+        _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},
         _L.ALLOCATED: {_L.LOADING, _L.DRAINING, _L.REPORTED_RELEASING},
         _L.LOADING: {_L.DRAINING, _L.REPORTED},
         _L.DRAINING: {_L.ENDED},
         _L.REPORTED: {_L.ENDED},
         _L.REPORTED_RELEASING: {_L.REPORTED, _L.RELEASING},
-        _L.RELEASING: {_L.ENDED},
+        _L.RELEASING: {_L.ENDED, _L.RELEASED},  # RELEASED: acked while the request lives
+        _L.RELEASED: {_L.ENDED},  # at request_finished
         _L.ENDED: (),
     },
 )

@@ -91,6 +91,13 @@ def _num_loadable_tokens(request: Request, backoff: int) -> int:
     return num_tokens
 
 
+def _params_summary(info: RequestInfo) -> str:
+    params = info.kv_transfer_params
+    if not isinstance(params, dict):
+        return f"params are now {type(params).__name__}"
+    return f"do_remote_prefill is now {params.get('do_remote_prefill')!r}"
+
+
 def _claims_a_load(params: object) -> bool:
     """Do these params ask for a remote prefill's KV? (Read, not validated: see SchedulerSide.)"""
     return type(params) is dict and params.get("do_remote_prefill") is True
@@ -236,15 +243,32 @@ class SchedulerSide:
         """
         request_id = info.request_id
         try:
-            self.connector.get_num_new_matched_tokens(info, num_computed)
+            _, loads = self.connector.get_num_new_matched_tokens(info, num_computed)
         except InvalidTransferParams as exc:
-            logger.warning("request %s: %s", request_id, exc)
-            if num_external_tokens > 0:
-                self._to_announce[request_id] = f"invalid kv_transfer_params: {exc}"
-            self._track(request_id, REFUSED)
-            return False
+            return self._refuse(
+                request_id, f"invalid kv_transfer_params: {exc}", num_external_tokens
+            )
+        if num_external_tokens > 0 and not loads:
+            # vLLM parked the request for the tokens claimed at its first ask, but its params
+            # no longer ask for a load (another connector edited them in between): nothing
+            # would ever answer the wait. Fail it; vLLM's failure policy decides.
+            return self._refuse(
+                request_id,
+                "kv_transfer_params changed between vLLM's first ask and allocation: "
+                f"{_params_summary(info)}; nothing is "
+                "loaded for this request",
+                num_external_tokens,
+            )
         self._track(request_id, HANDED)
         return True
+
+    def _refuse(self, request_id: str, reason: str, num_external_tokens: int) -> bool:
+        """Never offer the request a load again; announce its load failed if vLLM parked it."""
+        logger.warning("request %s: %s", request_id, reason)
+        if num_external_tokens > 0:
+            self._to_announce[request_id] = reason
+        self._track(request_id, REFUSED)
+        return False
 
     def _track(self, request_id: str, state: TrackedState) -> None:
         self._tracked.start(request_id, _Tracked(), state)
