@@ -1,5 +1,9 @@
 """Prove a load's lease: after its READs landed, ask prefill whether that very lease still holds.
 
+A first check runs when the load arrives, alongside the handshake: a lease already gone fails
+the load before any READ is posted (no bandwidth spent on bytes that cannot be used). The
+second, after the READs, is the proof.
+
 Block ids are addresses, not capabilities: a READ returns whatever the blocks hold when it
 runs. A load is therefore reported successful only when prefill says, after the last READ of
 this rank completed, that the lease the params name is still held. A held lease was held
@@ -47,7 +51,13 @@ def unprovable_reason(remote: RemoteSource) -> str | None:
     )
 
 
-def lease_failure(remote: RemoteSource, held: bool | ConnectorError) -> str | None:
+BEFORE_READS = "before any READ was posted"
+AFTER_READS = "when this rank's READs completed"
+
+
+def lease_failure(
+    remote: RemoteSource, held: bool | ConnectorError, when: str = AFTER_READS
+) -> str | None:
     """The load's failure reason for a check's answer, or None when the lease held."""
     if held is True:
         return None
@@ -57,9 +67,9 @@ def lease_failure(remote: RemoteSource, held: bool | ConnectorError) -> str | No
     )
     if held is False:
         return (
-            f"{LEASE_EXPIRED}: {what} was no longer held when this rank's READs completed "
-            "(expired, released, or ended by another reader); its blocks may hold another "
-            "request's KV, so the loaded bytes are discarded"
+            f"{LEASE_EXPIRED}: {what} was no longer held {when} (expired, released, or "
+            "ended by another reader); its blocks may hold another request's KV, so nothing "
+            "read from them is used"
         )
     if isinstance(held, PeerRestarted):
         return f"{LEASE_EXPIRED}: {what}: the prefill engine restarted since it leased ({held})"
@@ -78,10 +88,10 @@ class LeaseProofs:
         self._arrived: dict[int, str | None] = {}
         self._abandoned: set[int] = set()
 
-    def submit(self, remote: RemoteSource) -> int:
+    def submit(self, remote: RemoteSource, when: str = AFTER_READS) -> int:
         """Start checking ``remote``'s lease; its answer comes back from ``take(ticket)``."""
         ticket = next(self._tickets)
-        self._pool.submit(self._run, ticket, remote)
+        self._pool.submit(self._run, ticket, remote, when)
         return ticket
 
     def take(self, ticket: int) -> tuple[bool, str | None]:
@@ -111,7 +121,7 @@ class LeaseProofs:
             else:
                 self._arrived[ticket] = reason
 
-    def _run(self, ticket: int, remote: RemoteSource) -> None:
+    def _run(self, ticket: int, remote: RemoteSource, when: str) -> None:
         held: bool | ConnectorError
         try:
             held = self._check(remote)
@@ -120,4 +130,4 @@ class LeaseProofs:
         except Exception as error:  # a bug must still answer, never leave a load waiting
             logger.exception("lease check of %s crashed", remote.remote_request_id)
             held = ConnectorError(f"lease check crashed: {error!r}")
-        self._answers.put((ticket, lease_failure(remote, held)))
+        self._answers.put((ticket, lease_failure(remote, held, when)))

@@ -33,7 +33,7 @@ from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
 from connector.protocol import encode_free_notif, lease_key
 from connector.trace import load_ended
-from worker.lease_proof import LeaseProofs, unprovable_reason
+from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
 from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
@@ -202,7 +202,10 @@ class LoadTable:
             )
             return
         self._recent.pop(spec.request_id, None)
-        self._loads[spec.request_id] = self._new_load(spec.request_id, spec.remote, peer, spec)
+        load = self._new_load(spec.request_id, spec.remote, peer, spec)
+        self._loads[spec.request_id] = load
+        if unprovable_reason(spec.remote) is None:  # else it fails before posting anything
+            load.proof_ticket = self._proofs.submit(spec.remote, BEFORE_READS)
 
     def abort(self, request_id: str, remote: RemoteSource, peer: Peer) -> None:
         """Abort a request; one never loaded here gets a record only to notify prefill.
@@ -295,16 +298,35 @@ class LoadTable:
                 load.end()
             return
         link = peer.link
-        if link is not None:
+        if link is not None and load.timeline.handshake_ready_s is None:
             load.timeline.handshake_ready_s = self._clock()
         if link is None:
             load.fail(f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}")
             load.end()
         elif load.aborting or load.spec is None:
             load.end()
-        else:
+        elif self._lease_holds_before_reads(load):
             self._post(load, load.spec, link)
             load.settle()
+
+    def _lease_holds_before_reads(self, load: Load) -> bool:
+        """Whether to post: the check started at ``add`` said the lease holds. False while it
+        is unanswered (the load waits, bounded by the handshake wait) or after the load
+        failed for it."""
+        if load.prechecked:
+            return True
+        reason = unprovable_reason(load.remote)
+        if reason is None and load.proof_ticket is not None:
+            answered, reason = self._proofs.take(load.proof_ticket)
+            if not answered:
+                return False
+            load.proof_ticket = None
+        if reason is not None:
+            load.fail(reason)
+            load.end()
+            return False
+        load.prechecked = True
+        return True
 
     def _post(self, load: Load, spec: LoadSpec, link: PeerLink) -> None:
         planner = link.planner
