@@ -97,11 +97,20 @@ def connector_under_test() -> str:
     return name
 
 
-def kv_transfer_config(connector: str, kv_role: str) -> dict[str, Any]:
+def kv_transfer_config(
+    connector: str,
+    kv_role: str,
+    *,
+    failure_policy: str = "fail",
+    extra_config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """--kv-transfer-config for one side. Decode fails a request whose KV load failed
     (``fail``, vLLM's default, spelled out): ``recompute`` would hide a broken transfer
-    behind a locally computed, correct answer."""
-    config: dict[str, Any] = {"kv_role": kv_role, "kv_load_failure_policy": "fail"}
+    behind a locally computed, correct answer, so only tests of that policy ask for it.
+    ``extra_config`` becomes kv_connector_extra_config."""
+    config: dict[str, Any] = {"kv_role": kv_role, "kv_load_failure_policy": failure_policy}
+    if extra_config:
+        config["kv_connector_extra_config"] = dict(extra_config)
     if connector == "nixlpd":
         config.update(kv_connector="NixlPDConnector", kv_connector_module_path="connector.vllm")
     else:
@@ -140,11 +149,13 @@ class EngineSpec:
     http_port: int
     kv_config: Mapping[str, Any] | None = None
     side_channel_port: int | None = None
+    extra_args: tuple[str, ...] = ()  # more engine arguments, e.g. --num-gpu-blocks-override
 
     def command(self) -> list[str]:
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(self.model_dir), "--host", HOST, "--port", str(self.http_port)]
         cmd += ENGINE_ARGS
+        cmd += self.extra_args
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         return cmd
@@ -224,6 +235,21 @@ class Engine:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
+    def pause(self) -> None:
+        """SIGSTOP every process of the engine (a hung host, as far as its peers can tell)."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT what `pause` stopped."""
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        assert self._proc is not None, "start() first"
+        _signal_group(self._proc.pid, sig)
+        for pid in _pids_with_env(MARKER_ENV, self._marker):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self._tmp_dir, ignore_errors=True)
@@ -231,6 +257,11 @@ class Engine:
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10.0) as response:
             return str(response.read().decode())
+
+    def metric(self, name: str) -> float:
+        """The sum of every sample of metric ``name`` on /metrics (0.0 when it has none)."""
+        pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)$"
+        return sum(float(value) for value in re.findall(pattern, self.metrics(), re.MULTILINE))
 
     def block_size(self) -> int:
         """The engine's real KV block size, from vllm:cache_config_info."""
@@ -314,12 +345,14 @@ def completion_body(
     }
 
 
-def _open(url: str, body: Mapping[str, Any], timeout_s: float) -> Any:
+def _open(
+    url: str, body: Mapping[str, Any], timeout_s: float, request_id: str | None = None
+) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:  # vLLM builds its request id from it: find it in engine logs
+        headers["X-Request-Id"] = request_id
     request = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
+        url + "/v1/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
     )
     try:
         return urllib.request.urlopen(request, timeout=timeout_s)
@@ -333,11 +366,14 @@ def complete(
     max_tokens: int,
     *,
     timeout_s: float = REQUEST_TIMEOUT_S,
+    request_id: str | None = None,
     **extra: Any,
 ) -> Completion:
-    """One non-streamed completion; raises RequestFailed on an error status or finish."""
+    """One non-streamed completion; raises RequestFailed on an error status or finish.
+    ``request_id`` is sent as X-Request-Id."""
     started = time.monotonic()
-    with _open(url, completion_body(prompt_ids, max_tokens, **extra), timeout_s) as response:
+    body = completion_body(prompt_ids, max_tokens, **extra)
+    with _open(url, body, timeout_s, request_id) as response:
         payload = json.loads(response.read())
     choice = payload["choices"][0]
     if choice.get("finish_reason") not in ("length", "stop"):
