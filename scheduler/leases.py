@@ -73,8 +73,7 @@ class LeaseTable:
         """
         with self._lock:
             return tuple(
-                self._lease_ids.get(request_id) == lease_id
-                and self._expiry_s[request_id] > now
+                self._lease_ids.get(request_id) == lease_id and self._expiry_s[request_id] > now
                 for request_id, lease_id in refs
             )
 

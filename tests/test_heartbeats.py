@@ -97,7 +97,9 @@ def test_decode_heartbeats_reach_the_prefill_side_channel(
     """Decode's real sender thread keeps prefill's lease alive across several lease lengths."""
     delivered = threading.Event()
 
-    def send(host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = "") -> object:
+    def send(
+        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
+    ) -> object:
         held = send_heartbeat(host, port, ids, engine_id=engine_id, secret=None, timeout_s=2.0)
         delivered.set()
         return held
@@ -148,7 +150,9 @@ def test_a_message_for_an_engine_that_restarted_away_leaves_the_lease_alone(
 def test_heartbeat_failures_are_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     attempted = threading.Event()
 
-    def send(host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = "") -> object:
+    def send(
+        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
+    ) -> object:
         attempted.set()
         raise HandshakeError("side channel 127.0.0.9:1 did not answer")
 
@@ -167,7 +171,9 @@ def test_a_full_heartbeat_queue_drops_instead_of_blocking() -> None:
     sending = threading.Event()  # the sender thread is busy with the first heartbeat
     release = threading.Event()
 
-    def send(host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = "") -> object:
+    def send(
+        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
+    ) -> object:
         sending.set()
         return release.wait(5.0)
 
@@ -247,7 +253,9 @@ class FakeSideChannels:
         self.dead: set[str] = set()
         self._marker_seen = threading.Event()
 
-    def __call__(self, host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = "") -> object:
+    def __call__(
+        self, host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
+    ) -> object:
         if engine_id == self.MARKER.engine_id:
             self._marker_seen.set()
             return 0

@@ -21,7 +21,7 @@ from connector.config import ConnectorConfig
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from connector.metadata import BlockIds
-from connector.protocol import WorkerHandshake
+from connector.protocol import WorkerHandshake, lease_key
 from connector.side_channel_client import send_heartbeat
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
@@ -431,7 +431,9 @@ def test_lease_expires_when_no_decode_reads(engines: Callable[..., Engine], cloc
 def test_heartbeats_renew_the_lease(engines: Callable[..., Engine], clock: Clock) -> None:
     acked = threading.Event()
 
-    def send(host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = "") -> None:
+    def send(
+        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
+    ) -> None:
         send_heartbeat(host, port, ids, engine_id=engine_id, secret=None, timeout_s=2.0)
         acked.set()
 
@@ -510,17 +512,22 @@ def test_stray_duplicate_and_garbage_notifications_change_nothing(
     decode = engines(Role.CONSUMER, make_spec(), 1)
     target = prefill.agents[0]
     rogue = decode.agents[0]  # a real peer misbehaving: it already knows prefill's agent
-    info = decode.receive("d-1", prefill.prefill("p-1", 9), 9)
+    params = prefill.prefill("p-1", 9)
+    info = decode.receive("d-1", params, 9)
     run_until([prefill, decode], lambda: "d-1" in decode.outcomes and "p-1" in prefill.outcomes)
-    for message in (b"p-1:1", b"garbage", b"\xff\xfe:1", b"never-leased:1", b"p-1:0"):
+    # Notifications name the lease (request@lease): the ended lease's key is a late duplicate,
+    # the bare request id names no lease at all (stray, like the never-leased one).
+    ended_key = lease_key("p-1", params["remote_lease_id"]).encode()
+    for message in (ended_key + b":1", b"garbage", b"\xff\xfe:1", b"never-leased:1", b"p-1:0",
+                    b"p-1:1"):  # fmt: skip
         rogue.send_notif(target.name, message)
     info2 = decode.receive("d-2", prefill.prefill("p-2", 9), 9)
     run_until([prefill, decode], lambda: "d-2" in decode.outcomes and "p-2" in prefill.outcomes)
     assert decode.outcomes == {"d-1": None, "d-2": None}
-    clock.now_s += LEASE_S + 1  # the never-leased id is written off as stray
+    clock.now_s += LEASE_S + 1  # the never-leased ids are written off as stray
     prefill.step()
     stats = prefill.workers[0].notification_stats
-    assert (stats.counted, stats.duplicate, stats.garbage, stats.stray) == (2, 1, 3, 1)
+    assert (stats.counted, stats.duplicate, stats.garbage, stats.stray) == (2, 1, 3, 2)
     decode.finish(info)
     decode.finish(info2)
     assert_accounted(prefill, decode)

@@ -166,10 +166,12 @@ def test_stats_reach_vllms_loggers_and_its_prometheus_objects(
     assert summed("nixl_pd_prefill_free_seconds_count") == 1
 
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "nixl_pd.trace"]
-    assert [(line["event"], line["request_id"]) for line in lines] == [
-        ("load", "req-1"),  # decode's rank: its READ is done
-        ("send", "req-1"),  # prefill's rank: the free notification arrived
+    assert [line["event"] for line in lines] == [
+        "load",  # decode's rank: its READ is done and the lease proven
+        "send",  # prefill's rank: the free notification arrived
     ]
     load, send = lines
+    # Prefill's ranks count by lease key, "<request id>@<lease id>": the send line names it.
+    assert load["request_id"] == "req-1" and send["request_id"].startswith("req-1@")
     assert (load["outcome"], load["num_bytes"], load["remote_ranks"]) == ("ok", num_bytes, [0])
     assert send["senders"] == [load["agent"]]

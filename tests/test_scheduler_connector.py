@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,8 +12,8 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec
-from connector.protocol import WorkerHandshake
-from connector.side_channel_client import send_heartbeat, send_release
+from connector.protocol import WorkerHandshake, lease_key
+from connector.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
     CONFIG,
@@ -74,13 +75,21 @@ def served_prefill(clock: FakeClock) -> Iterator[SchedulerConnector]:
 # ---------------------------------------------------------------- prefill (producer)
 
 
+def key_of(params: dict[str, Any] | None) -> str:
+    """The lease key prefill's ranks count free notifications by, for these params."""
+    assert params is not None
+    return lease_key(params["remote_request_id"], params["remote_lease_id"])
+
+
 def test_prefill_lifecycle_reports_finished_sending_once_all_ranks_freed(
     prefill: SchedulerConnector,
 ) -> None:
     request = prefill_request()
     assert prefill.get_num_new_matched_tokens(request, 0) == (0, False)
     delay, params = prefill.request_finished(request, ((1, 2, 3),))
-    assert delay is True
+    assert delay is True and params is not None
+    lease_id = params["remote_lease_id"]
+    assert re.fullmatch("[0-9a-f]{16}", lease_id), lease_id  # random per lease
     assert params == {
         "do_remote_prefill": True,
         "remote_engine_id": "prefill-0",
@@ -91,14 +100,16 @@ def test_prefill_lifecycle_reports_finished_sending_once_all_ranks_freed(
         "tp_size": 2,
         "transfer_mode": "pull",
         "remote_num_tokens": 40,
+        "remote_lease_id": lease_id,  # no remote_boot_id: this side channel never started
     }
-    assert prefill.build_connector_meta() == ConnectorMetadata(sends=("p1",))
+    key = lease_key("p1", lease_id)  # the ranks count free notifications by lease key
+    assert prefill.build_connector_meta() == ConnectorMetadata(sends=(key,))
     assert prefill.build_connector_meta() == ConnectorMetadata()
-    prefill.update_connector_output([report(0, finished_sending=("p1",)), report(1)])
+    prefill.update_connector_output([report(0, finished_sending=(key,)), report(1)])
     assert prefill.take_finished() == NO_FINISHED
-    prefill.update_connector_output([report(1, finished_sending=("p1",))])
+    prefill.update_connector_output([report(1, finished_sending=(key,))])
     assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
-    prefill.update_connector_output(all_ranks(finished_sending=("p1",)))
+    prefill.update_connector_output(all_ranks(finished_sending=(key,)))
     assert prefill.take_finished() == NO_FINISHED
 
 
@@ -123,29 +134,30 @@ def test_roles_are_advisory_as_in_vllm(
     assert connector.get_num_new_matched_tokens(decode_side, 0) == (40, True)
     connector.update_state_after_alloc(decode_side, ((4, 5, 6),), 40)
     step = connector.build_connector_meta()
-    assert step.sends == ("p1",) and [load.request_id for load in step.loads] == ["d1"]
+    assert step.sends == (key_of(params),) and [load.request_id for load in step.loads] == ["d1"]
     connector.shutdown()
 
 
 def test_a_rank_reporting_twice_does_not_count_for_another(prefill: SchedulerConnector) -> None:
-    prefill.request_finished(prefill_request(), ((1,),))
-    prefill.update_connector_output([report(0, finished_sending=("p1",))] * 2)
+    _, params = prefill.request_finished(prefill_request(), ((1,),))
+    prefill.update_connector_output([report(0, finished_sending=(key_of(params),))] * 2)
     assert prefill.take_finished() == NO_FINISHED
 
 
 def test_lease_expiry_frees_and_forgets_with_a_warning(
     prefill: SchedulerConnector, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    prefill.request_finished(prefill_request(), ((1,),))
-    assert prefill.build_connector_meta().sends == ("p1",)
+    _, params = prefill.request_finished(prefill_request(), ((1,),))
+    key = key_of(params)
+    assert prefill.build_connector_meta().sends == (key,)
     clock.advance(LEASE_S - 0.001)
     assert prefill.build_connector_meta() == ConnectorMetadata()
     clock.advance(0.001)
     with caplog.at_level(logging.WARNING):
-        assert prefill.build_connector_meta() == ConnectorMetadata(forgotten=("p1",))
+        assert prefill.build_connector_meta() == ConnectorMetadata(forgotten=(key,))
     assert "lease of 30.0 s expired" in caplog.text
     assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
-    prefill.update_connector_output(all_ranks(finished_sending=("p1",)))  # late readers
+    prefill.update_connector_output(all_ranks(finished_sending=(key,)))  # late readers
     assert prefill.take_finished() == NO_FINISHED
 
 
@@ -161,12 +173,12 @@ def test_expiry_before_the_sends_went_out_is_never_forgotten_to_the_ranks(
 def test_lease_expiry_is_also_checked_on_update_connector_output(
     prefill: SchedulerConnector, clock: FakeClock
 ) -> None:
-    prefill.request_finished(prefill_request(), ((1,),))
+    _, params = prefill.request_finished(prefill_request(), ((1,),))
     prefill.build_connector_meta()
     clock.advance(LEASE_S)
     prefill.update_connector_output([])
     assert prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
-    assert prefill.build_connector_meta() == ConnectorMetadata(forgotten=("p1",))
+    assert prefill.build_connector_meta() == ConnectorMetadata(forgotten=(key_of(params),))
 
 
 @pytest.mark.parametrize(
@@ -213,6 +225,20 @@ HOST = "127.0.0.1"
 AS_PREFILL_0: dict[str, Any] = {"engine_id": "prefill-0", "secret": None, "timeout_s": 2.0}
 
 
+def test_params_carry_the_side_channels_boot_and_a_fresh_lease_id_per_lease(
+    served_prefill: SchedulerConnector, clock: FakeClock
+) -> None:
+    _, first = served_prefill.request_finished(prefill_request(), ((1,),))
+    clock.advance(LEASE_S + 1)
+    served_prefill.build_connector_meta()  # the first lease expired: p1 may be leased again
+    _, second = served_prefill.request_finished(prefill_request(), ((2,),))
+    assert first is not None and second is not None
+    port = served_prefill.side_channel_port
+    boot_id = fetch_boot_id(HOST, port, engine_id="prefill-0", secret=None, timeout_s=2.0)
+    assert first["remote_boot_id"] == second["remote_boot_id"] == boot_id
+    assert first["remote_lease_id"] != second["remote_lease_id"]
+
+
 def test_heartbeats_over_the_side_channel_extend_the_lease(
     served_prefill: SchedulerConnector, clock: FakeClock
 ) -> None:
@@ -232,12 +258,12 @@ def test_heartbeats_over_the_side_channel_extend_the_lease(
 def test_a_release_over_the_side_channel_frees_at_the_next_step(
     served_prefill: SchedulerConnector,
 ) -> None:
-    served_prefill.request_finished(prefill_request(), ((1,),))
+    _, params = served_prefill.request_finished(prefill_request(), ((1,),))
     served_prefill.build_connector_meta()
     port = served_prefill.side_channel_port
     assert send_release(HOST, port, ["p1"], **AS_PREFILL_0) == 1
     assert send_release(HOST, port, ["p1"], **AS_PREFILL_0) == 0
-    assert served_prefill.build_connector_meta() == ConnectorMetadata(forgotten=("p1",))
+    assert served_prefill.build_connector_meta() == ConnectorMetadata(forgotten=(key_of(params),))
     assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
 
 
@@ -303,10 +329,11 @@ def test_bad_params_raise_on_first_sight_and_keep_no_state(
 def test_reports_from_ranks_outside_tp_size_are_ignored(
     prefill: SchedulerConnector, caplog: pytest.LogCaptureFixture
 ) -> None:
-    prefill.request_finished(prefill_request(), ((1,),))
+    _, params = prefill.request_finished(prefill_request(), ((1,),))
+    key = key_of(params)
     with caplog.at_level(logging.ERROR):
         prefill.update_connector_output(
-            [report(0, finished_sending=("p1",)), report(7, finished_sending=("p1",))]
+            [report(0, finished_sending=(key,)), report(7, finished_sending=(key,))]
         )
     assert "tp_rank 7" in caplog.text
     assert prefill.take_finished() == NO_FINISHED

@@ -1,7 +1,9 @@
 """Worker-side connector against doubles: handshakes, per-request failures, aborts, notifications.
 
 The NIXL agent here is a recording double (no bytes move; tests decide each READ's fate), so
-every path can be driven step by step. Bytes landing for real is tests/test_lifecycle.py's job.
+every path can be driven step by step; prefill's answer to the lease check is a double too
+(held unless a test says otherwise). Bytes landing for real is tests/test_lifecycle.py's job,
+the lease proof's own cases are tests/test_lease_proof.py's.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ class RecordingAgent:
 
 CONFIG = ConnectorConfig(handshake_retries=0, kv_lease_duration_s=30.0, heartbeat_interval_s=5.0)
 PREFILL_PORT = 7001
+LEASE_ID = "l1"  # every source() names this lease of its request: notifications say "<id>@l1"
+BOOT_ID = "b1"
 
 
 def remote_handshake(
@@ -193,11 +197,36 @@ class SideChannels:
         return self.served[port][tp_rank]
 
 
+class LeaseChecks:
+    """The lease-check double: prefill's answer per remote request id (held unless set in
+    ``answers``: False, or an exception to raise); records each check and its thread."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, bool | Exception] = {}
+        self.checked: list[tuple[str, str, str]] = []  # (remote request id, lease id, boot id)
+        self.threads: set[str] = set()
+        self.gate = threading.Event()  # checks wait for it; tests clear it to stall them
+        self.gate.set()
+
+    def __call__(self, remote: RemoteSource) -> bool:
+        self.gate.wait(5.0)
+        self.checked.append((remote.remote_request_id, remote.lease_id, remote.boot_id))
+        self.threads.add(threading.current_thread().name)
+        answer = self.answers.get(remote.remote_request_id, True)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
 def source(
     request_id: str = "p-req", *, engine_id: str = "p", tp_size: int = 1, port: int = PREFILL_PORT,
-    block_ids: tuple[tuple[int, ...], ...] = ((2, 3),),
+    block_ids: tuple[tuple[int, ...], ...] = ((2, 3),), lease_id: str = LEASE_ID,
+    boot_id: str = BOOT_ID,
 ) -> RemoteSource:  # fmt: skip
-    return RemoteSource(engine_id, "127.0.0.1", port, tp_size, request_id, block_ids)
+    return RemoteSource(
+        engine_id, "127.0.0.1", port, tp_size, request_id, block_ids, boot_id=boot_id,
+        lease_id=lease_id,
+    )  # fmt: skip
 
 
 def load(request_id: str, remote: RemoteSource, local_ids: tuple[int, ...] = (0, 1)) -> LoadSpec:
@@ -217,10 +246,11 @@ class Rig:
     ) -> None:
         self.clock = Clock()
         self.channels = SideChannels()
+        self.leases = LeaseChecks()
         self.agent = RecordingAgent(f"decode-r{tp_rank}")
         self.worker = WorkerConnector(
             config, engine_id="decode", tp_rank=tp_rank, tp_size=tp_size, spec=spec,
-            agent=self.agent, clock=self.clock, fetch=self.channels,
+            agent=self.agent, clock=self.clock, fetch=self.channels, lease_check=self.leases,
         )  # fmt: skip
         num_regions = len(build_rank_layout(spec, tp_rank, tp_size).region_bytes)
         self.worker.register_kv_caches([0x100_0000 * (i + 1) for i in range(num_regions)])
@@ -270,7 +300,7 @@ def rig() -> Any:
 def test_register_rejects_wrong_region_count() -> None:
     worker = WorkerConnector(
         CONFIG, engine_id="d", tp_rank=0, tp_size=1, spec=BASE, agent=RecordingAgent("a"),
-        fetch=SideChannels(),
+        fetch=SideChannels(), lease_check=LeaseChecks(),
     )  # fmt: skip
     try:
         with pytest.raises(UnsupportedConfiguration, match="call register_kv_caches first"):
@@ -297,12 +327,18 @@ def test_one_handshake_per_engine_shared_by_its_requests(rig: Rig) -> None:
     rig.step(loads=(load("a", source("pa")), load("b", source("pb")), load("c", other)))
     rig.until(lambda: len(rig.agent.reads) == 3)
     assert sorted(rig.channels.calls) == [(PREFILL_PORT, 0), (PREFILL_PORT + 1, 0)]
-    assert sorted(read.notif for read in rig.agent.reads) == [b"pa:1", b"pb:1", b"q-req:1"]
-    assert rig.finished == []
+    assert [read.notif for read in rig.agent.reads] == [b""] * 3  # none rides a READ
+    assert rig.finished == [] and rig.agent.sent == []
+    checked = [("pa", "l1", "b1"), ("pb", "l1", "b1"), ("q-req", "l1", "b1")]
+    assert sorted(rig.leases.checked) == checked  # each lease held before its READs
     rig.finish_reads()
-    rig.collect()
+    rig.until(lambda: len(rig.finished) == 3)
     assert sorted(rig.finished) == ["a", "b", "c"] and rig.failed == {}
     assert all(read.released for read in rig.agent.reads)
+    assert sorted(rig.leases.checked) == sorted(checked * 2)  # and after them: the proof
+    assert sorted(rig.agent.sent) == [
+        ("p-r0", b"pa@l1:1"), ("p-r0", b"pb@l1:1"), ("q-r0", b"q-req@l1:1"),
+    ]  # fmt: skip
 
 
 def test_the_engine_thread_never_calls_nixl_between_registration_and_shutdown(rig: Rig) -> None:
@@ -327,6 +363,7 @@ def test_the_engine_thread_never_calls_nixl_between_registration_and_shutdown(ri
         method for method, _ in hot_path
     }
     assert rig.channels.threads and threading.get_ident() not in rig.channels.threads
+    assert rig.leases.threads and all(name.startswith("lease") for name in rig.leases.threads)
     rig.close()
     assert not any(t.name == "nixl-pd-transfer-r0" for t in threading.enumerate())
     assert {name for _, name in rig.agent.calls[len(calls) :]} <= {engine}
@@ -378,20 +415,24 @@ def test_transfer_problems_fail_only_their_request(rig: Rig, make_failure: str, 
     rig.channels.serve("p", 1)
     bad_ids = (0, 1, 2) if make_failure == "bad-block-ids" else (0, 1)
     rig.step(loads=(load("bad", source("p-bad"), bad_ids), load("good", source("p-good"), (4, 5))))
-    rig.until(lambda: len(rig.agent.reads) >= 1 and rig.agent.reads[-1].notif == b"p-good:1")
-    bad_read = next((r for r in rig.agent.reads if r.notif == b"p-bad:1"), None)
-    good_read = next(r for r in rig.agent.reads if r.notif == b"p-good:1")
+    num_reads = 1 if make_failure == "bad-block-ids" else 2  # loads post in order: bad, good
+    rig.until(lambda: len(rig.agent.reads) == num_reads)
+    bad_read = rig.agent.reads[0] if num_reads == 2 else None
+    good_read = rig.agent.reads[-1]
     good_read.state = TransferState.DONE
     if make_failure == "read-error":
         assert bad_read is not None
         bad_read.error = "peer gone"
     if make_failure == "read-timeout":
         rig.clock.now_s += 31.0
-    rig.collect()
+    rig.until(lambda: rig.reported("good") and rig.reported("bad"))
     assert rig.finished == ["good"] and list(rig.failed) == ["bad"]
     assert re.search(match, rig.failed["bad"]), rig.failed["bad"]
-    if bad_read is not None:  # the failed READ's rank still hears it may free the blocks
-        assert ("p-r0", b"p-bad:1") in rig.agent.sent
+    # Checked before the READs; after them, only the load whose READs all landed.
+    checked = sorted(checked[0] for checked in rig.leases.checked)
+    assert checked == ["p-bad", "p-good", "p-good"]
+    # Both prefill requests hear they may free their blocks: the failed one too.
+    assert sorted(rig.agent.sent) == [("p-r0", b"p-bad@l1:1"), ("p-r0", b"p-good@l1:1")]
 
 
 def test_agent_bug_fails_only_that_request_once(rig: Rig) -> None:
@@ -406,7 +447,7 @@ def test_agent_bug_fails_only_that_request_once(rig: Rig) -> None:
     del rig.agent.check  # the engine keeps serving the next request
     rig.step(loads=(load("b", source("pb")),))
     rig.finish_reads()
-    rig.collect()
+    rig.until(lambda: rig.reported("b"))
     assert rig.finished == ["b"]
 
 
@@ -423,7 +464,7 @@ def test_peer_restart_under_same_engine_id_rehandshakes(rig: Rig) -> None:
     assert rig.agent.reads[1].remote_agent == "p-r0-restarted"
     assert rig.agent.remotes == {"p-r0-restarted"}  # the dead peer's agent was removed
     rig.finish_reads()
-    rig.collect()
+    rig.until(lambda: rig.reported("b"))
     assert rig.finished == ["b"] and rig.channels.calls == [(PREFILL_PORT, 0)] * 2
 
 
@@ -435,11 +476,11 @@ def test_peer_restart_with_new_engine_id_replaces_the_old_peer(rig: Rig) -> None
     rig.channels.serve("p-v2", 1)  # same address, new engine id and agent name
     rig.step(loads=(load("b", source("pb", engine_id="p-v2")),))
     rig.until(lambda: len(rig.agent.reads) == 2)
-    rig.collect()  # the old engine's agent goes once nothing reads from it
+    # The old engine's agent goes once nothing holds it: a's READ landed and its lease proven.
+    rig.until(lambda: rig.agent.remotes == {"p-v2-r0"})
     assert rig.agent.reads[1].remote_agent == "p-v2-r0"
-    assert rig.agent.remotes == {"p-v2-r0"}
     rig.finish_reads()
-    rig.collect()
+    rig.until(lambda: rig.reported("b"))
     assert rig.finished == ["a", "b"]
 
 
@@ -451,7 +492,7 @@ def test_compat_mismatch_tolerated_when_not_enforced() -> None:
         rig.step(loads=(load("a", source()),))
         rig.until(lambda: bool(rig.agent.reads))
         rig.finish_reads()
-        rig.collect()
+        rig.until(lambda: rig.reported("a"))
         assert rig.finished == ["a"]
     finally:
         rig.close()
@@ -466,42 +507,38 @@ def test_abort_while_handshaking_notifies_and_reports_aborted(rig: Rig) -> None:
     rig.channels.gate.set()
     rig.until(lambda: rig.reported("a"))
     assert rig.failed == {"a": "aborted"} and rig.agent.reads == []
-    assert rig.agent.sent == [("p-r0", b"pa:1")]
+    assert rig.agent.sent == [("p-r0", b"pa@l1:1")]
+    assert len(rig.leases.checked) <= 1  # at most the check begun with the load, never a proof
 
 
-@pytest.mark.parametrize(
-    ("read_outcome", "sent"),
-    [
-        pytest.param("done", [], id="read-completes-notification-rode-on-it"),
-        pytest.param("error", [("p-r0", b"pa:1")], id="read-fails-notify-separately"),
-    ],
-)
-def test_abort_mid_transfer_waits_for_the_read(
-    rig: Rig, read_outcome: str, sent: list[tuple[str, bytes]]
+@pytest.mark.parametrize("read_outcome", ["done", "error"], ids=["read-completes", "read-fails"])
+def test_abort_mid_transfer_waits_for_the_read_then_notifies_without_a_proof(
+    rig: Rig, read_outcome: str
 ) -> None:
     rig.channels.serve("p", 1)
     rig.step(loads=(load("a", source("pa")),))
     rig.until(lambda: bool(rig.agent.reads))
     rig.step(releases=(ReleaseSpec("a", source("pa")),))
     rig.step()
-    assert not rig.reported("a")  # decode blocks stay held under the live READ
+    assert not rig.reported("a") and rig.agent.sent == []  # blocks stay held under the READ
     if read_outcome == "done":
         rig.finish_reads()
     else:
         rig.agent.reads[0].error = "gone"
     rig.collect()
-    assert rig.failed == {"a": "aborted"} and rig.agent.sent == sent
+    assert rig.failed == {"a": "aborted"} and rig.agent.sent == [("p-r0", b"pa@l1:1")]
+    assert rig.leases.checked == [("pa", "l1", "b1")]  # before the READs; no proof when aborted
 
 
 def test_abort_before_load_and_after_report(rig: Rig) -> None:
     rig.channels.serve("p", 1)
     rig.step(releases=(ReleaseSpec("never-loaded", source("p1")),))
     rig.until(lambda: rig.reported("never-loaded"))
-    assert rig.failed == {"never-loaded": "aborted"} and rig.agent.sent == [("p-r0", b"p1:1")]
+    assert rig.failed == {"never-loaded": "aborted"} and rig.agent.sent == [("p-r0", b"p1@l1:1")]
     rig.step(loads=(load("done", source("p2")),))
     rig.until(lambda: bool(rig.agent.reads))
     rig.finish_reads()
-    rig.collect()
+    rig.until(lambda: rig.reported("done"))
     rig.step(releases=(ReleaseSpec("done", source("p2")),))
     rig.collect()
     assert rig.finished == ["done"] and list(rig.failed) == ["never-loaded"]
@@ -514,8 +551,12 @@ def test_mla_reads_one_rank_and_notifies_the_other_with_prefill_id() -> None:
         rig.channels.serve("p", 2, spec=mla)
         rig.step(loads=(load("decode-id", source("prefill-id", tp_size=2)),))
         rig.until(lambda: bool(rig.agent.reads))
-        assert [(r.remote_agent, r.notif) for r in rig.agent.reads] == [("p-r0", b"prefill-id:1")]
-        assert rig.agent.sent == [("p-r1", b"prefill-id:1")]
+        assert [(r.remote_agent, r.notif) for r in rig.agent.reads] == [("p-r0", b"")]
+        assert rig.agent.sent == []  # neither rank hears before the lease is proven
+        rig.finish_reads()
+        rig.until(lambda: rig.reported("decode-id"))
+        assert rig.finished == ["decode-id"]
+        assert rig.agent.sent == [("p-r0", b"prefill-id@l1:1"), ("p-r1", b"prefill-id@l1:1")]
     finally:
         rig.close()
 
@@ -566,16 +607,16 @@ def _fragmented_load(request_id: str, remote_id: str, *, num_tokens: int) -> Loa
     return LoadSpec(request_id, (local_ids,), num_tokens, 0, remote)
 
 
-def test_fragmented_whole_blocks_go_in_one_read_by_index_carrying_the_notification() -> None:
+def test_fragmented_whole_blocks_go_in_one_read_by_index_and_the_notification_after() -> None:
     rig = Rig(spec=FRAGMENTED)
     rig.channels.serve("p", 1, spec=FRAGMENTED)
     rig.step(loads=(_fragmented_load("a", "pa", num_tokens=4 * 64),))
     rig.until(lambda: bool(rig.agent.reads))
     [read] = rig.agent.reads
-    assert read.by_index and read.notif == b"pa:1" and len(read.local) == 16 * 64
+    assert read.by_index and read.notif == b"" and len(read.local) == 16 * 64
     rig.finish_reads()
     rig.until(lambda: rig.reported("a"))
-    assert rig.finished == ["a"] and rig.agent.sent == []
+    assert rig.finished == ["a"] and rig.agent.sent == [("p-r0", b"pa@l1:1")]
     rig.close()
 
 
@@ -592,7 +633,7 @@ def test_a_partial_block_is_a_second_read_and_the_notification_waits_for_both() 
     assert rig.agent.sent == [] and not rig.reported("a")
     by_ranges.state = TransferState.DONE
     rig.until(lambda: rig.reported("a"))
-    assert rig.finished == ["a"] and rig.agent.sent == [("p-r0", b"pa:1")]
+    assert rig.finished == ["a"] and rig.agent.sent == [("p-r0", b"pa@l1:1")]
     rig.close()
 
 
@@ -605,7 +646,7 @@ def test_a_failed_part_fails_the_request_and_still_frees_prefill_once() -> None:
     rig.agent.reads[1].state = TransferState.DONE
     rig.until(lambda: rig.reported("a"))
     assert "remote disconnected" in rig.failed["a"]
-    assert rig.agent.sent == [("p-r0", b"pa:1")]
+    assert rig.agent.sent == [("p-r0", b"pa@l1:1")]
     assert all(read.released for read in rig.agent.reads)
     rig.close()
 

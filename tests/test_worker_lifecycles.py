@@ -2,21 +2,25 @@
 load ends in a terminal state exactly once (worker/load_lifecycle.py, worker/peer_lifecycle.py).
 
 Loads are driven through a real LoadTable against the recording agent double, with the peer's
-handshake, READ outcomes, aborts and the clock chosen by hypothesis.
+handshake, READ outcomes, prefill's answers to lease checks, aborts and the clock chosen by
+hypothesis.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.errors import IllegalTransition
+from connector.errors import ConnectorError, IllegalTransition
 from connector.geometry import build_rank_layout
-from connector.metadata import LoadSpec
+from connector.metadata import LoadSpec, RemoteSource
 from tests.test_worker_connector import RecordingAgent, remote_handshake, source
 from tests.test_worker_parts import BASE, Clock
+from worker.lease_proof import AFTER_READS, lease_failure
 from worker.load_lifecycle import LOAD_LIFECYCLE, LoadState
 from worker.loads import LoadTable
 from worker.nixl_api import TransferState
@@ -33,16 +37,51 @@ EVENTS = st.lists(
         st.tuples(st.just("abort"), st.integers(0, NUM_REQUESTS - 1)),
         st.tuples(st.sampled_from(["ready", "handshake failed", "step"]), st.just(0)),
         st.tuples(st.sampled_from(["read done", "read failed"]), st.integers(0, 7)),
+        st.tuples(st.sampled_from(["lease held", "lease lost", "lease unanswered"]), st.just(0)),
         st.tuples(st.just("wait s"), st.sampled_from([1, 11, 31])),
     ),
     max_size=30,
 )
 
 
+class ScriptedProofs:
+    """LeaseProofs' interface, answered by the test on its own thread (no check threads)."""
+
+    def __init__(self) -> None:
+        self._tickets = itertools.count(1)
+        self.pending: dict[int, tuple[RemoteSource, str]] = {}  # submitted, not yet answered
+        self.answers: dict[int, str | None] = {}  # answered, not yet taken
+        self.proven: collections.Counter[str] = collections.Counter()  # held after the READs
+
+    def submit(self, remote: RemoteSource, when: str = AFTER_READS) -> int:
+        ticket = next(self._tickets)
+        self.pending[ticket] = (remote, when)
+        return ticket
+
+    def take(self, ticket: int) -> tuple[bool, str | None]:
+        if ticket not in self.answers:
+            return False, None
+        return True, self.answers.pop(ticket)
+
+    def abandon(self, ticket: int) -> None:
+        self.pending.pop(ticket, None)
+        self.answers.pop(ticket, None)
+
+    def close(self) -> None:
+        pass
+
+    def answer_all(self, held: bool | ConnectorError) -> None:
+        for ticket, (remote, when) in self.pending.items():
+            self.answers[ticket] = lease_failure(remote, held, when)
+            self.proven[remote.remote_request_id] += held is True and when == AFTER_READS
+        self.pending.clear()
+
+
 class World:
     def __init__(self) -> None:
         self.clock = Clock()
         self.agent = RecordingAgent("decode-r0")
+        self.proofs = ScriptedProofs()
         self.moves: list[tuple[str, LoadState, LoadState]] = []
         # Prefill TP2 -> decode TP1: two READs per load, so one can fail while one is live.
         self.peer = Peer("p", "127.0.0.1", 7001, 2, {0: 1, 1: 1})
@@ -51,6 +90,7 @@ class World:
             self.agent, local_region_addresses=[1 << 20] * len(layout.region_bytes),
             clock=self.clock, transfer_timeout_s=TRANSFER_TIMEOUT_S,
             handshake_wait_s=HANDSHAKE_WAIT_S, on_peer_failure=lambda peer: None,
+            proofs=self.proofs,  # type: ignore[arg-type]  # the same interface, scripted
             on_move=lambda rid, old, new: self.moves.append((rid, old, new)),
         )  # fmt: skip
         self.num_created = 0  # load records made (a request id may come back after it ended)
@@ -73,6 +113,12 @@ class World:
             read = self.agent.reads[value % len(self.agent.reads)]
             read.state = TransferState.DONE
             read.error = "remote disconnected" if kind == "read failed" else None
+        elif kind == "lease held":
+            self.proofs.answer_all(True)
+        elif kind == "lease lost":
+            self.proofs.answer_all(False)
+        elif kind == "lease unanswered":
+            self.proofs.answer_all(ConnectorError("side channel h:1 did not answer"))
         elif kind == "wait s":
             self.clock.now_s += value
         self.num_created += not existed and request_id in self.table
@@ -95,6 +141,7 @@ class World:
             for read in self.agent.reads:
                 read.state = TransferState.DONE
             self.outcomes += self.table.advance()
+            self.proofs.answer_all(True)
         assert len(self.table) == 0, "a load never ended"
 
 
@@ -127,6 +174,10 @@ def test_loads_take_only_table_edges_and_end_exactly_once(events: list[tuple[str
     assert len(ended) == world.num_created  # every load record ended exactly once
     assert world.peer.num_live_transfers == 0 and world.peer.num_loads == 0
     assert all(reason is None or "internal error" not in reason for _, reason in world.outcomes)
+    # Every load here reads, so a success needs prefill's word that its lease held.
+    succeeded = collections.Counter(f"p-{rid}" for rid, reason in world.outcomes if reason is None)
+    assert all(count <= world.proofs.proven[remote] for remote, count in succeeded.items())
+    assert not world.proofs.pending and not world.proofs.answers  # no check left behind
 
 
 PEER_CALLS = st.lists(st.sampled_from(["connect", "fail", "retire", "close"]), max_size=8)
