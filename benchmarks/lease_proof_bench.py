@@ -33,7 +33,7 @@ def measure(calls: int, secret: str | None) -> list[float]:
         engine_id=ENGINE,
         on_heartbeat=lambda ids: 0,
         on_release=lambda ids: 0,
-        on_lease_check=lambda refs: leases.held(refs, time.monotonic()),
+        on_lease_check=lambda refs: leases.check(refs, time.monotonic()),
         secret=secret,
     )
     server.start()

@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         help="both engines in this process over FakeNixl (no UCX)",
     )
     demo.add_argument(
+        "--verify-kv",
+        action="store_true",
+        help="verify_kv on both engines: prefill digests each leased block, decode checks "
+        "every load against those digests before it reports it",
+    )
+    demo.add_argument(
         "--staged",
         action="store_true",
         help="host staging: NIXL reads host mirrors of the KV, copied each step (as for a "
@@ -275,6 +281,7 @@ def _demo(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         fake_nixl=args.fake_nixl,
         staged=args.staged,
+        verify_kv=args.verify_kv,
         timeout_s=args.timeout,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM cleans up like Ctrl-C

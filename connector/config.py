@@ -44,6 +44,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "kv_buffer_device": "cpu" stages KV through a host buffer (the NIC reads host memory
     # only); None follows vLLM's own kv_transfer_config.kv_buffer_device (connector/vllm/staging.py)
     kv_buffer_device: str | None = None
+    # "verify_kv": prefill digests each leased block, decode checks what it READ against
+    # them before it reports a load (worker/kv_digest.py); costs time, off by default
+    verify_kv: bool = False
 
     def __repr__(self) -> str:
         """Every field, with the secret masked: configs get logged."""
@@ -118,6 +121,7 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         Annotated[int, msgspec.Meta(ge=2**16, le=2**31 - 1)],
         f"an integer number of bytes in {2**16}..{2**31 - 1}",
     ),
+    "verify_kv": ("verify_kv", bool, "true or false"),
     "kv_buffer_device": (
         "kv_buffer_device",
         Literal["cpu", "cuda", "xpu"],

@@ -47,6 +47,23 @@ class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
     remote: RemoteSource
 
 
+class DigestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """Prefill, with verify_kv: digest this lease's blocks (worker/kv_digest.py) and report it."""
+
+    key: str  # the lease key (request id @ lease id), as in ``sends``
+    block_ids: BlockIds  # the leased logical blocks, per group
+    num_tokens: int  # the tokens whose KV they hold
+
+
+class GroupDigests(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One rank's digests of one group of a lease: uint64 little-endian [units, heads]."""
+
+    group: int
+    first_unit: int
+    model_heads: tuple[int, ...]  # the table's columns
+    values: bytes
+
+
 class ConnectorMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One engine step's instructions for every worker rank."""
 
@@ -58,6 +75,8 @@ class ConnectorMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # Prefill: request ids the scheduler has stopped waiting for (lease expired, released over
     # the side channel); ranks drop their notification counts for them.
     forgotten: tuple[str, ...] = ()
+    # Prefill with verify_kv: the leases of ``sends`` to digest.
+    digests: tuple[DigestSpec, ...] = ()
 
 
 class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,3 +89,5 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     finished_recving: tuple[str, ...] = ()
     # Decode: this rank could not load the request; request id -> reason.
     failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
+    # Prefill with verify_kv: lease key -> this rank's digests of its blocks, per group.
+    digests: dict[str, tuple[GroupDigests, ...]] = msgspec.field(default_factory=dict)

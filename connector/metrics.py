@@ -93,6 +93,7 @@ LOAD_FAILURE_KINDS = (
     "internal",
     "lease_expired",  # prefill no longer held the lease when the READs landed
     "lease_unproven",  # prefill could not be asked, or the params name no lease
+    "digest",  # verify_kv: the bytes read are not the bytes prefill saved
     "other",
 )
 HANDSHAKE_FAILURE_KINDS = (
@@ -184,6 +185,7 @@ _LOAD_PATTERNS = (
     ("internal error", "internal"),
     ("lease expired", "lease_expired"),
     ("lease not proven", "lease_unproven"),
+    ("digest", "digest"),
 )
 _HANDSHAKE_PATTERNS = (
     ("did not answer", "timeout"),

@@ -106,11 +106,29 @@ class Release(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="rele
     remote_request_ids: RequestIds
 
 
+class DigestClaim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """verify_kv: what a decode rank READ of one group, and the sum of its digests.
+
+    Units [first_unit, first_unit + num_units) of ``group`` for ``model_heads``
+    (worker/kv_digest.py says what a unit is); ``value`` is the sum of their digests mod 2**64.
+    """
+
+    group: Annotated[int, msgspec.Meta(ge=0, le=4096)]
+    first_unit: Annotated[int, msgspec.Meta(ge=0)]
+    num_units: Annotated[int, msgspec.Meta(ge=1, le=2**24)]
+    model_heads: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=4096)
+    ]
+    value: Annotated[int, msgspec.Meta(ge=0)]  # uint64 (msgspec bounds stop at int64)
+
+
 class LeaseRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """One lease as prefill issued it: its request id and the lease id drawn for it."""
+    """One lease as prefill issued it: its request id and the lease id drawn for it, and
+    (verify_kv) what the reader claims to have read from it."""
 
     remote_request_id: RequestId
     lease_id: LeaseId
+    claims: Annotated[tuple[DigestClaim, ...], msgspec.Meta(max_length=4096)] = ()
 
 
 class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_check"):
@@ -150,10 +168,16 @@ class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
     num_known: int
 
 
+DIGEST_OK = "ok"
+DIGEST_PENDING = "pending"  # prefill's ranks have not reported this lease's digests yet
+
+
 class LeaseStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_status"):
-    """Per LeaseRef of a LeaseCheck, in order: is that very lease held now?"""
+    """Per LeaseRef of a LeaseCheck, in order: is that very lease held now, and (for refs with
+    claims) do the claims match prefill's digests: "ok", "pending", or why not."""
 
     held: tuple[bool, ...]
+    digests: tuple[str, ...] = ()
 
 
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):

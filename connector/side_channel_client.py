@@ -156,7 +156,7 @@ def send_release(
 def check_leases(
     host: str,
     port: int,
-    leases: Sequence[tuple[str, str]],
+    leases: Sequence[tuple[str, str] | LeaseRef],
     *,
     engine_id: str,
     boot_id: str,
@@ -170,15 +170,39 @@ def check_leases(
     One exchange, no Hello: the boot id comes from the params, so a prefill that restarted
     since it leased raises PeerRestarted (its leases died with it).
     """
-    refs = tuple(LeaseRef(request_id, lease_id) for request_id, lease_id in leases)
+    return check_leases_status(
+        host, port, leases, engine_id=engine_id, boot_id=boot_id, secret=secret,
+        timeout_s=timeout_s, max_message_bytes=max_message_bytes,
+    ).held  # fmt: skip
+
+
+def check_leases_status(
+    host: str,
+    port: int,
+    leases: Sequence[tuple[str, str] | LeaseRef],
+    *,
+    engine_id: str,
+    boot_id: str,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> LeaseStatus:
+    """``check_leases``' whole answer: with verify_kv claims in the refs, also the digest
+    verdict per ref (``LeaseStatus.digests``)."""
+    refs = tuple(ref if isinstance(ref, LeaseRef) else LeaseRef(*ref) for ref in leases)
     request = LeaseCheck(engine_id, refs)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
-    if not isinstance(reply, LeaseStatus) or len(reply.held) != len(refs):
+    claimed = any(ref.claims for ref in refs)
+    if (
+        not isinstance(reply, LeaseStatus)
+        or len(reply.held) != len(refs)
+        or (claimed and len(reply.digests) != len(refs))
+    ):
         raise HandshakeError(
             f"side channel {host}:{port} answered a lease check of {len(refs)} lease(s) with "
             f"{_short(repr(reply))}"
         )
-    return reply.held
+    return reply
 
 
 def _expect_ack(

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
+from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from examples.engine import Engine, EngineConfig, RequestOutput
 from examples.metering import StatsSnapshot
@@ -48,6 +49,7 @@ class DemoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 8  # tokens decode generates after prefill's first token
     fake_nixl: bool = False
     staged: bool = False  # both engines: NIXL reads host mirrors of the KV (examples/staging.py)
+    verify_kv: bool = False  # both engines: decode checks every load against prefill's digests
     seed: int = 0
     timeout_s: float = 120.0
     drain_timeout_s: float = 10.0  # after the batch: how long engines may take to free blocks
@@ -187,7 +189,7 @@ def run_demo(options: DemoOptions, progress: Progress | None = None) -> DemoResu
     prefill_config, decode_config = engine_configs(options, uuid.uuid4().hex[:6])
     with ExitStack() as stack:
         if options.fake_nixl:
-            started = _start_in_process(stack, prefill_config, decode_config)
+            started = _start_in_process(stack, prefill_config, decode_config, options)
         else:
             started = _start_processes(stack, prefill_config, decode_config, options, say)
         prefill, decode, wait_ready, leaks = started
@@ -231,10 +233,19 @@ class Started(NamedTuple):
     leaks: LeakCheck  # drain for at most the given seconds; leaked blocks and decode's stats
 
 
-def _start_in_process(
-    stack: ExitStack, prefill_config: EngineConfig, decode_config: EngineConfig
-) -> Started:
+def demo_connector_config(options: DemoOptions) -> ConnectorConfig:
+    """The example engines' connector settings, with the demo's verify_kv."""
     from examples.server import connector_config
+
+    return msgspec.structs.replace(connector_config(), verify_kv=options.verify_kv)
+
+
+def _start_in_process(
+    stack: ExitStack,
+    prefill_config: EngineConfig,
+    decode_config: EngineConfig,
+    options: DemoOptions,
+) -> Started:
     from worker.fake import FakeFabric, FakeNixl
 
     fabric = FakeFabric()
@@ -242,7 +253,7 @@ def _start_in_process(
     for config in (prefill_config, decode_config):
         engine = Engine(
             config,
-            connector_config=connector_config(),
+            connector_config=demo_connector_config(options),
             agent_factory=lambda name: FakeNixl(name, fabric),
         )
         stack.callback(engine.shutdown)
@@ -275,7 +286,12 @@ def _start_processes(
     log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="nixl-pd-demo-"))
     servers = []
     for config in (prefill_config, decode_config):
-        server = ServerProcess(config, env=env, log_path=os.path.join(log_dir, config.role))
+        server = ServerProcess(
+            config,
+            env=env,
+            log_path=os.path.join(log_dir, config.role),
+            connector=demo_connector_config(options) if options.verify_kv else None,
+        )
         stack.push(server)
         servers.append(server)
 

@@ -74,7 +74,7 @@ class SchedulerConnector:
         self._num_groups = len(spec.groups)
         self._tp_size = tp_size
         self._clock = clock
-        self._leases = LeaseTable(config.kv_lease_duration_s)
+        self._leases = LeaseTable(config.kv_lease_duration_s, num_ranks=tp_size)
         # request id -> its parsed params: parsed once, however often vLLM asks
         # get_num_new_matched_tokens, and reused at the request's end. Insertion-ordered, so
         # the first key is the oldest.
@@ -92,6 +92,7 @@ class SchedulerConnector:
             clock=clock,
             address=self._side_channel_address,
             boot_id=self._side_channel_boot_id,
+            verify_kv=config.verify_kv,
         )
         self._consumer = Consumer(
             groups=spec.groups,
@@ -128,7 +129,7 @@ class SchedulerConnector:
             engine_id=self._engine_id,
             on_heartbeat=lambda ids: self._leases.extend(ids, self._clock()),
             on_release=self._leases.release,
-            on_lease_check=lambda refs: self._leases.held(refs, self._clock()),
+            on_lease_check=lambda refs: self._leases.check(refs, self._clock()),
             secret=self._config.side_channel_secret,
             max_message_bytes=self._config.max_message_bytes,
         )
@@ -158,9 +159,11 @@ class SchedulerConnector:
         self._consumer.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self) -> ConnectorMetadata:
-        sends, forgotten = self._producer.take_step()
+        sends, forgotten, digests = self._producer.take_step()
         loads, releases = self._consumer.take_step()
-        return ConnectorMetadata(loads=loads, releases=releases, sends=sends, forgotten=forgotten)
+        return ConnectorMetadata(
+            loads=loads, releases=releases, sends=sends, forgotten=forgotten, digests=digests
+        )
 
     def request_finished(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]

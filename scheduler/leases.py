@@ -21,7 +21,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from connector.metadata import GroupDigests
+from connector.protocol import LeaseRef, LeaseStatus
+from scheduler.digests import verify_claims
 
 MAX_ENDED_IDS = 4096  # ended lease ids remembered to classify late messages
 
@@ -37,12 +41,15 @@ class LeaseStats:
 class LeaseTable:
     """Thread-safe map from prefill request id to lease expiry time."""
 
-    def __init__(self, duration_s: float) -> None:
+    def __init__(self, duration_s: float, *, num_ranks: int = 1) -> None:
         self._duration_s = duration_s
+        self._num_ranks = num_ranks  # prefill ranks that report digests (verify_kv)
         # Guards _expiry_s, _released, _ended and stats: every method uses them under it.
         self._lock = threading.Lock()
         self._expiry_s: dict[str, float] = {}  # held leases: request id -> expiry time
         self._lease_ids: dict[str, str] = {}  # held leases: request id -> lease id
+        # verify_kv: held leases -> tp_rank -> that rank's digest tables
+        self._digests: dict[str, dict[int, tuple[GroupDigests, ...]]] = {}
         self._released: list[str] = []  # released over the side channel, not yet taken
         self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended ids, oldest first
         self._stats = LeaseStats()
@@ -76,6 +83,34 @@ class LeaseTable:
                 self._lease_ids.get(request_id) == lease_id and self._expiry_s[request_id] > now
                 for request_id, lease_id in refs
             )
+
+    def add_digests(
+        self, request_id: str, lease_id: str, tp_rank: int, tables: tuple[GroupDigests, ...]
+    ) -> bool:
+        """Keep a rank's digests of a held lease (verify_kv); False if that lease is not held."""
+        with self._lock:
+            if self._lease_ids.get(request_id) != lease_id:
+                return False
+            self._digests.setdefault(request_id, {})[tp_rank] = tables
+            return True
+
+    def check(self, refs: Sequence[LeaseRef], now: float) -> LeaseStatus:
+        """Answer a LeaseCheck: each lease held? and, for refs with digest claims, do they
+        match the ranks' digests (verify_kv)?"""
+        pairs = [(ref.remote_request_id, ref.lease_id) for ref in refs]
+        held = self.held(pairs, now)
+        if not any(ref.claims for ref in refs):
+            return LeaseStatus(held)
+        with self._lock:
+            verdicts = tuple(
+                verify_claims(
+                    ref.claims, self._digests.get(ref.remote_request_id, {}), self._num_ranks
+                )
+                if ref.claims and is_held
+                else ""
+                for ref, is_held in zip(refs, held, strict=True)
+            )
+        return LeaseStatus(held, verdicts)
 
     def extend(self, request_ids: Iterable[str], now: float) -> int:
         """Push held leases out to ``now + duration_s``; returns how many were held."""
@@ -143,6 +178,7 @@ class LeaseTable:
         """Drop a held lease and remember that it ended. Lock held."""
         del self._expiry_s[request_id]
         del self._lease_ids[request_id]
+        self._digests.pop(request_id, None)
         self._ended[request_id] = None
         if len(self._ended) > MAX_ENDED_IDS:
             self._ended.popitem(last=False)

@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from connector.metadata import WorkerReport
+from connector.metadata import BlockIds, DigestSpec, WorkerReport
 from connector.metrics import (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
@@ -49,6 +49,8 @@ class _Lease:
 
     leased_s: float  # when it was taken, on the producer's clock
     key: str  # lease_key(request id, lease id): what the ranks count notifications by
+    lease_id: str
+    digest: DigestSpec | None = None  # verify_kv: what the ranks digest, until announced
     state: LeaseState = LeaseState.NEW
     ranks_done: frozenset[int] = frozenset()  # reported finished_sending (replaced, not grown)
 
@@ -65,8 +67,10 @@ class Producer:
         boot_id: Callable[[], str] = lambda: "",  # the side channel's boot id, once started
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         on_move: OnMove | None = None,  # sees every state change (tests)
+        verify_kv: bool = False,  # the ranks digest every lease's blocks
     ) -> None:
         self._engine_id = engine_id
+        self._verify_kv = verify_kv
         self._metrics = metrics or default_recorder()
         self._tp_size = tp_size
         self._leases = leases  # expiry times and side-channel releases, shared across threads
@@ -102,7 +106,11 @@ class Producer:
         lease_id = secrets.token_hex(8)
         key = lease_key(request_id, lease_id)
         self._leases.lease(request_id, now_s, lease_id)
-        self._book.start(request_id, _Lease(now_s, key), LEASED)
+        digest = None
+        if self._verify_kv:
+            blocks: BlockIds = tuple(tuple(group) for group in block_ids)
+            digest = DigestSpec(key, blocks, num_tokens or 0)
+        self._book.start(request_id, _Lease(now_s, key, lease_id, digest), LEASED)
         self._by_key[key] = request_id
         params = params_for_decode(
             engine_id=self._engine_id,
@@ -117,18 +125,27 @@ class Producer:
         )
         return True, params
 
-    def take_step(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(sends, forgotten) for the next metadata, as lease keys, after ending expired and
-        released leases."""
+    def take_step(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[DigestSpec, ...]]:
+        """(sends, forgotten, digests) for the next metadata, as lease keys, after ending
+        expired and released leases."""
         self.end_lapsed_leases()
-        sends = tuple(
-            self._book.move(request_id, ANNOUNCED).key for request_id in self._book.ids(LEASED)
-        )
+        announced = [
+            self._book.move(request_id, ANNOUNCED) for request_id in self._book.ids(LEASED)
+        ]
+        sends = tuple(lease.key for lease in announced)
+        digests = tuple(lease.digest for lease in announced if lease.digest is not None)
+        for lease in announced:
+            lease.digest = None  # sent once; the ranks keep nothing of it
         forgotten, self._pending_forgotten = tuple(self._pending_forgotten), []
-        return sends, forgotten
+        return sends, forgotten, digests
 
     def on_reports(self, reports: Iterable[WorkerReport]) -> None:
         for report in reports:
+            for key, tables in report.digests.items():
+                request_id = self._by_key.get(key)
+                lease = None if request_id is None else self._book.get(request_id)
+                if request_id is not None and lease is not None:
+                    self._leases.add_digests(request_id, lease.lease_id, report.tp_rank, tables)
             for key in report.finished_sending:
                 request_id = self._by_key.get(key)
                 lease = None if request_id is None else self._book.get(request_id)

@@ -35,6 +35,7 @@ from connector.protocol import (
     Hello,
     HelloReply,
     LeaseCheck,
+    LeaseRef,
     LeaseStatus,
     Release,
     Reply,
@@ -52,12 +53,12 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 50
 LeaseCallback = Callable[[tuple[str, ...]], int]  # request ids -> how many were held
-# (request id, lease id) pairs -> whether each very lease is held now
-LeaseCheckCallback = Callable[[tuple[tuple[str, str], ...]], tuple[bool, ...]]
+# The leases a LeaseCheck names -> whether each very lease is held now (and its digests match)
+LeaseCheckCallback = Callable[[tuple[LeaseRef, ...]], LeaseStatus]
 
 
-def _no_leases(refs: tuple[tuple[str, str], ...]) -> tuple[bool, ...]:
-    return (False,) * len(refs)
+def _no_leases(refs: tuple[LeaseRef, ...]) -> LeaseStatus:
+    return LeaseStatus((False,) * len(refs))
 
 
 class SideChannelServer:
@@ -145,10 +146,7 @@ class SideChannelServer:
             self._thread = None
 
     def _bind(self) -> zmq.Socket:
-        socket: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-        socket.setsockopt(zmq.IPV6, 1)
+        socket = router_socket(zmq.Context.instance(), self._max_message_bytes)
         try:
             socket.bind(zmq_endpoint(self._host, self._port or "*"))
             self._port = int(socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
@@ -232,8 +230,7 @@ class SideChannelServer:
         if isinstance(request, Heartbeat):
             return self._ack(request, self._on_heartbeat(request.remote_request_ids))
         if isinstance(request, LeaseCheck):
-            refs = tuple((ref.remote_request_id, ref.lease_id) for ref in request.leases)
-            return LeaseStatus(self._on_lease_check(refs))
+            return self._on_lease_check(request.leases)
         return self._ack(request, self._on_release(request.remote_request_ids))
 
     def _ack(self, request: Heartbeat | Release, num_known: int) -> Ack:
@@ -289,3 +286,30 @@ class SideChannelServer:
 def _ranks(handshakes: Iterable[int]) -> str:
     ranks = sorted(handshakes)
     return ", ".join(map(str, ranks)) if ranks else "none"
+
+
+# What one peer can make this process hold, whatever it sends. Every client call is a fresh
+# REQ socket with one request in flight, so queueing more per peer only feeds a flood: a
+# queue's worth of garbage is allocated by zmq's I/O thread and freed by this one, and glibc
+# keeps that high-water mark (issue 25).
+RECEIVE_HWM_MESSAGES = 1  # requests queued per peer; a full queue stops reading its TCP
+SEND_HWM_MESSAGES = 4  # replies queued for a peer that does not read them; more are dropped
+TCP_RECEIVE_BUFFER_BYTES = 256 * 2**10  # the kernel's per connection (Linux doubles it)
+
+
+def router_socket(context: zmq.Context, max_message_bytes: int) -> zmq.Socket:
+    """The side channel's ROUTER, not yet bound, with what a peer can cost bounded.
+
+    Per peer, at most about ``(RECEIVE_HWM_MESSAGES + 1) * max_message_bytes`` of requests
+    (one queued, one being read; an oversized one drops the peer's connection),
+    ``SEND_HWM_MESSAGES`` replies and ``TCP_RECEIVE_BUFFER_BYTES`` of kernel buffer. The
+    number of peers is bounded only by the process's file descriptors.
+    """
+    socket: zmq.Socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM_MESSAGES)
+    socket.setsockopt(zmq.SNDHWM, SEND_HWM_MESSAGES)
+    socket.setsockopt(zmq.RCVBUF, TCP_RECEIVE_BUFFER_BYTES)
+    socket.setsockopt(zmq.IPV6, 1)
+    return socket

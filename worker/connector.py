@@ -30,11 +30,19 @@ from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
-from connector.metadata import ConnectorMetadata, RemoteSource, WorkerReport
-from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
+from connector.metadata import (
+    ConnectorMetadata,
+    DigestSpec,
+    GroupDigests,
+    LoadSpec,
+    RemoteSource,
+    WorkerReport,
+)
+from connector.protocol import PROTOCOL_VERSION, DigestClaim, LeaseRef, WorkerHandshake
 from worker.compat import fingerprint
 from worker.handshake import Fetcher, HandshakeClient
-from worker.lease_proof import LeaseCheck, LeaseProofs
+from worker.kv_digest import check_digestible, host_regions, lease_digests, read_claims
+from worker.lease_proof import DigestCheck, LeaseCheck, LeaseProofs
 from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
@@ -82,6 +90,26 @@ def side_channel_lease_check(config: ConnectorConfig) -> LeaseCheck:
     return check
 
 
+def side_channel_digest_check(config: ConnectorConfig) -> DigestCheck:
+    """verify_kv: the lease check with this rank's digest claims."""
+    from connector.side_channel_client import check_leases_status
+
+    def check(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
+        status = check_leases_status(
+            remote.host,
+            remote.port,
+            [LeaseRef(remote.remote_request_id, remote.lease_id, claims)],
+            engine_id=remote.engine_id,
+            boot_id=remote.boot_id,
+            secret=config.side_channel_secret,
+            timeout_s=config.handshake_timeout_s,
+            max_message_bytes=config.max_message_bytes,
+        )
+        return status.held[0], status.digests[0]
+
+    return check
+
+
 def handshake_wait_s(config: ConnectorConfig) -> float:
     """How long a load may wait for its peer: every handshake attempt, then one lease more."""
     return config.handshake_timeout_s * (config.handshake_retries + 1) + config.kv_lease_duration_s
@@ -124,7 +152,14 @@ class WorkerConnector:
             clock=clock,
             local_backends=config.backends,
         )
-        self._proofs = LeaseProofs(lease_check or side_channel_lease_check(config))
+        if config.verify_kv:
+            check_digestible(self._layout)
+        self._proofs = LeaseProofs(
+            lease_check or side_channel_lease_check(config),
+            check_digests=side_channel_digest_check(config) if config.verify_kv else None,
+        )
+        self._digest_views: list[Any] = []  # verify_kv: byte views of this rank's regions
+        self._digests: dict[str, tuple[GroupDigests, ...]] = {}  # computed, not yet reported
         self._notifications = NotificationCounter(
             clock=clock, early_ttl_s=config.kv_lease_duration_s
         )
@@ -158,6 +193,14 @@ class WorkerConnector:
             raise UnsupportedConfiguration("register_kv_caches was already called on this rank")
         self._region_addresses = tuple(int(address) for address in region_addresses)
         self._memory = memory
+        if self._config.verify_kv:
+            if memory != HOST_MEMORY:
+                raise UnsupportedConfiguration(
+                    "verify_kv digests the registered KV memory on the host; this rank "
+                    f"registers {memory}: stage through host memory (kv_buffer_device: cpu) "
+                    "or turn verify_kv off"
+                )
+            self._digest_views = host_regions(self._region_addresses, region_bytes)
         self._registration = self._agent.register_regions(
             list(zip(self._region_addresses, region_bytes, strict=True)), memory
         )
@@ -170,6 +213,7 @@ class WorkerConnector:
             handshake_wait_s=handshake_wait_s(self._config),
             on_peer_failure=self._peers.retire,
             proofs=self._proofs,
+            claims=self._claims if self._config.verify_kv else None,
         )
         self._agent_metadata = self._agent.get_agent_metadata()
         self._peers.use_prepared_lists(PreparedLists(self._agent, self._region_addresses, memory))
@@ -216,7 +260,9 @@ class WorkerConnector:
                 finished_sending=tuple(self._finished_sending),
                 finished_recving=tuple(self._finished_recving),
                 failed_recving=dict(self._failed_recving),
+                digests=self._digests,
             )
+            self._digests = {}
             self._finished_sending.clear()
             self._finished_recving.clear()
             self._failed_recving.clear()
@@ -298,6 +344,8 @@ class WorkerConnector:
                 self._stats_published = self._notifications.num_stat_changes
 
     def _apply(self, loads: LoadTable, metadata: ConnectorMetadata) -> None:
+        if metadata.digests:
+            self._digest_leases(metadata.digests)
         if metadata.sends:
             self._notifications.expect(metadata.sends)
         if metadata.forgotten:
@@ -306,6 +354,32 @@ class WorkerConnector:
             loads.add(spec, self._peers.ensure(spec.remote))
         for release in metadata.releases:
             loads.abort(release.request_id, release.remote, self._peers.ensure(release.remote))
+
+    def _digest_leases(self, specs: tuple[DigestSpec, ...]) -> None:
+        """verify_kv, prefill: digest newly leased blocks; the next report carries them."""
+        if not self._digest_views:
+            logger.warning("verify_kv is off on this rank; %d lease(s) not digested", len(specs))
+            return
+        digests = {}
+        for spec in specs:
+            try:
+                digests[spec.key] = lease_digests(
+                    self._layout, self._digest_views, spec.block_ids, spec.num_tokens
+                )
+            except (IndexError, ValueError) as error:  # ids beyond this rank's blocks
+                logger.warning("verify_kv: cannot digest lease %s: %s", spec.key, error)
+        with self._outcomes_lock:
+            self._digests.update(digests)
+
+    def _claims(self, spec: LoadSpec) -> tuple[DigestClaim, ...]:
+        """verify_kv, decode: the digests of what this rank READ of ``spec``."""
+        return read_claims(
+            self._layout,
+            self._digest_views,
+            spec.local_block_ids,
+            spec.num_cached_tokens,
+            spec.num_tokens,
+        )
 
     def _record(self, outcomes: list[Outcome]) -> None:
         """Call with ``_outcomes_lock`` held."""

@@ -22,21 +22,30 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from connector.errors import ConnectorError, PeerRestarted
 from connector.metadata import RemoteSource
+from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
 
 logger = logging.getLogger(__name__)
 
 # Is the lease ``remote`` names held by its prefill engine right now? Raises ConnectorError
 # when prefill cannot be asked (PeerRestarted: it is another boot, so the lease is gone).
 LeaseCheck = Callable[[RemoteSource], bool]
+# verify_kv: the same question with the reader's digest claims: (held?, DIGEST_OK, DIGEST_PENDING
+# or why the claims do not match).
+DigestCheck = Callable[[RemoteSource, tuple[DigestClaim, ...]], tuple[bool, str]]
+
+DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
+DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without verify_kv)
 
 # Failure reasons start with these (connector/metrics.py maps them to bounded kinds).
 LEASE_EXPIRED = "lease expired"
 LEASE_UNPROVEN = "lease not proven"
+DIGEST_FAILED = "digest"
 
 
 def unprovable_reason(remote: RemoteSource) -> str | None:
@@ -76,11 +85,34 @@ def lease_failure(
     return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
 
 
+def digest_failure(remote: RemoteSource, verdict: str) -> str:
+    """The load's failure reason when verify_kv's claims were not confirmed."""
+    if verdict == DIGEST_PENDING:
+        verdict = (
+            "prefill reported no digests for this lease (is verify_kv on for the prefill "
+            "engine too?)"
+        )
+    return (
+        f"{DIGEST_FAILED}: prefill engine {remote.engine_id!r} request "
+        f"{remote.remote_request_id!r}: {verdict}"
+    )
+
+
 class LeaseProofs:
     """A small pool of check threads; answers come back by ticket through ``take``."""
 
-    def __init__(self, check: LeaseCheck, *, max_threads: int = 4) -> None:
+    def __init__(
+        self,
+        check: LeaseCheck,
+        *,
+        check_digests: DigestCheck | None = None,
+        max_threads: int = 4,
+        digest_wait_s: float = DIGEST_WAIT_S,
+    ) -> None:
         self._check = check
+        self._check_digests = check_digests
+        self._digest_wait_s = digest_wait_s
+        self._closing = threading.Event()  # ends digest retries at shutdown
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
         self._answers: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()
@@ -88,10 +120,13 @@ class LeaseProofs:
         self._arrived: dict[int, str | None] = {}
         self._abandoned: set[int] = set()
 
-    def submit(self, remote: RemoteSource, when: str = AFTER_READS) -> int:
-        """Start checking ``remote``'s lease; its answer comes back from ``take(ticket)``."""
+    def submit(
+        self, remote: RemoteSource, when: str = AFTER_READS, claims: tuple[DigestClaim, ...] = ()
+    ) -> int:
+        """Start checking ``remote``'s lease (and, with ``claims``, the digests of what was
+        read); the answer comes back from ``take(ticket)``."""
         ticket = next(self._tickets)
-        self._pool.submit(self._run, ticket, remote, when)
+        self._pool.submit(self._run, ticket, remote, when, claims)
         return ticket
 
     def take(self, ticket: int) -> tuple[bool, str | None]:
@@ -111,6 +146,7 @@ class LeaseProofs:
 
     def close(self) -> None:
         """Wait for running checks (each bounded by its timeout) and stop the threads."""
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _collect(self) -> None:
@@ -121,13 +157,37 @@ class LeaseProofs:
             else:
                 self._arrived[ticket] = reason
 
-    def _run(self, ticket: int, remote: RemoteSource, when: str) -> None:
+    def _run(
+        self, ticket: int, remote: RemoteSource, when: str, claims: tuple[DigestClaim, ...]
+    ) -> None:
         held: bool | ConnectorError
+        verdict = DIGEST_OK
         try:
-            held = self._check(remote)
+            if claims:
+                held, verdict = self._held_and_digests(remote, claims)
+            else:
+                held = self._check(remote)
         except ConnectorError as error:
             held = error
         except Exception as error:  # a bug must still answer, never leave a load waiting
             logger.exception("lease check of %s crashed", remote.remote_request_id)
             held = ConnectorError(f"lease check crashed: {error!r}")
-        self._answers.put((ticket, lease_failure(remote, held, when)))
+        reason = lease_failure(remote, held, when)
+        if reason is None and verdict != DIGEST_OK:
+            reason = digest_failure(remote, verdict)
+        self._answers.put((ticket, reason))
+
+    def _held_and_digests(
+        self, remote: RemoteSource, claims: tuple[DigestClaim, ...]
+    ) -> tuple[bool, str]:
+        """Ask until prefill's ranks have reported their digests (bounded)."""
+        if self._check_digests is None:
+            raise ConnectorError("verify_kv is on but this rank has no digest check")
+        waited_s = 0.0
+        while True:
+            held, verdict = self._check_digests(remote, claims)
+            if not held or verdict != DIGEST_PENDING or waited_s >= self._digest_wait_s:
+                return held, verdict
+            if self._closing.wait(DIGEST_RETRY_S):
+                return held, "shutting down before prefill reported its digests"
+            waited_s += DIGEST_RETRY_S

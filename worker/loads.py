@@ -31,7 +31,7 @@ from connector.errors import ConnectorError
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
-from connector.protocol import encode_free_notif, lease_key
+from connector.protocol import DigestClaim, encode_free_notif, lease_key
 from connector.trace import load_ended
 from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
 from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
@@ -173,6 +173,7 @@ class LoadTable:
         handshake_wait_s: float,  # a load waits at most this long for its peer's handshake
         on_peer_failure: Callable[[Peer], None],
         proofs: LeaseProofs,
+        claims: Callable[[LoadSpec], tuple[DigestClaim, ...]] | None = None,  # verify_kv
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         on_move: OnMove | None = None,  # tests watch every load's moves
     ) -> None:
@@ -186,6 +187,7 @@ class LoadTable:
         self._handshake_wait_s = handshake_wait_s
         self._on_peer_failure = on_peer_failure
         self._proofs = proofs
+        self._claims = claims
         self._loads: dict[str, Load] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # ended ids, to spot late aborts
 
@@ -276,7 +278,10 @@ class LoadTable:
                 load.fail(reason)
                 load.end()
                 return
-            load.proof_ticket = self._proofs.submit(load.remote)
+            claims: tuple[DigestClaim, ...] = ()
+            if self._claims is not None and load.spec is not None:
+                claims = self._claims(load.spec)
+            load.proof_ticket = self._proofs.submit(load.remote, claims=claims)
         answered, reason = self._proofs.take(load.proof_ticket)
         if not answered:
             return
