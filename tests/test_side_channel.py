@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -34,7 +35,13 @@ from connector.side_channel_client import (
     send_heartbeat,
     send_release,
 )
-from scheduler.side_channel import SideChannelServer
+from scheduler.side_channel import (
+    RECEIVE_HWM_MESSAGES,
+    SEND_HWM_MESSAGES,
+    TCP_RECEIVE_BUFFER_BYTES,
+    SideChannelServer,
+    router_socket,
+)
 from tests.test_protocol import make_handshake
 
 HOST = "127.0.0.1"
@@ -191,6 +198,55 @@ def test_an_oversized_message_is_dropped_and_the_server_keeps_serving(
 def test_raw_tcp_garbage_does_not_hurt_the_server(open_server: SideChannelServer) -> None:
     with socket.create_connection((HOST, open_server.port), timeout=TIMEOUT_S) as raw:
         raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 4)
+    assert_still_serving(open_server)
+
+
+def test_the_router_bounds_what_one_peer_can_make_it_hold() -> None:
+    """Issue 25: with zmq's defaults (1000 queued messages a peer, an autotuned kernel buffer)
+    a garbage flood raised RSS by tens of MB that glibc then kept."""
+    router = router_socket(zmq.Context.instance(), MAX_MESSAGE_BYTES)
+    try:
+        options = {name: router.getsockopt(getattr(zmq, name)) for name in BOUNDS}
+    finally:
+        router.close(linger=0)
+    assert options == BOUNDS
+    assert RECEIVE_HWM_MESSAGES <= 4 and SEND_HWM_MESSAGES <= 16  # zmq's default: 1000 each
+    assert TCP_RECEIVE_BUFFER_BYTES <= 2**20
+
+
+BOUNDS = {
+    "MAXMSGSIZE": MAX_MESSAGE_BYTES,
+    "RCVHWM": RECEIVE_HWM_MESSAGES,
+    "SNDHWM": SEND_HWM_MESSAGES,
+    "RCVBUF": TCP_RECEIVE_BUFFER_BYTES,
+    "LINGER": 0,
+}
+
+
+def test_a_flood_from_many_peers_that_never_read_leaves_the_server_serving(
+    open_server: SideChannelServer,
+) -> None:
+    """16 peers each push 40 frames just under the size bound (and one over it) as fast as
+    zmq takes them, never reading a reply; a handshake is then still served."""
+    frame, oversized = os.urandom(MAX_MESSAGE_BYTES - 64), b"x" * (MAX_MESSAGE_BYTES + 1)
+    peers = []
+    try:
+        for _ in range(16):
+            peer = zmq.Context.instance().socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(f"tcp://{HOST}:{open_server.port}")
+            peers.append(peer)
+        for _ in range(40):
+            for peer in peers:
+                with contextlib.suppress(zmq.Again):  # that peer's queue is full: skip it
+                    peer.send(frame, zmq.NOBLOCK)
+        for peer in peers:
+            with contextlib.suppress(zmq.Again):
+                peer.send(oversized, zmq.NOBLOCK)
+        assert_still_serving(open_server)
+    finally:
+        for peer in peers:
+            peer.close(linger=0)
     assert_still_serving(open_server)
 
 
