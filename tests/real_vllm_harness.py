@@ -107,8 +107,12 @@ def kv_transfer_config(
     """--kv-transfer-config for one side. Decode fails a request whose KV load failed
     (``fail``, vLLM's default, spelled out): ``recompute`` would hide a broken transfer
     behind a locally computed, correct answer, so only tests of that policy ask for it.
-    ``extra_config`` becomes kv_connector_extra_config."""
+    ``extra_config`` becomes kv_connector_extra_config (ours always gets verify_kv: true)."""
     config: dict[str, Any] = {"kv_role": kv_role, "kv_load_failure_policy": failure_policy}
+    if connector == "nixlpd":
+        # The tier runs ours with verify_kv on: any wrong byte fails a load, and so the test,
+        # even where greedy tokens happen to agree.
+        extra_config = {"verify_kv": True, **(extra_config or {})}
     if extra_config:
         config["kv_connector_extra_config"] = dict(extra_config)
     if connector == "nixlpd":
