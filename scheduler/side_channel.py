@@ -35,6 +35,7 @@ from connector.protocol import (
     Hello,
     HelloReply,
     LeaseCheck,
+    LeaseRef,
     LeaseStatus,
     Release,
     Reply,
@@ -52,12 +53,12 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 50
 LeaseCallback = Callable[[tuple[str, ...]], int]  # request ids -> how many were held
-# (request id, lease id) pairs -> whether each very lease is held now
-LeaseCheckCallback = Callable[[tuple[tuple[str, str], ...]], tuple[bool, ...]]
+# The leases a LeaseCheck names -> whether each very lease is held now (and its digests match)
+LeaseCheckCallback = Callable[[tuple[LeaseRef, ...]], LeaseStatus]
 
 
-def _no_leases(refs: tuple[tuple[str, str], ...]) -> tuple[bool, ...]:
-    return (False,) * len(refs)
+def _no_leases(refs: tuple[LeaseRef, ...]) -> LeaseStatus:
+    return LeaseStatus((False,) * len(refs))
 
 
 class SideChannelServer:
@@ -229,8 +230,7 @@ class SideChannelServer:
         if isinstance(request, Heartbeat):
             return self._ack(request, self._on_heartbeat(request.remote_request_ids))
         if isinstance(request, LeaseCheck):
-            refs = tuple((ref.remote_request_id, ref.lease_id) for ref in request.leases)
-            return LeaseStatus(self._on_lease_check(refs))
+            return self._on_lease_check(request.leases)
         return self._ack(request, self._on_release(request.remote_request_ids))
 
     def _ack(self, request: Heartbeat | Release, num_known: int) -> Ack:
