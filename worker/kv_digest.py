@@ -11,10 +11,11 @@ so a digest is taken of units both sides agree on:
   of the request (unit k covers tokens [k*kernel_block_size, (k+1)*kernel_block_size)), its
   bytes enumerated by the same geometry formula on both sides.
 
-A unit's digest is a keyed linear sum, sum(byte_i * key_i) mod 2**64, the keys drawn by
-splitmix64 from (group, plane, position): one wrong byte changes it (unless its key is 0 mod
-256, 1 in 2**56). Linear, so a range of units and heads sums to one number: decode sends one
-uint64 per group. It guards against bugs and stale bytes, not against an attacker who can
+A unit's digest is a keyed linear sum, sum(word_i * key_i) mod 2**64 over its 8-byte words
+(its bytes where a head is not whole words), the keys odd numbers drawn by splitmix64 from
+(group, plane, position): a wrong word always changes it (an odd key is invertible mod 2**64),
+several wrong words leave it equal by chance only. Linear, so a range of units and heads sums
+to one number: decode sends one uint64 per group. It guards against bugs and stale bytes, not against an attacker who can
 write KV (the handshake is that gate). Pure: numpy in, numpy out.
 """
 
@@ -113,21 +114,46 @@ def digest_table(
     """
     group = layout.groups[group_index]
     tokens = _unit_token_grid(group, units)  # [units, tokens per unit]
-    total: Table | None = None
+    kernel_blocks, slots = _kernel_slots(group, block_ids, first_logical, tokens)
+    total = np.zeros((len(units), _num_heads(group)), dtype=np.uint64)
     for plane_index, plane in enumerate(group.planes):
-        slots = _slot_offsets(group, plane, block_ids, first_logical, tokens)
-        heads = np.arange(plane.num_heads, dtype=np.int64) * plane.head_stride_bytes
-        columns = np.arange(plane.head_bytes, dtype=np.int64)
-        # [units, heads, tokens per unit, head bytes]: the unit's bytes in key order
-        index = slots[:, None, :, None] + heads[None, :, None, None] + columns
-        data = buffers[plane.region][index].reshape(len(units), plane.num_heads, -1)
-        keys = _keys(group_index, plane_index, data.shape[-1])
+        # [units, tokens per unit, heads, head bytes]: the unit's bytes, copied once
+        data = _plane_view(buffers[plane.region], group, plane)[kernel_blocks, slots]
+        # whole words where a head is: 8x fewer products than bytes
+        data = data.view(np.uint64) if plane.head_bytes % 8 == 0 else data.astype(np.uint64)
+        keys = _keys(group_index, plane_index, tokens.shape[1] * data.shape[-1])
+        keys = keys.reshape(tokens.shape[1], 1, data.shape[-1])
         with np.errstate(over="ignore"):
-            digest = (data.astype(np.uint64) * keys).sum(axis=-1, dtype=np.uint64)
-            total = digest if total is None else total + digest
-    if total is None:
-        return np.zeros((len(units), 0), dtype=np.uint64)
+            total += (data * keys).sum(axis=(1, 3), dtype=np.uint64)
     return total
+
+
+def _num_heads(group: GroupGeometry) -> int:
+    return group.planes[0].num_heads if group.planes else 0
+
+
+def _plane_view(
+    region: npt.NDArray[np.uint8], group: GroupGeometry, plane: PlaneGeometry
+) -> npt.NDArray[np.uint8]:
+    """A read-only view [kernel blocks, slots, heads, head bytes] of one plane's bytes."""
+    shape = (group.num_kernel_blocks, group.kernel_block_size, plane.num_heads, plane.head_bytes)
+    strides = (
+        plane.kernel_block_stride_bytes,
+        plane.token_stride_bytes,
+        plane.head_stride_bytes,
+        1,
+    )
+    last_byte = (
+        plane.offset_bytes + sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) + 1
+    )
+    if last_byte > len(region):
+        raise UnsupportedConfiguration(
+            f"verify_kv: plane {plane.layer}/{plane.plane} reaches byte {last_byte} of a "
+            f"{len(region)}-byte region; the registered memory does not match the layout"
+        )
+    return np.lib.stride_tricks.as_strided(
+        region[plane.offset_bytes :], shape=shape, strides=strides, writeable=False
+    )
 
 
 def lease_digests(
@@ -172,23 +198,17 @@ def _unit_token_grid(group: GroupGeometry, units: range) -> npt.NDArray[np.int64
     return starts[:, None] + np.arange(per_unit, dtype=np.int64)
 
 
-def _slot_offsets(
+def _kernel_slots(
     group: GroupGeometry,
-    plane: PlaneGeometry,
     block_ids: Sequence[int],
     first_logical: int,
     tokens: npt.NDArray[np.int64],
-) -> npt.NDArray[np.int64]:
-    """Byte offset in the plane's region of each token's slot (same shape as ``tokens``)."""
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(kernel block, slot) of each token, shaped like ``tokens``."""
     ids = np.asarray(block_ids, dtype=np.int64)
     logical = ids[tokens // group.block_size - first_logical]
     kernel_block = logical * group.ratio + (tokens % group.block_size) // group.kernel_block_size
-    slot = tokens % group.kernel_block_size
-    return (
-        plane.offset_bytes
-        + kernel_block * plane.kernel_block_stride_bytes
-        + slot * plane.token_stride_bytes
-    )
+    return kernel_block, tokens % group.kernel_block_size
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,6 +219,6 @@ def _keys(group_index: int, plane_index: int, length: int) -> npt.NDArray[np.uin
         z = np.arange(length, dtype=np.uint64) + base + _SEED
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        keys = z ^ (z >> np.uint64(31))
+        keys = (z ^ (z >> np.uint64(31))) | np.uint64(1)  # odd: invertible mod 2**64
     keys.flags.writeable = False
     return keys
