@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from connector.errors import TransferPlanError
 from connector.metadata import RemoteSource, WorkerReport
+from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseStats, LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, LeaseState, LoadState
@@ -211,20 +212,24 @@ def test_every_prefill_request_finishes_sending_exactly_once(
         on_move=log,
     )
     leased: set[str] = set()
-    announced: set[str] = set()  # ids the ranks were told to count (sends, not yet forgotten)
+    keys: dict[str, str] = {}  # request id -> its lease key, what the ranks count and report
+    announced: set[str] = set()  # keys the ranks were told to count (sends, not yet forgotten)
     finished: list[str] = []
     for kind, arg in actions:
         if kind == "finish" and arg not in leased:
-            assert producer.request_finished(str(arg), ((1,),))[0] is True
+            delay, params = producer.request_finished(str(arg), ((1,),))
+            assert delay is True and params is not None
             leased.add(str(arg))
+            keys[str(arg)] = lease_key(str(arg), params["remote_lease_id"])
         elif kind == "step":
-            sends, forgotten = producer.take_step()
+            sends, forgotten, _ = producer.take_step()
             assert not set(sends) & set(forgotten)
             assert set(forgotten) <= announced
             announced = (announced | set(sends)) - set(forgotten)
         elif kind == "report":
             rank, request_id = arg  # type: ignore[misc]
-            producer.on_reports([WorkerReport(rank, finished_sending=(request_id,))])
+            key = keys.get(request_id, request_id)  # never leased: the bare id, stray
+            producer.on_reports([WorkerReport(rank, finished_sending=(key,))])
         elif kind == "advance":
             clock.advance(float(arg))  # type: ignore[arg-type]
         elif kind == "release":

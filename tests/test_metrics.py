@@ -252,7 +252,7 @@ def test_producer_times_each_lease_to_its_free_and_counts_how_it_ended() -> None
     )  # fmt: skip
     for request_id in ("done", "expires", "released"):
         producer.request_finished(request_id, ((1,),))
-    sends, _ = producer.take_step()  # lease keys, "<request id>@<lease id>"
+    sends = producer.take_step()[0]  # lease keys, "<request id>@<lease id>"
     (done_key,) = [key for key in sends if key.startswith("done@")]
     now_s[0] += 1.0
     producer.on_reports([WorkerReport(tp_rank=0, finished_sending=(done_key,))])
