@@ -19,7 +19,12 @@ from typing import Any
 import pytest
 
 from connector.config import ConnectorConfig
-from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
+from connector.errors import (
+    HandshakeError,
+    PeerRestarted,
+    TransferFailed,
+    UnsupportedConfiguration,
+)
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
@@ -67,6 +72,7 @@ class RecordingAgent:
     sent: list[tuple[str, bytes]] = field(default_factory=list)
     inbox: dict[str, list[bytes]] = field(default_factory=dict)
     broken_metadata: bool = False
+    dead: set[str] = field(default_factory=set)  # remote agents whose process died
 
     def _call(self) -> None:
         self.threads.add(threading.get_ident())
@@ -140,6 +146,8 @@ class RecordingAgent:
 
     def send_notif(self, remote_agent: str, message: bytes) -> None:
         self._call()
+        if remote_agent in self.dead:
+            raise TransferFailed(f"sending a notification to agent {remote_agent!r} failed")
         self.sent.append((remote_agent, message))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
@@ -466,6 +474,30 @@ def test_peer_restart_under_same_engine_id_rehandshakes(rig: Rig) -> None:
     rig.finish_reads()
     rig.until(lambda: rig.reported("b"))
     assert rig.finished == ["b"] and rig.channels.calls == [(PREFILL_PORT, 0)] * 2
+
+
+def test_a_failed_notification_to_a_restarted_peer_rehandshakes(rig: Rig) -> None:
+    """Prefill restarted under the same engine id and port (issue 25): a load naming the old
+    boot fails at its lease check before any READ, and its free notification cannot reach the
+    old agent; like a failed READ, that retires the peer, so the next load (the new boot's
+    params) handshakes anew instead of reading from the dead agent."""
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("a"))
+    rig.agent.dead.add("p-r0")  # the old boot died; the new one serves the same address
+    rig.channels.serve("p", 1, agent_name="p-r0-restarted")
+    rig.leases.answers["pb"] = PeerRestarted("side channel 127.0.0.1:7001 is boot b2")
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: rig.reported("b"))
+    assert rig.failed["b"].startswith("lease expired") and len(rig.agent.reads) == 1
+    rig.step(loads=(load("c", source("pc", boot_id="b2")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    assert rig.agent.reads[1].remote_agent == "p-r0-restarted"
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("c"))
+    assert rig.finished == ["a", "c"] and rig.channels.calls == [(PREFILL_PORT, 0)] * 2
 
 
 def test_peer_restart_with_new_engine_id_replaces_the_old_peer(rig: Rig) -> None:

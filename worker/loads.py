@@ -127,31 +127,34 @@ def free_notif(load: Load, remote_rank: int) -> bytes:
     return encode_free_notif(key, load.peer.duty[remote_rank])
 
 
-def notify(agent: NixlAgent, load: Load, remote_rank: int) -> None:
-    """Tell ``remote_rank`` it may free the request's blocks (best effort, logged)."""
+def notify(agent: NixlAgent, load: Load, remote_rank: int) -> bool:
+    """Tell ``remote_rank`` it may free the request's blocks (best effort, logged); False if
+    the agent could not send to it (its process died or closed its agent, say)."""
     link = load.peer.link
     agent_name = None if link is None else link.agent_names.get(remote_rank)
     if agent_name is None:
         logger.warning(
             "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
         )
-        return
+        return True
     try:
         agent.send_notif(agent_name, free_notif(load, remote_rank))
     except ConnectorError as error:
         logger.warning(
             "request %s: notifying remote rank %d failed: %s", load.request_id, remote_rank, error
         )
-        return
+        return False
     load.notified.add(remote_rank)
+    return True
 
 
-def notify_rest(agent: NixlAgent, load: Load) -> None:
-    """Tell every covered remote rank not yet notified that its blocks may be freed."""
+def notify_rest(agent: NixlAgent, load: Load) -> bool:
+    """Tell every covered remote rank not yet notified that its blocks may be freed; False if
+    sending to one of them failed."""
     if load.peer.link is None:
-        return
-    for remote_rank in sorted(set(load.peer.duty) - load.notified):
-        notify(agent, load, remote_rank)
+        return True
+    sent = [notify(agent, load, rank) for rank in sorted(set(load.peer.duty) - load.notified)]
+    return all(sent)
 
 
 def _rows(link: PeerLink, remote_rank: int) -> PreparedRows | None:
@@ -439,7 +442,10 @@ class LoadTable:
         if load.proof_ticket is not None:  # aborted while prefill was being asked
             self._proofs.abandon(load.proof_ticket)
         reason = load.reason
-        notify_rest(self._agent, load)
+        if not notify_rest(self._agent, load):
+            # Like a failed READ: the peer's agent is gone (a prefill restarted under the same
+            # engine id, whose lease check failed before any READ): handshake anew next time.
+            self._on_peer_failure(load.peer)
         if load.state is LoadState.FAILED:
             logger.warning("request %s failed: %s", load.request_id, reason)
         record_outcome(self._metrics, self._agent.name, load, reason, self._clock())
