@@ -120,6 +120,7 @@ class Threaded:
         self.worker = WorkerConnector(
             ConnectorConfig(), engine_id="decode", tp_rank=0, tp_size=1, spec=spec,
             agent=self.agent, fetch=lambda host, port, rank: self._handshake,
+            lease_check=lambda remote: True,  # no prefill scheduler here: every lease holds
         )  # fmt: skip
         self.worker.register_kv_caches(list(decode.addresses))
         self._serial = 0
@@ -127,7 +128,10 @@ class Threaded:
     def load(self, local: list[int], remote: list[int]) -> Sample:
         self._serial += 1
         request_id = f"d{self._serial}"
-        source = RemoteSource("prefill", "127.0.0.1", 1, 1, f"p{self._serial}", (tuple(remote),))
+        source = RemoteSource(
+            "prefill", "127.0.0.1", 1, 1, f"p{self._serial}", (tuple(remote),), boot_id="bench",
+            lease_id=f"l{self._serial}",
+        )  # fmt: skip
         spec = LoadSpec(request_id, (tuple(local),), NUM_TOKENS, 0, source)
         started = time.perf_counter()
         self.worker.start_load_kv(ConnectorMetadata(loads=(spec,)))

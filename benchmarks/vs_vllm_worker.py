@@ -168,6 +168,7 @@ def _our_worker(engine_id: str, tp_rank: int, tp_size: int, fetch: Any = None) -
         spec=spec,
         agent=NullAgent(f"{engine_id}-{tp_rank}"),
         fetch=fetch,
+        lease_check=lambda remote: True,  # no prefill scheduler here: every lease holds
     )
     from connector.geometry import build_rank_layout
 
@@ -210,7 +211,7 @@ class Ours:
         self._serial += 1
         source = RemoteSource(
             PREFILL_ENGINE, "127.0.0.1", case.prefill_tp, case.prefill_tp,
-            f"p{self._serial}", (tuple(remote),),
+            f"p{self._serial}", (tuple(remote),), boot_id="bench", lease_id=f"l{self._serial}",
         )  # fmt: skip
         spec = LoadSpec(f"d{self._serial}", (tuple(local),), case.num_tokens, 0, source)
         return ConnectorMetadata(loads=(spec,))
