@@ -53,7 +53,9 @@ class ScriptedProofs:
         self.answers: dict[int, str | None] = {}  # answered, not yet taken
         self.proven: collections.Counter[str] = collections.Counter()  # held after the READs
 
-    def submit(self, remote: RemoteSource, when: str = AFTER_READS) -> int:
+    def submit(
+        self, remote: RemoteSource, when: str = AFTER_READS, claims: tuple[object, ...] = ()
+    ) -> int:
         ticket = next(self._tickets)
         self.pending[ticket] = (remote, when)
         return ticket

@@ -21,7 +21,7 @@ from connector.protocol import WorkerHandshake
 from worker.planner import TransferPlanner
 from worker.prepped import PreparedReads
 
-PeerKey = tuple[str, str, int, int]  # (engine id, host, port, remote TP size)
+PeerKey = tuple[str, str, int, int, str]  # (engine id, host, port, remote TP size, boot id)
 
 
 class PeerState(enum.Enum):
@@ -82,10 +82,13 @@ class Peer:
     num_live_transfers: int = 0  # posted READs not yet released (transfer_started/ended)
     num_loads: int = 0  # loads that hold this record (load_attached/detached)
     submitted_s: float = 0.0  # when its handshake was submitted (table's clock), for metrics
+    # The prefill boot the requests' params name ("": params without one). A prefill restarted
+    # under the same engine id and address is another peer: its params name another boot.
+    boot_id: str = ""
 
     @property
     def key(self) -> PeerKey:
-        return (self.engine_id, self.host, self.port, self.remote_tp_size)
+        return (self.engine_id, self.host, self.port, self.remote_tp_size, self.boot_id)
 
     @property
     def address(self) -> str:

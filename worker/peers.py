@@ -58,7 +58,7 @@ MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
 
 
 def peer_key(source: RemoteSource) -> PeerKey:
-    return (source.engine_id, source.host, source.port, source.tp_size)
+    return (source.engine_id, source.host, source.port, source.tp_size, source.boot_id)
 
 
 @dataclass
@@ -173,6 +173,7 @@ class PeerTable:
         if failure is not None:  # nobody confirmed it for a while: it may be back; ask once
             del self._failures[key]
         peer = Peer(source.engine_id, source.host, source.port, source.tp_size, duty)
+        peer.boot_id = source.boot_id
         self._current[key] = peer
         self._submit(peer, retries=None if failure is None else 0)
         return peer
@@ -234,6 +235,7 @@ class PeerTable:
             probe = Peer(
                 source.engine_id, source.host, source.port, source.tp_size, duty, PeerState.PROBING
             )
+            probe.boot_id = source.boot_id
             self._submit(probe, retries=0)
         return _failed_peer(
             source,
@@ -348,14 +350,19 @@ class PeerTable:
         self._failures[key] = _Failure(reason, now_s, now_s + self._probe_interval_s)
 
     def _retire_replaced(self, ready: Peer) -> None:
-        """Another engine id at the same address is gone: that engine restarted as ``ready``."""
+        """Another engine id, or another boot of the same one, at the same address is gone:
+        that engine restarted as ``ready``."""
         for peer in list(self._current.values()):
             same_address = (peer.host, peer.port) == (ready.host, ready.port)
+            other_boot = bool(peer.boot_id and ready.boot_id) and peer.boot_id != ready.boot_id
             if same_address and peer.engine_id != ready.engine_id:
                 logger.info("engine %s was replaced by %s", peer.engine_id, ready.engine_id)
                 self.retire(
                     peer, f"engine {ready.engine_id} now serves that address; its KV is gone"
                 )
+            elif same_address and other_boot:
+                logger.info("engine %s restarted (boot %s)", ready.engine_id, ready.boot_id)
+                self.retire(peer, f"engine {ready.engine_id} restarted; that boot's KV is gone")
 
     def _remove_idle_retired(self) -> None:
         draining = []
@@ -395,6 +402,8 @@ class PeerTable:
 
 def _failed_peer(source: RemoteSource, reason: str) -> Peer:
     """A FAILED record no table keeps: its loads end at once with ``reason``."""
-    return Peer(
+    peer = Peer(
         source.engine_id, source.host, source.port, source.tp_size, {}, PeerState.FAILED, reason
     )
+    peer.boot_id = source.boot_id
+    return peer
