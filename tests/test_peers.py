@@ -100,6 +100,27 @@ def test_restarted_prefill_with_a_new_engine_id_is_picked_up_at_once(rig: Rig) -
     assert rig.finished == ["b"]
 
 
+def test_same_engine_id_restarted_is_handshaked_afresh_by_params_naming_its_new_boot(
+    rig: Rig,
+) -> None:
+    """A prefill restarted under a pinned engine id, on its port: the first request whose
+    params name the new boot handshakes again at once (the old boot's agents are gone), and
+    the old boot's peer retires."""
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source("pa", boot_id="boot-a")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("a"))
+    assert rig.finished == ["a"] and len(rig.channels.calls) == 1
+
+    rig.step(loads=(load("b", source("pb", boot_id="boot-b")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("b"))
+    assert rig.finished == ["a", "b"]
+    assert len(rig.channels.calls) == 2, "the new boot was not handshaked"
+
+
 def test_same_engine_id_back_on_its_port_is_probed_once_per_window(rig: Rig) -> None:
     """After a failure, one background probe per window; requests never wait on it."""
     rig.step(loads=(load("a", source("pa")),))
