@@ -13,7 +13,7 @@ After each drill: every completion equals the single-engine run, every failed lo
 logged reason, no blocks stay held on either side (vLLM's kv_cache_usage_perc and request
 gauges back to 0), and a good request through the P/D proxy still loads over NIXL and matches.
 
-Three engines start once for the module: prefill (a 16-block pool and a 4 s lease, so its
+Three engines start once for the module: prefill (a 16-block pool and a 10 s lease, so its
 blocks are reused quickly) and two decode engines that differ only in
 ``kv_load_failure_policy``: ``fail`` (a failed load is an error reply) and ``recompute``
 (decode computes the prompt itself: the right tokens). The single-engine reference is the
@@ -76,7 +76,11 @@ if not VLLM_PYTHON.exists():
 
 from tests.test_real_vllm import MAX_TOKENS, mismatch, prompt  # noqa: E402
 
-LEASE_S = 4  # prefill's kv_lease_duration (an int: vLLM's NixlConnector reads it as one)
+# Prefill's kv_lease_duration (an int: vLLM's NixlConnector reads it as one). Short, so the
+# drills wait little; not shorter: decode's first heartbeat comes only once its engine has seen
+# the request, and with 4 s a good request on a loaded two-core box (load average 10-18) once
+# lost its lease before that, which the lease proof rightly failed.
+LEASE_S = 10
 HEARTBEAT_S = 1.0  # our decode heartbeats: well inside the lease for normal requests
 PREFILL_BLOCKS = 16  # prefill's whole pool (one is vLLM's null block): reused within a drill
 REUSE_PROMPTS = 4  # prompts of 7+ blocks through prefill: each cycles over half the pool
