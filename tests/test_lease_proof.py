@@ -204,6 +204,46 @@ def test_the_default_lease_check_asks_the_side_channel_the_params_name(
     assert check(remote.remote_source()) is False
 
 
+UNANSWERED_ONCE = HandshakeError("side channel 127.0.0.1:7001 did not answer within 2.0 s")
+# case id -> (handshake_retries, what each ask does in turn, the check's result, asks made)
+ASKED_AGAIN: dict[str, tuple[int, list[bool | Exception], bool | type[Exception], int]] = {
+    "answered at once": (1, [True], True, 1),
+    "unanswered once, then held": (1, [UNANSWERED_ONCE, True], True, 2),
+    "unanswered once, then not held": (1, [UNANSWERED_ONCE, False], False, 2),
+    "unanswered every time": (1, [UNANSWERED_ONCE, UNANSWERED_ONCE], HandshakeError, 2),
+    "another boot answered: final at once": (
+        2, [PeerRestarted("stale boot"), True], PeerRestarted, 1,
+    ),
+    "no retries configured": (0, [UNANSWERED_ONCE, True], HandshakeError, 1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("retries", "script", "result", "num_asks"), list(ASKED_AGAIN.values()), ids=list(ASKED_AGAIN)
+)
+def test_the_default_lease_check_asks_again_while_prefill_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch, retries: int, script: list[bool | Exception],
+    result: bool | type[Exception], num_asks: int,
+) -> None:  # fmt: skip
+    asks: list[tuple[str, str]] = []
+
+    def check_leases(host: str, port: int, leases: list[tuple[str, str]], **_: Any) -> tuple[bool]:
+        asks.extend(leases)
+        answer = script[len(asks) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return (answer,)
+
+    monkeypatch.setattr("connector.side_channel_client.check_leases", check_leases)
+    check = side_channel_lease_check(ConnectorConfig(handshake_retries=retries))
+    if isinstance(result, bool):
+        assert check(remote_of()) is result
+    else:
+        with pytest.raises(result):
+            check(remote_of())
+    assert asks == [("p-1", "L1")] * num_asks
+
+
 # --- one decode rank on FakeNixl, prefill's answers scripted ---------------------------------
 
 REQUEST = oracle.Request(9, 0, ((0, 1, 2),), ((3, 4, 5),))  # 9 tokens, blocks of 4

@@ -23,10 +23,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from connector.config import ConnectorConfig
-from connector.errors import ConnectorError, UnsupportedConfiguration
+from connector.errors import (
+    ConnectorError,
+    HandshakeError,
+    PeerRestarted,
+    UnsupportedConfiguration,
+)
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
@@ -51,6 +56,7 @@ from worker.prepped import PreparedLists
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
 logger = logging.getLogger(__name__)
+_Answer = TypeVar("_Answer")
 
 
 def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
@@ -70,11 +76,27 @@ def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
     return fetch
 
 
+def asked_again(config: ConnectorConfig, ask: Callable[[], _Answer]) -> _Answer:
+    """``ask()``, asked up to ``handshake_retries`` more times while prefill's side channel
+    does not answer (HandshakeError), as a handshake is: a prefill paused for less than that
+    (SIGSTOP, a long GC, a busy host) still proves its lease. PeerRestarted is final at once:
+    another boot answered, and the lease died with the one that issued it."""
+    for attempt in range(config.handshake_retries):
+        try:
+            return ask()
+        except PeerRestarted:
+            raise
+        except HandshakeError as error:
+            logger.info("lease check failed (attempt %d), asking again: %s", attempt + 1, error)
+    return ask()
+
+
 def side_channel_lease_check(config: ConnectorConfig) -> LeaseCheck:
-    """Ask the lease's prefill side channel, naming the boot the params name (no Hello)."""
+    """Ask the lease's prefill side channel, naming the boot the params name (no Hello);
+    retried while unanswered (``asked_again``)."""
     from connector.side_channel_client import check_leases
 
-    def check(remote: RemoteSource) -> bool:
+    def ask(remote: RemoteSource) -> bool:
         (held,) = check_leases(
             remote.host,
             remote.port,
@@ -87,14 +109,14 @@ def side_channel_lease_check(config: ConnectorConfig) -> LeaseCheck:
         )
         return held
 
-    return check
+    return lambda remote: asked_again(config, lambda: ask(remote))
 
 
 def side_channel_digest_check(config: ConnectorConfig) -> DigestCheck:
-    """verify_kv: the lease check with this rank's digest claims."""
+    """verify_kv: the lease check with this rank's digest claims (retried the same way)."""
     from connector.side_channel_client import check_leases_status
 
-    def check(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
+    def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
         status = check_leases_status(
             remote.host,
             remote.port,
@@ -107,7 +129,7 @@ def side_channel_digest_check(config: ConnectorConfig) -> DigestCheck:
         )
         return status.held[0], status.digests[0]
 
-    return check
+    return lambda remote, claims: asked_again(config, lambda: ask(remote, claims))
 
 
 def handshake_wait_s(config: ConnectorConfig) -> float:
