@@ -61,8 +61,9 @@ def has_vllm(python: str) -> bool:
 
 
 def kv_config(role: str, mode: str) -> dict[str, object]:
-    """--kv-transfer-config of one side; staged mode adds our kv_buffer_device key."""
-    config = harness.kv_transfer_config("nixlpd", role)
+    """--kv-transfer-config of one side; staged mode adds our kv_buffer_device key. No
+    verify_kv: it digests host memory, and the direct mode registers the GPU cache."""
+    config = harness.kv_transfer_config("nixlpd", role, verify_kv=False)
     if mode == "staged":
         config["kv_connector_extra_config"] = {"kv_buffer_device": "cpu"}
     return config

@@ -103,13 +103,15 @@ def kv_transfer_config(
     *,
     failure_policy: str = "fail",
     extra_config: Mapping[str, Any] | None = None,
+    verify_kv: bool = True,
 ) -> dict[str, Any]:
     """--kv-transfer-config for one side. Decode fails a request whose KV load failed
     (``fail``, vLLM's default, spelled out): ``recompute`` would hide a broken transfer
     behind a locally computed, correct answer, so only tests of that policy ask for it.
-    ``extra_config`` becomes kv_connector_extra_config (ours always gets verify_kv: true)."""
+    ``extra_config`` becomes kv_connector_extra_config; ours gets verify_kv: true unless
+    ``verify_kv`` is False (it digests host memory: a GPU cache registered directly cannot)."""
     config: dict[str, Any] = {"kv_role": kv_role, "kv_load_failure_policy": failure_policy}
-    if connector == "nixlpd":
+    if connector == "nixlpd" and verify_kv:
         # The tier runs ours with verify_kv on: any wrong byte fails a load, and so the test,
         # even where greedy tokens happen to agree.
         extra_config = {"verify_kv": True, **(extra_config or {})}

@@ -127,7 +127,12 @@ def test_stats_reach_vllms_loggers_and_its_prometheus_objects(
     merged = NixlPDStats()
     for data in (*captured[0], *captured[1]):
         merged = merged.aggregate(NixlPDConnector.build_kv_connector_stats(data))  # type: ignore[assignment]
-    assert merged.reduce() == {"loads_finished": 1, "loads_failed": 0, "sends_finished": 1}
+    assert merged.reduce() == {
+        "loads_finished": 1,
+        "loads_failed": 0,
+        "loads_aborted": 0,
+        "sends_finished": 1,
+    }
     interval = merged.interval
     assert interval.total(LOADS_FINISHED) == 1 and interval.total(LOADS_FAILED) == 0
     assert interval.counters[NOTIFICATIONS.name] == {"counted": 1}

@@ -240,6 +240,7 @@ def finish_and_check_nothing_leaks(
 ) -> None:
     run_both(prefill, decode, watch, lambda: decode.finished("r") is not None)
     assert str(decode.finished("r").finish_reason) == "length"
+    assert decode.stats.get("loads_failed", 0) == 0, "a full local hit counted as a failed load"
     sides = [engine.connector._scheduler for engine in (prefill, decode)]
     run_both(
         prefill, decode, watch,

@@ -21,6 +21,7 @@ from connector.metadata import ConnectorMetadata, WorkerReport
 from connector.metrics import MetricsInterval
 from connector.staging import StagedBlocks
 from scheduler.requests import FinishedRequests
+from worker.load_lifecycle import ABORTED_REASON as ABORTED
 
 
 class NixlPDMetadata(KVConnectorMetadata):
@@ -68,7 +69,7 @@ def merge(first: FinishedRequests, second: FinishedRequests) -> FinishedRequests
     )
 
 
-STAT_KEYS = ("loads_finished", "loads_failed", "sends_finished")
+STAT_KEYS = ("loads_finished", "loads_failed", "loads_aborted", "sends_finished")
 METRICS_KEY = "metrics"  # a MetricsInterval as builtins: counters and raw observations
 
 
@@ -88,10 +89,14 @@ class NixlPDStats(KVConnectorStats):
 
     @classmethod
     def from_report(cls, report: WorkerReport) -> NixlPDStats:
+        # An abort is no failed load: a rank acks a release (the request finished, or a full
+        # local prefix hit needed nothing) with it.
+        num_aborted = sum(reason == ABORTED for reason in report.failed_recving.values())
         return cls(
             data={
                 "loads_finished": len(report.finished_recving),
-                "loads_failed": len(report.failed_recving),
+                "loads_failed": len(report.failed_recving) - num_aborted,
+                "loads_aborted": num_aborted,
                 "sends_finished": len(report.finished_sending),
             }
         )
