@@ -319,8 +319,8 @@ class LoadTable:
 
     def _lease_holds_before_reads(self, load: Load) -> bool:
         """Whether to post: the check started at ``add`` said the lease holds. False while it
-        is unanswered (the load waits, bounded by the handshake wait) or after the load
-        failed for it."""
+        is unanswered (the load waits; the check's own timeouts and retries bound it) or after
+        the load failed for it."""
         if load.prechecked:
             return True
         reason = unprovable_reason(load.remote)
