@@ -91,6 +91,10 @@ class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat"):
     """Decode still wants these prefill requests' blocks: extend their leases.
 
+    ``remote_request_ids`` name leases: ``lease_key(request id, lease id)`` from the params
+    (a bare request id only for params without a lease id), so a message meant for an earlier
+    lease of a repeated request id touches nothing.
+
     ``engine_id`` names the prefill engine that holds them: request ids may repeat across a
     restart on the same host:port, so the server refuses a message meant for another engine.
     """

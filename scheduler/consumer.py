@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from connector.errors import TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.protocol import lease_key
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import LOAD_LIFECYCLE, Book, LoadState, OnMove
 from scheduler.suffix import uncached_suffix_blocks
@@ -242,7 +243,7 @@ class Consumer:
         self._heartbeats.submit_release(
             source.host,
             source.port,
-            [source.remote_request_id],
+            [lease_key(source.remote_request_id, source.lease_id)],
             engine_id=source.engine_id,
             boot_id=source.boot_id,
         )
@@ -262,7 +263,9 @@ class Consumer:
         for _, load in self._loads.records(*_HEARTBEATING):
             source = load.source
             engine = (source.host, source.port, source.engine_id, source.boot_id)
-            by_engine.setdefault(engine, []).append(source.remote_request_id)
+            by_engine.setdefault(engine, []).append(
+                lease_key(source.remote_request_id, source.lease_id)
+            )
         for (host, port, engine_id, boot_id), remote_request_ids in sorted(by_engine.items()):
             self._heartbeats.submit(
                 host, port, remote_request_ids, engine_id=engine_id, boot_id=boot_id

@@ -7,9 +7,12 @@ tests drive it explicitly. The engine thread and the side-channel thread share o
 It holds only what the side-channel thread must see (which ids are held, until when, and which
 were released); each lease's lifecycle state is Producer's record (LEASE_LIFECYCLE).
 
-A heartbeat or release can only touch the lease it names: ids with no held lease (never
-leased here, or already ended) are *stray*: counted in ``stats``, and nothing else happens.
-Recently ended ids are remembered (bounded) to tell "already ended" from "never leased".
+A heartbeat or release can only touch the lease it names, by its lease key
+(``request_id@lease_id``, connector/protocol.py ``lease_key``): a name with no held lease
+(never leased here, already ended, or an earlier lease of a repeated request id) is *stray*:
+counted in ``stats``, and nothing else happens. A lease taken without a lease id answers to
+its bare request id. Recently ended names are remembered (bounded) to tell "already ended"
+from "never leased".
 
 Each lease also has a lease id, drawn at random when it starts and returned in the params:
 ``held`` answers decode's LeaseCheck for that very lease, so a later lease of a repeated
@@ -24,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from connector.metadata import GroupDigests
-from connector.protocol import LeaseRef, LeaseStatus
+from connector.protocol import LeaseRef, LeaseStatus, lease_key
 from scheduler.digests import verify_claims
 
 MAX_ENDED_IDS = 4096  # ended lease ids remembered to classify late messages
@@ -48,6 +51,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._expiry_s: dict[str, float] = {}  # held leases: request id -> expiry time
         self._lease_ids: dict[str, str] = {}  # held leases: request id -> lease id
+        self._by_name: dict[str, str] = {}  # held leases: lease key (or bare id) -> request id
         # verify_kv: held leases -> tp_rank -> that rank's digest tables
         self._digests: dict[str, dict[int, tuple[GroupDigests, ...]]] = {}
         self._released: list[str] = []  # released over the side channel, not yet taken
@@ -70,7 +74,9 @@ class LeaseTable:
         with self._lock:
             self._expiry_s[request_id] = now + self._duration_s
             self._lease_ids[request_id] = lease_id
-            self._ended.pop(request_id, None)
+            name = lease_key(request_id, lease_id)
+            self._by_name[name] = request_id
+            self._ended.pop(name, None)
 
     def held(self, refs: Iterable[tuple[str, str]], now: float) -> tuple[bool, ...]:
         """For each (request id, lease id): is that very lease held, and not past its expiry?
@@ -112,21 +118,22 @@ class LeaseTable:
             )
         return LeaseStatus(held, verdicts)
 
-    def extend(self, request_ids: Iterable[str], now: float) -> int:
-        """Push held leases out to ``now + duration_s``; returns how many were held."""
+    def extend(self, names: Iterable[str], now: float) -> int:
+        """Push the held leases ``names`` names (lease keys) out to ``now + duration_s``;
+        returns how many were held."""
         with self._lock:
-            held = self._split_stray(request_ids)
+            held = self._split_stray(names)
             for request_id in held:
                 self._expiry_s[request_id] = max(self._expiry_s[request_id], now + self._duration_s)
         return len(held)
 
-    def release(self, request_ids: Iterable[str]) -> int:
+    def release(self, names: Iterable[str]) -> int:
         """End held leases now (decode will never read); returns how many were held.
 
         The ids come back from ``take_released`` so the engine thread can free their blocks.
         """
         with self._lock:
-            held = self._split_stray(request_ids)
+            held = self._split_stray(names)
             for request_id in held:
                 self._end(request_id)
             self._released.extend(held)
@@ -162,13 +169,15 @@ class LeaseTable:
         with self._lock:
             return len(self._expiry_s)
 
-    def _split_stray(self, request_ids: Iterable[str]) -> list[str]:
-        """The distinct held ids among ``request_ids``; count the rest as stray. Lock held."""
+    def _split_stray(self, names: Iterable[str]) -> list[str]:
+        """The request ids of the held leases ``names`` name (lease keys); count the rest as
+        stray. Lock held."""
         held: list[str] = []
-        for request_id in dict.fromkeys(request_ids):
-            if request_id in self._expiry_s:
+        for name in dict.fromkeys(names):
+            request_id = self._by_name.get(name)
+            if request_id is not None:
                 held.append(request_id)
-            elif request_id in self._ended:
+            elif name in self._ended:
                 self._stats.stray_already_ended += 1
             else:
                 self._stats.stray_never_leased += 1
@@ -177,8 +186,9 @@ class LeaseTable:
     def _end(self, request_id: str) -> None:
         """Drop a held lease and remember that it ended. Lock held."""
         del self._expiry_s[request_id]
-        del self._lease_ids[request_id]
+        name = lease_key(request_id, self._lease_ids.pop(request_id))
+        del self._by_name[name]
         self._digests.pop(request_id, None)
-        self._ended[request_id] = None
+        self._ended[name] = None
         if len(self._ended) > MAX_ENDED_IDS:
             self._ended.popitem(last=False)

@@ -13,6 +13,7 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.errors import HandshakeError
 from connector.metadata import ConnectorMetadata
+from connector.protocol import lease_key
 from connector.side_channel_client import send_heartbeat, send_release
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import (
@@ -412,12 +413,14 @@ def test_releases_of_ids_never_leased_or_already_freed_are_stray_over_the_wire(
     """Issue 11: a release naming a request id prefill never leased, or already released,
     frees nothing; another lease keeps its blocks."""
     served_prefill.request_finished(prefill_request("p1"), ((1,),))
-    served_prefill.request_finished(prefill_request("p2"), ((2,),))
+    _, params = served_prefill.request_finished(prefill_request("p2"), ((2,),))
+    assert params is not None
+    p2 = lease_key("p2", params["remote_lease_id"])
     port = served_prefill.side_channel_port
     open_call: dict[str, object] = {"engine_id": "prefill-0", "secret": None, "timeout_s": 2.0}
-    assert send_release("127.0.0.1", port, ["p2"], **open_call) == 1  # type: ignore[arg-type]
-    assert send_release("127.0.0.1", port, ["p2", "never"], **open_call) == 0  # type: ignore[arg-type]
-    assert send_heartbeat("127.0.0.1", port, ["p2", "never"], **open_call) == 0  # type: ignore[arg-type]
+    assert send_release("127.0.0.1", port, [p2], **open_call) == 1  # type: ignore[arg-type]
+    assert send_release("127.0.0.1", port, [p2, "never"], **open_call) == 0  # type: ignore[arg-type]
+    assert send_heartbeat("127.0.0.1", port, [p2, "never"], **open_call) == 0  # type: ignore[arg-type]
     served_prefill.update_connector_output([])
     assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p2",))
     clock.advance(LEASE_S - 1.0)  # p1 still held, until its own lease ends

@@ -83,17 +83,19 @@ HELD_CASES: dict[str, tuple[list[tuple[Any, ...]], tuple[str, str], float, bool]
 }  # fmt: skip
 
 
-def apply_step(table: LeaseTable, step: tuple[Any, ...]) -> None:
+def apply_step(table: LeaseTable, step: tuple[Any, ...], lease_ids: dict[str, str]) -> None:
+    """Heartbeats and releases name the request's latest lease by its key, as decode does."""
     kind, *args = step
     if kind == "lease":
         request_id, lease_id, now = args
         table.lease(request_id, now, lease_id)
+        lease_ids[request_id] = lease_id
     elif kind == "extend":
-        table.extend([args[0]], args[1])
+        table.extend([lease_key(args[0], lease_ids[args[0]])], args[1])
     elif kind == "complete":
         table.complete(args[0])
     elif kind == "release":
-        table.release([args[0]])
+        table.release([lease_key(args[0], lease_ids[args[0]])])
     else:
         table.expired(args[0])
 
@@ -105,8 +107,9 @@ def test_held_answers_for_that_very_lease(
     steps: list[tuple[Any, ...]], ref: tuple[str, str], now: float, held: bool
 ) -> None:
     table = LeaseTable(DURATION_S)
+    lease_ids: dict[str, str] = {}
     for step in steps:
-        apply_step(table, step)
+        apply_step(table, step, lease_ids)
     assert table.held([ref], now) == (held,)
 
 
@@ -160,7 +163,8 @@ def test_a_lease_check_answers_per_ref(served_prefill: tuple[SchedulerConnector,
         ("never", "0123456789abcdef"),
     ]
     assert ask(p1, refs) == (True, True, False, False)
-    assert send_release(HOST, p1["remote_port"], ["p2"], engine_id="prefill-0", secret=None,
+    p2_key = lease_key("p2", p2["remote_lease_id"])
+    assert send_release(HOST, p1["remote_port"], [p2_key], engine_id="prefill-0", secret=None,
                         timeout_s=2.0) == 1  # fmt: skip
     assert ask(p1, refs) == (True, False, False, False)
     clock.advance(30.0)  # p1's lease is due, though the engine has not collected it yet

@@ -96,8 +96,9 @@ def test_rank_reports_for_ids_with_no_live_lease_are_counted_and_free_nothing() 
         engine_id="p", tp_size=1, leases=leases, clock=clock, address=lambda: ("h", 1)
     )
     producer.request_finished("held", ((1,),))
-    producer.request_finished("released", ((2,),))
-    leases.release(["released"])
+    _, params = producer.request_finished("released", ((2,),))
+    assert params is not None
+    leases.release([lease_key("released", params["remote_lease_id"])])
     producer.take_step()
     producer.on_reports([WorkerReport(tp_rank=0, finished_sending=("never", "released"))])
     assert producer.num_stray_reports == 2

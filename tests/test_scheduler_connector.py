@@ -243,11 +243,12 @@ def test_heartbeats_over_the_side_channel_extend_the_lease(
     served_prefill: SchedulerConnector, clock: FakeClock
 ) -> None:
     port = served_prefill.side_channel_port
-    served_prefill.request_finished(prefill_request(), ((1,),))
+    _, params = served_prefill.request_finished(prefill_request(), ((1,),))
     served_prefill.build_connector_meta()
     for _ in range(3):  # 3 x 20 s, each within the 30 s lease
         clock.advance(20.0)
-        assert send_heartbeat(HOST, port, ["p1", "unknown"], **AS_PREFILL_0) == 1
+        names = [key_of(params), "p1", "unknown"]  # a bare id names no lease that has an id
+        assert send_heartbeat(HOST, port, names, **AS_PREFILL_0) == 1
         served_prefill.update_connector_output([])
         assert served_prefill.take_finished() == NO_FINISHED
     clock.advance(LEASE_S)
@@ -261,8 +262,9 @@ def test_a_release_over_the_side_channel_frees_at_the_next_step(
     _, params = served_prefill.request_finished(prefill_request(), ((1,),))
     served_prefill.build_connector_meta()
     port = served_prefill.side_channel_port
-    assert send_release(HOST, port, ["p1"], **AS_PREFILL_0) == 1
-    assert send_release(HOST, port, ["p1"], **AS_PREFILL_0) == 0
+    assert send_release(HOST, port, ["p1"], **AS_PREFILL_0) == 0  # the bare id: no lease
+    assert send_release(HOST, port, [key_of(params)], **AS_PREFILL_0) == 1
+    assert send_release(HOST, port, [key_of(params)], **AS_PREFILL_0) == 0
     assert served_prefill.build_connector_meta() == ConnectorMetadata(forgotten=(key_of(params),))
     assert served_prefill.take_finished() == FinishedRequests(finished_sending=("p1",))
 

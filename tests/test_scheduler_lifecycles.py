@@ -267,7 +267,7 @@ def lease_walk(path: str) -> tuple[MoveLog, list[str], list[str], list[str]]:
         elif name == "expire":
             clock.advance(31.0)
         elif name == "release":
-            leases.release(["p1"])
+            leases.release([key])  # the lease's key, as decode names it
         else:
             step_sends, step_forgotten, _ = producer.take_step()  # no digests: verify_kv off
             sends += step_sends

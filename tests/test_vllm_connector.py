@@ -137,8 +137,18 @@ def test_prefill_to_decode_moves_bytes_and_frees_blocks(make_pair: Any) -> None:
 
     assert decode.num_free_blocks() == free_decode
     assert decode.finished("req-1").new_token_ids == [h.SAMPLED_TOKEN]
-    assert decode.stats == {"loads_finished": 1, "loads_failed": 0, "sends_finished": 0}
-    assert prefill.stats == {"loads_finished": 0, "loads_failed": 0, "sends_finished": 1}
+    assert decode.stats == {
+        "loads_finished": 1,
+        "loads_failed": 0,
+        "loads_aborted": 0,
+        "sends_finished": 0,
+    }
+    assert prefill.stats == {
+        "loads_finished": 0,
+        "loads_failed": 0,
+        "loads_aborted": 0,
+        "sends_finished": 1,
+    }
 
 
 @pytest.mark.parametrize("tp_sizes", [(1, 1), (1, 2)], ids=["decode-tp1", "decode-tp2"])
