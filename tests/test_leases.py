@@ -355,3 +355,18 @@ def test_every_awaited_decode_request_is_reported_exactly_once(
     assert len(reported) == len(set(reported)), f"reported twice: {reported}"
     assert not held, f"held but never reported: {held}"
     assert consumer.num_tracked == 0 and not log.live
+
+
+def test_a_stale_release_or_heartbeat_for_an_earlier_lease_of_the_same_id_touches_nothing() -> None:
+    """A router reused request id "r": the first lease ended, a second holds other blocks.
+    Decode's late messages for the first name its lease key and must leave the second alone."""
+    table = LeaseTable(30.0)
+    table.lease("r", 0.0, "first")
+    table.complete("r")
+    table.lease("r", 0.0, "second")  # held until 30.0
+    assert table.extend([lease_key("r", "first")], 29.0) == 0
+    assert table.release([lease_key("r", "first")]) == 0
+    assert table.held([("r", "second")], 30.5) == (False,), "the stale heartbeat extended it"
+    assert table.held([("r", "second")], 29.5) == (True,), "the stale release ended it"
+    assert table.stats == LeaseStats(stray_already_ended=2)
+    assert table.release([lease_key("r", "second")]) == 1
