@@ -44,7 +44,12 @@ from tests.test_lifecycle import (
     run_until,
 )
 from tests.test_worker_connector import Rig
-from worker.connector import WorkerConnector, side_channel_lease_check
+from worker.connector import (
+    SilentSideChannels,
+    WorkerConnector,
+    asked_again,
+    side_channel_lease_check,
+)
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import TransferState
 
@@ -599,3 +604,27 @@ def test_a_reader_whose_lease_ended_under_its_reads_fails_though_bytes_landed(
     decode_a.finish(info_a)
     decode_b.finish(info_b)
     assert_accounted(prefill, decode_a, decode_b)
+
+
+def test_a_side_channel_silent_through_every_retry_fails_the_next_checks_at_once() -> None:
+    """A dead prefill: the first check waits out its retries; the next ones, for a window,
+    fail at once instead of each holding a check thread for the same wait."""
+    now = [100.0]
+    silence = SilentSideChannels(window_s=10.0, clock=lambda: now[0])
+    asks: list[str] = []
+
+    def unanswered() -> bool:
+        asks.append("ask")
+        raise UNANSWERED_ONCE
+
+    config = ConnectorConfig(handshake_retries=1)
+    remote = remote_of()
+    with pytest.raises(HandshakeError, match="did not answer"):
+        asked_again(config, unanswered, remote, silence)
+    assert len(asks) == 2  # the ask and its retry
+    now[0] += 5.0
+    with pytest.raises(HandshakeError, match="a lease check less than 10.0 s ago"):
+        asked_again(config, unanswered, remote, silence)
+    assert len(asks) == 2, "asked a side channel known silent"
+    now[0] += 6.0  # the window is over: asked again
+    assert asked_again(config, lambda: True, remote, silence) is True

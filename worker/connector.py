@@ -76,19 +76,63 @@ def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
     return fetch
 
 
-def asked_again(config: ConnectorConfig, ask: Callable[[], _Answer]) -> _Answer:
+class SilentSideChannels:
+    """Side channels whose lease checks went unanswered through every retry, for a while.
+
+    Without it, every load to a dead prefill would wait out all its retries, each holding one
+    of the few check threads that loads to healthy prefills share. Thread-safe (check threads).
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _until
+        self._until: dict[tuple[str, int, str], tuple[float, str]] = {}  # -> (until, why)
+
+    def check(self, remote: RemoteSource) -> None:
+        """Raise HandshakeError at once for a side channel that was just found silent."""
+        key = (remote.host, remote.port, remote.boot_id)
+        with self._lock:
+            until_s, why = self._until.get(key, (0.0, ""))
+            if self._clock() >= until_s:
+                self._until.pop(key, None)
+                return
+        raise HandshakeError(f"{why} (a lease check less than {self._window_s} s ago)")
+
+    def silent(self, remote: RemoteSource, error: HandshakeError) -> None:
+        with self._lock:
+            self._until[(remote.host, remote.port, remote.boot_id)] = (
+                self._clock() + self._window_s,
+                str(error),
+            )
+
+
+def asked_again(
+    config: ConnectorConfig,
+    ask: Callable[[], _Answer],
+    remote: RemoteSource | None = None,
+    silence: SilentSideChannels | None = None,
+) -> _Answer:
     """``ask()``, asked up to ``handshake_retries`` more times while prefill's side channel
     does not answer (HandshakeError), as a handshake is: a prefill paused for less than that
     (SIGSTOP, a long GC, a busy host) still proves its lease. PeerRestarted is final at once:
-    another boot answered, and the lease died with the one that issued it."""
-    for attempt in range(config.handshake_retries):
+    another boot answered, and the lease died with the one that issued it. With ``silence``,
+    a side channel that stayed silent through every retry fails the next checks at once for
+    a while."""
+    if silence is not None and remote is not None:
+        silence.check(remote)
+    for attempt in range(config.handshake_retries + 1):
         try:
             return ask()
         except PeerRestarted:
             raise
         except HandshakeError as error:
+            if attempt == config.handshake_retries:
+                if silence is not None and remote is not None:
+                    silence.silent(remote, error)
+                raise
             logger.info("lease check failed (attempt %d), asking again: %s", attempt + 1, error)
-    return ask()
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def side_channel_lease_check(config: ConnectorConfig) -> LeaseCheck:
@@ -109,7 +153,8 @@ def side_channel_lease_check(config: ConnectorConfig) -> LeaseCheck:
         )
         return held
 
-    return lambda remote: asked_again(config, lambda: ask(remote))
+    silence = SilentSideChannels(config.handshake_timeout_s)
+    return lambda remote: asked_again(config, lambda: ask(remote), remote, silence)
 
 
 def side_channel_digest_check(config: ConnectorConfig) -> DigestCheck:
@@ -129,7 +174,8 @@ def side_channel_digest_check(config: ConnectorConfig) -> DigestCheck:
         )
         return status.held[0], status.digests[0]
 
-    return lambda remote, claims: asked_again(config, lambda: ask(remote, claims))
+    silence = SilentSideChannels(config.handshake_timeout_s)
+    return lambda remote, claims: asked_again(config, lambda: ask(remote, claims), remote, silence)
 
 
 def handshake_wait_s(config: ConnectorConfig) -> float:
