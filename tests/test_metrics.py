@@ -254,9 +254,10 @@ def test_producer_times_each_lease_to_its_free_and_counts_how_it_ended() -> None
         producer.request_finished(request_id, ((1,),))
     sends = producer.take_step()[0]  # lease keys, "<request id>@<lease id>"
     (done_key,) = [key for key in sends if key.startswith("done@")]
+    (released_key,) = [key for key in sends if key.startswith("released@")]
     now_s[0] += 1.0
     producer.on_reports([WorkerReport(tp_rank=0, finished_sending=(done_key,))])
-    leases.release(["released"])
+    leases.release([released_key])  # decode names the lease by its key
     now_s[0] += 1.0
     producer.end_lapsed_leases()
     now_s[0] += 10.0
