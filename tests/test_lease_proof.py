@@ -26,7 +26,7 @@ from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.metrics import load_failure_kind
 from connector.params import parse_kv_transfer_params
-from connector.protocol import encode_free_notif, lease_key
+from connector.protocol import LeaseRef, LeaseStatus, encode_free_notif, lease_key
 from connector.side_channel_client import check_leases, send_release
 from scheduler.connector import Role, SchedulerConnector
 from scheduler.leases import LeaseTable
@@ -48,7 +48,7 @@ from worker.connector import (
     SilentSideChannels,
     WorkerConnector,
     asked_again,
-    side_channel_lease_check,
+    side_channel_checks,
 )
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import TransferState
@@ -207,7 +207,7 @@ def test_the_default_lease_check_asks_the_side_channel_the_params_name(
     connector, clock = served_prefill
     remote = parse_kv_transfer_params(lease_of(connector, "p1"))
     assert remote is not None
-    check = side_channel_lease_check(ConnectorConfig(handshake_timeout_s=2.0))
+    check, _ = side_channel_checks(ConnectorConfig(handshake_timeout_s=2.0))
     assert check(remote.remote_source()) is True
     clock.advance(30.0)
     assert check(remote.remote_source()) is False
@@ -236,15 +236,15 @@ def test_the_default_lease_check_asks_again_while_prefill_does_not_answer(
 ) -> None:  # fmt: skip
     asks: list[tuple[str, str]] = []
 
-    def check_leases(host: str, port: int, leases: list[tuple[str, str]], **_: Any) -> tuple[bool]:
-        asks.extend(leases)
+    def check_leases_status(host: str, port: int, leases: list[LeaseRef], **_: Any) -> LeaseStatus:
+        asks.extend((ref.remote_request_id, ref.lease_id) for ref in leases)
         answer = script[len(asks) - 1]
         if isinstance(answer, Exception):
             raise answer
-        return (answer,)
+        return LeaseStatus((answer,))
 
-    monkeypatch.setattr("connector.side_channel_client.check_leases", check_leases)
-    check = side_channel_lease_check(ConnectorConfig(handshake_retries=retries))
+    monkeypatch.setattr("connector.side_channel_client.check_leases_status", check_leases_status)
+    check, _ = side_channel_checks(ConnectorConfig(handshake_retries=retries))
     if isinstance(result, bool):
         assert check(remote_of()) is result
     else:

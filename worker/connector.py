@@ -43,7 +43,13 @@ from connector.metadata import (
     RemoteSource,
     WorkerReport,
 )
-from connector.protocol import PROTOCOL_VERSION, DigestClaim, LeaseRef, WorkerHandshake
+from connector.protocol import (
+    DIGEST_OK,
+    PROTOCOL_VERSION,
+    DigestClaim,
+    LeaseRef,
+    WorkerHandshake,
+)
 from worker.compat import fingerprint
 from worker.handshake import Fetcher, HandshakeClient
 from worker.kv_digest import check_digestible, host_regions, lease_digests, read_claims
@@ -135,31 +141,13 @@ def asked_again(
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def side_channel_lease_check(config: ConnectorConfig) -> LeaseCheck:
-    """Ask the lease's prefill side channel, naming the boot the params name (no Hello);
-    retried while unanswered (``asked_again``)."""
-    from connector.side_channel_client import check_leases
-
-    def ask(remote: RemoteSource) -> bool:
-        (held,) = check_leases(
-            remote.host,
-            remote.port,
-            [(remote.remote_request_id, remote.lease_id)],
-            engine_id=remote.engine_id,
-            boot_id=remote.boot_id,
-            secret=config.side_channel_secret,
-            timeout_s=config.handshake_timeout_s,
-            max_message_bytes=config.max_message_bytes,
-        )
-        return held
+def side_channel_checks(config: ConnectorConfig) -> tuple[LeaseCheck, DigestCheck]:
+    """The lease check and verify_kv's digest check over the side channel the params name
+    (naming their boot: no Hello), retried while unanswered (``asked_again``), sharing what
+    they learn of silent side channels."""
+    from connector.side_channel_client import check_leases_status
 
     silence = SilentSideChannels(config.handshake_timeout_s)
-    return lambda remote: asked_again(config, lambda: ask(remote), remote, silence)
-
-
-def side_channel_digest_check(config: ConnectorConfig) -> DigestCheck:
-    """verify_kv: the lease check with this rank's digest claims (retried the same way)."""
-    from connector.side_channel_client import check_leases_status
 
     def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
         status = check_leases_status(
@@ -172,10 +160,15 @@ def side_channel_digest_check(config: ConnectorConfig) -> DigestCheck:
             timeout_s=config.handshake_timeout_s,
             max_message_bytes=config.max_message_bytes,
         )
-        return status.held[0], status.digests[0]
+        return status.held[0], status.digests[0] if claims else DIGEST_OK
 
-    silence = SilentSideChannels(config.handshake_timeout_s)
-    return lambda remote, claims: asked_again(config, lambda: ask(remote, claims), remote, silence)
+    def check_digests(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
+        return asked_again(config, lambda: ask(remote, claims), remote, silence)
+
+    def check(remote: RemoteSource) -> bool:
+        return check_digests(remote, ())[0]
+
+    return check, check_digests
 
 
 def handshake_wait_s(config: ConnectorConfig) -> float:
@@ -222,9 +215,9 @@ class WorkerConnector:
         )
         if config.verify_kv:
             check_digestible(self._layout)
+        check, check_digests = side_channel_checks(config)
         self._proofs = LeaseProofs(
-            lease_check or side_channel_lease_check(config),
-            check_digests=side_channel_digest_check(config) if config.verify_kv else None,
+            lease_check or check, check_digests=check_digests if config.verify_kv else None
         )
         self._digest_views: list[Any] = []  # verify_kv: byte views of this rank's regions
         self._digests: dict[str, tuple[GroupDigests, ...]] = {}  # computed, not yet reported
