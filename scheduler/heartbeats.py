@@ -177,8 +177,8 @@ class HeartbeatSender:
         self._secret = secret
         self._message_timeout_s = message_timeout_s
         self._boot_ids = BootIds()
-        self._send: SendFn = send or self._network_heartbeat
-        self._send_release: SendFn = send_release_fn or self._network_release
+        self._send: SendFn = send or self._over_network(send_heartbeat)
+        self._send_release: SendFn = send_release_fn or self._over_network(send_release)
         self._clock = clock
         self._backoff = Backoff(
             initial_s=max(message_timeout_s, MIN_BACKOFF_S), max_s=MAX_BACKOFF_S
@@ -243,29 +243,21 @@ class HeartbeatSender:
             return False
         return True
 
-    def _network_heartbeat(
-        self,
-        host: str,
-        port: int,
-        remote_request_ids: Sequence[str],
-        *,
-        engine_id: str,
-        boot_id: str = "",
-    ) -> int:
-        destination = Destination(engine_id, host, port, boot_id)
-        return self._with_boot_id(send_heartbeat, destination, remote_request_ids)
+    def _over_network(self, client_send: Callable[..., int]) -> SendFn:
+        """A SendFn that sends with ``client_send`` (connector/side_channel_client.py)."""
 
-    def _network_release(
-        self,
-        host: str,
-        port: int,
-        remote_request_ids: Sequence[str],
-        *,
-        engine_id: str,
-        boot_id: str = "",
-    ) -> int:
-        destination = Destination(engine_id, host, port, boot_id)
-        return self._with_boot_id(send_release, destination, remote_request_ids)
+        def send(
+            host: str,
+            port: int,
+            remote_request_ids: Sequence[str],
+            *,
+            engine_id: str,
+            boot_id: str = "",
+        ) -> int:
+            destination = Destination(engine_id, host, port, boot_id)
+            return self._with_boot_id(client_send, destination, remote_request_ids)
+
+        return send
 
     def _with_boot_id(
         self,
