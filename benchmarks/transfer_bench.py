@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from benchmarks.transfer_peer import PeerChild, expected_words
+from connector.config import DEFAULT_NIXL_THREADS
 from connector.geometry import build_rank_layout
 from connector.layout import (
     GroupKind,
@@ -77,7 +78,11 @@ CASES = ((2048, False), (2048, True), (8192, False), (8192, True))  # (num_token
 NOTIF_SIZES_BYTES = (64 << 10, 8 << 20)
 
 
-def _layout(memory_layout: MemoryLayout = MemoryLayout.NHD) -> RankLayout:
+def _layout(
+    memory_layout: MemoryLayout = MemoryLayout.NHD,
+    num_layers: int = NUM_LAYERS,
+    pool_blocks: int = POOL_BLOCKS,
+) -> RankLayout:
     layer = LayerSpec(
         name="l", num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=DTYPE_BYTES
     )
@@ -85,8 +90,8 @@ def _layout(memory_layout: MemoryLayout = MemoryLayout.NHD) -> RankLayout:
         kind=GroupKind.FULL,
         block_size=BLOCK_SIZE,
         kernel_block_size=BLOCK_SIZE,
-        num_blocks=POOL_BLOCKS,
-        layers=(layer,) * NUM_LAYERS,
+        num_blocks=pool_blocks,
+        layers=(layer,) * num_layers,
     )
     spec = KVCacheSpec(
         model="bench",
@@ -187,8 +192,16 @@ def _raw_done(state: str) -> bool:
 class Decode:
     """This process's agent, its regions and the loaded child agent."""
 
-    def __init__(self, layout: RankLayout, metadata: bytes, remote_addresses: tuple[int, ...]):
-        self.agent = RealNixlAgent(f"bench-decode-{uuid.uuid4().hex[:8]}")
+    def __init__(
+        self,
+        layout: RankLayout,
+        metadata: bytes,
+        remote_addresses: tuple[int, ...],
+        num_threads: int = DEFAULT_NIXL_THREADS,
+    ):
+        self.agent = RealNixlAgent(f"bench-decode-{uuid.uuid4().hex[:8]}", num_threads=num_threads)
+        group = layout.groups[0]
+        self.num_layers, self.pool_blocks = len(group.planes) // 2, group.num_blocks
         self.regions = [np.full(n // 8, -1, dtype=np.int64) for n in layout.region_bytes]
         self.addresses = tuple(r.ctypes.data for r in self.regions)
         self.agent.register_regions(
@@ -227,7 +240,9 @@ class Decode:
     ) -> Timing:
         """One READ through make_prepped_xfer on dlists prepared at handshake."""
         started = time.perf_counter()
-        local_idx, remote_idx = _pool_indices(local_ids), _pool_indices(remote_ids)
+        local_idx, remote_idx = (
+            _pool_indices(ids, self.num_layers, self.pool_blocks) for ids in (local_ids, remote_ids)
+        )
         handle = self.raw.make_prepped_xfer("READ", dlists[0], local_idx, dlists[1], remote_idx)
         prepare_s = time.perf_counter() - started
         timing = _drive(
@@ -256,15 +271,19 @@ class Decode:
                 raise RuntimeError(f"{name}: descriptor {i} did not land the expected bytes")
 
 
-def _block_ids(num_blocks: int, fragmented: bool, seed: int) -> list[int]:
+def _block_ids(
+    num_blocks: int, fragmented: bool, seed: int, pool_blocks: int = POOL_BLOCKS
+) -> list[int]:
     if fragmented:
-        return random.Random(seed).sample(range(POOL_BLOCKS), num_blocks)
+        return random.Random(seed).sample(range(pool_blocks), num_blocks)
     return list(range(seed * 8, seed * 8 + num_blocks))
 
 
-def _pool_indices(block_ids: list[int]) -> npt.NDArray[np.int32]:
+def _pool_indices(
+    block_ids: list[int], num_layers: int = NUM_LAYERS, pool_blocks: int = POOL_BLOCKS
+) -> npt.NDArray[np.int32]:
     """Indices into the prepped pool dlist (plane-major) of every (layer plane, block)."""
-    planes = np.arange(2 * NUM_LAYERS, dtype=np.int32)[:, None] * POOL_BLOCKS
+    planes = np.arange(2 * num_layers, dtype=np.int32)[:, None] * pool_blocks
     return (planes + np.asarray(block_ids, dtype=np.int32)).ravel()
 
 

@@ -21,6 +21,8 @@ import argparse
 
 import numpy as np
 
+from connector.config import DEFAULT_NIXL_THREADS
+
 PARTS = ("worker", "hooks", "schedule", "wire", "e2e")
 
 
@@ -33,6 +35,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="requests per hooks round")
     parser.add_argument("--waiting", default="64,512", help="schedule(): waiting requests")
     parser.add_argument("--e2e-rounds", type=int, default=5, help="streamed requests per cell")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="wire: the decode agent's UCX backend threads (default: ours, 4)")  # fmt: skip
     args = parser.parse_args()
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - set(PARTS))
@@ -61,8 +65,10 @@ def main() -> None:
     if "wire" in parts:
         from benchmarks.vs_vllm_wire import wire_rows
 
-        print(f"\nreal NIXL READs over UCX on loopback ({args.runs} interleaved runs)")
-        print("\n".join(wire_rows(args.runs)))
+        threads = args.threads or DEFAULT_NIXL_THREADS
+        print(f"\nreal NIXL READs over UCX on loopback ({args.runs} interleaved runs, "
+              f"{threads} backend threads)")  # fmt: skip
+        print("\n".join(wire_rows(args.runs, num_threads=threads)))
     if "e2e" in parts:
         from benchmarks.vs_vllm_e2e import e2e_rows
 

@@ -21,6 +21,11 @@ ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 # The secret may come from the environment so it stays out of command lines and logged configs.
 ENV_SIDE_CHANNEL_SECRET = "NIXL_PD_SIDE_CHANNEL_SECRET"
+# UCX backend threads of a NIXL agent (vLLM's NixlConnector default too). The reader's threads
+# share a READ's descriptors: fragmented layer-outermost READs (one 32 KiB descriptor per layer
+# plane and block) went from ~0.45 to ~1.0 of the big-descriptor ceiling on the 2-core machine,
+# and an idle agent costs the same ~2% of a core (benchmarks/README.md, "wire").
+DEFAULT_NIXL_THREADS = 4
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -31,7 +36,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     backends: tuple[str, ...] = ("UCX",)  # extra_config key "backends"
-    num_threads: int = 1  # "num_threads" (NIXL backend threads)
+    num_threads: int = DEFAULT_NIXL_THREADS  # "num_threads" (NIXL backend threads)
     kv_lease_duration_s: float = 30.0  # "kv_lease_duration" (seconds)
     enforce_handshake_compat: bool = True  # "enforce_handshake_compat"
     side_channel_host: str = "127.0.0.1"  # env VLLM_NIXL_SIDE_CHANNEL_HOST

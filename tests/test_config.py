@@ -18,7 +18,7 @@ def test_every_key_maps_to_its_field() -> None:
     config = ConnectorConfig.from_sources(
         {
             "backends": ["UCX", "POSIX"],
-            "num_threads": 4,
+            "num_threads": 2,
             "kv_lease_duration": 60,
             "enforce_handshake_compat": False,
             "handshake_timeout": 2.5,
@@ -32,7 +32,7 @@ def test_every_key_maps_to_its_field() -> None:
     )
     assert config == ConnectorConfig(
         backends=("UCX", "POSIX"),
-        num_threads=4,
+        num_threads=2,
         kv_lease_duration_s=60.0,
         enforce_handshake_compat=False,
         side_channel_host="10.1.2.3",
@@ -158,4 +158,4 @@ def test_bad_secret_sources(extra: dict[str, Any], env: dict[str, str], message:
 def test_repr_masks_the_secret() -> None:
     text = repr(ConnectorConfig(side_channel_secret="0123456789abcdef"))
     assert "0123456789abcdef" not in text
-    assert "side_channel_secret='<hidden>'" in text and "num_threads=1" in text
+    assert "side_channel_secret='<hidden>'" in text and "num_threads=4" in text

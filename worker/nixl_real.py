@@ -36,6 +36,7 @@ from nixl._api import (
     nixl_xfer_handle,
 )
 
+from connector.config import DEFAULT_NIXL_THREADS
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
 from connector.memory import HOST_MEMORY, Memory
 from worker.descriptors import (
@@ -130,7 +131,7 @@ class RealNixlAgent:
         name: str,
         *,
         backends: Sequence[str] = ("UCX",),
-        num_threads: int = 1,
+        num_threads: int = DEFAULT_NIXL_THREADS,
         progress_delay_us: int | None = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
         if not name:
