@@ -1,4 +1,4 @@
-"""The router tier's verdict (tests/real_vllm_harness.py ``fleet_problems``) on made-up counters.
+"""The router tier's verdict (tests/real_vllm_fleet.py ``fleet_problems``) on made-up counters.
 
 tests/test_real_vllm_router.py judges a real run with this function; here each broken promise
 is planted in an otherwise healthy run of 24 requests over 2 prefill and 2 decode engines, and
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.real_vllm_harness import EngineCounters, fleet_problems
+from tests.real_vllm_fleet import EngineCounters, fleet_problems
 
 Run = tuple[dict[str, EngineCounters], dict[str, EngineCounters]]  # after-counters: P, D
 

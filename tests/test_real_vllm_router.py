@@ -35,18 +35,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.real_vllm_fleet import ROUTER_BIN, EngineCounters, Fleet, Router, fleet_problems
 from tests.real_vllm_harness import (
-    ROUTER_BIN,
     VLLM_PYTHON,
     Completion,
     Engine,
-    EngineCounters,
-    Fleet,
-    Router,
     build_model,
     complete,
     connector_under_test,
-    fleet_problems,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
