@@ -31,6 +31,11 @@ done
 has nixl "" || pip_ install --quiet "nixl>=1.5"
 has msgspec "" || pip_ install --quiet "msgspec>=0.18"
 has pyzmq "" || pip_ install --quiet "pyzmq>=25"
+# vllm-router, the P/D router vLLM fleets run (a Rust binary in a wheel; pulls in orjson, the
+# rest it needs vLLM already has): tests/test_real_vllm_router.py puts it in front of engines.
+has vllm-router 0.1.17 || pip_ install --quiet "vllm-router==0.1.17"
+"$VENV/bin/vllm-router" --help >/dev/null \
+    || { echo "setup_vllm_cpu: vllm-router does not run" >&2; exit 1; }
 # Checked from / so that the cwd cannot stand in for the installed package.
 HERE=$(pwd)
 imports_here() {  # does the venv import `connector` from this checkout?
