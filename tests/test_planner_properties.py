@@ -246,7 +246,11 @@ def _page_content_bytes(spec: KVCacheSpec, group_index: int, tp: int) -> int:
 def _can_pad(spec: KVCacheSpec, group: GroupSpec) -> bool:
     """Padding needs a layer's planes side by side (connector/geometry.py)."""
     layout = spec.memory_layout
-    return layout.packed or layout.block_outermost or all(l.num_planes == 1 for l in group.layers)
+    return (
+        layout.packed
+        or layout.block_outermost
+        or all(layer.num_planes == 1 for layer in group.layers)
+    )
 
 
 @st.composite
