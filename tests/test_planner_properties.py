@@ -254,7 +254,7 @@ def _can_pad(spec: KVCacheSpec, group: GroupSpec) -> bool:
 
 
 @st.composite
-def _padded(draw: st.DrawFn, spec: KVCacheSpec, tp: int) -> KVCacheSpec:
+def padded(draw: st.DrawFn, spec: KVCacheSpec, tp: int) -> KVCacheSpec:
     """``spec`` with some groups' pages padded by a few bytes to a few pages (vLLM pads state
     pages up to its attention pages, by 91% for a tiny Qwen3-Next)."""
     groups = []
@@ -274,8 +274,8 @@ def test_padded_pages_move_their_content_only(data: st.DataObject) -> None:
     decode gets exactly the content bytes it needs and no padding byte is written. The
     oracle's whole-region comparison catches a copied pad, a shifted block and a lost byte."""
     case = data.draw(cases(packed=data.draw(st.sampled_from(["any", "both"]))))
-    prefill = data.draw(_padded(case.prefill, case.prefill_tp))
-    decode = data.draw(_padded(case.decode, case.decode_tp))
+    prefill = data.draw(padded(case.prefill, case.prefill_tp))
+    decode = data.draw(padded(case.decode, case.decode_tp))
     oracle.run_all_ranks(prefill, decode, case.prefill_tp, case.decode_tp, case.request)
 
 
@@ -285,6 +285,6 @@ def test_padded_opaque_pages_move_whole_content(data: st.DataObject) -> None:
     """Opaque blocks (a hybrid's state, a kernel-private attention block) with padded pages,
     padded differently on each side: whole content of each needed block, no padding."""
     case = data.draw(cases(opaque=True))
-    prefill = data.draw(_padded(case.prefill, case.prefill_tp))
-    decode = data.draw(_padded(case.decode, case.decode_tp))
+    prefill = data.draw(padded(case.prefill, case.prefill_tp))
+    decode = data.draw(padded(case.decode, case.decode_tp))
     oracle.run_all_ranks(prefill, decode, case.prefill_tp, case.decode_tp, case.request)
