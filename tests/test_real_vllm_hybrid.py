@@ -103,6 +103,7 @@ def hybrid(request: pytest.FixtureRequest) -> Iterator[Hybrid]:
             keep_logs = request.session.testsfailed > failed_before
             report_agreement(hybrid)
     finally:
+        shutil.rmtree(work_dir / "model", ignore_errors=True)
         if keep_logs:
             warnings.warn(f"real-vLLM hybrid engine logs kept in {logs}", stacklevel=1)
         else:
