@@ -35,7 +35,7 @@ def _layer_heads(layer: LayerSpec, kind: GroupKind, tp_size: int) -> tuple[int, 
     return heads_per_rank(layer.num_kv_heads, tp_size), False
 
 
-def _validate_group(group: GroupSpec, index: int) -> None:
+def _validate_group(group: GroupSpec, index: int, memory_layout: MemoryLayout) -> None:
     if group.block_size <= 0 or group.kernel_block_size <= 0 or group.num_blocks <= 0:
         raise UnsupportedConfiguration(
             f"cache group {index}: block_size={group.block_size}, "
@@ -53,11 +53,38 @@ def _validate_group(group: GroupSpec, index: int) -> None:
             f"cache group {index} holds SSM state, which is never split into kernel blocks: "
             f"kernel_block_size ({group.kernel_block_size}) must equal block_size ({group.block_size})"
         )
+    if group.page_stride_bytes is not None:
+        _validate_padding(group, index, memory_layout)
     if group.kind is GroupKind.SLIDING_WINDOW and (group.window is None or group.window <= 0):
         raise UnsupportedConfiguration(
             f"cache group {index} is sliding-window but its window is {group.window!r}; "
             "give the window size in tokens"
         )
+
+
+def _validate_padding(group: GroupSpec, index: int, memory_layout: MemoryLayout) -> None:
+    """A padded page must hold the layer's kernel block, all planes side by side."""
+    split_planes = not (memory_layout.packed or memory_layout.block_outermost)
+    if split_planes and any(layer.num_planes > 1 for layer in group.layers):
+        raise UnsupportedConfiguration(
+            f"cache group {index} has padded pages ({group.page_stride_bytes} bytes) in the "
+            f"{memory_layout.value} layout, which keeps K and V in separate halves of a layer: "
+            "a padded page needs them side by side; use a packed or block-outermost layout"
+        )
+
+
+def _page_stride(group: GroupSpec, index: int, layer: LayerSpec, page_bytes: int) -> int:
+    """Bytes one layer's kernel block occupies on this rank: its padded page, or its content."""
+    stride = group.page_stride_bytes
+    if stride is None:
+        return page_bytes
+    if stride < page_bytes:
+        raise UnsupportedConfiguration(
+            f"cache group {index}: layer {layer.name!r} holds {page_bytes} bytes per kernel "
+            f"block on this rank but its padded page is {stride} bytes; the engine's page "
+            "size does not match its cache spec"
+        )
+    return stride
 
 
 def _plane_bytes_per_kernel_block(group: GroupSpec, layer: LayerSpec, tp_size: int) -> int:
@@ -82,9 +109,11 @@ def _strides(
 
 
 def _per_layer_group(
-    group: GroupSpec, tp_size: int, memory_layout: MemoryLayout, first_region: int
+    group: GroupSpec, index: int, tp_size: int, memory_layout: MemoryLayout, first_region: int
 ) -> tuple[list[PlaneGeometry], list[int]]:
-    """One region per layer, shaped (planes, kernel blocks, ...)."""
+    """One region per layer, shaped (planes, kernel blocks, ...); with padded pages, kernel
+    block k of a layer starts k * page_stride_bytes into its region. Example, a state page of
+    68608 bytes padded to 131072: block 1's state is bytes [131072, 199680)."""
     planes: list[PlaneGeometry] = []
     regions: list[int] = []
     num_kernel_blocks = group.num_blocks * group.ratio
@@ -96,7 +125,9 @@ def _per_layer_group(
         # [t0h0 K|V][t0h1 K|V][t1h0 K|V]...; V's plane starts head_bytes into the block.
         packed = memory_layout.packed
         cell_bytes = head_bytes * layer.num_planes if packed else head_bytes
-        plane_offset_bytes = head_bytes if packed else num_kernel_blocks * block_bytes
+        page_bytes = block_bytes * (layer.num_planes if packed else 1)
+        stride = _page_stride(group, index, layer, page_bytes)
+        plane_offset_bytes = head_bytes if packed else num_kernel_blocks * stride
         token_stride, head_stride = _strides(group, num_heads, cell_bytes, memory_layout)
         region = first_region + len(regions)
         for plane in range(layer.num_planes):
@@ -106,7 +137,7 @@ def _per_layer_group(
                     plane=plane,
                     region=region,
                     offset_bytes=plane * plane_offset_bytes,
-                    kernel_block_stride_bytes=block_bytes * (layer.num_planes if packed else 1),
+                    kernel_block_stride_bytes=stride,
                     token_stride_bytes=token_stride,
                     head_stride_bytes=head_stride,
                     head_bytes=head_bytes,
@@ -115,7 +146,7 @@ def _per_layer_group(
                     replicated=replicated,
                 )
             )
-        regions.append(layer.num_planes * num_kernel_blocks * block_bytes)
+        regions.append((1 if packed else layer.num_planes) * num_kernel_blocks * stride)
     return planes, regions
 
 
@@ -175,7 +206,7 @@ def _block_outermost_group(
                     replicated=replicated,
                 )
             )
-        offset += layer.num_planes * plane_bytes
+        offset += _page_stride(group, index, layer, layer.num_planes * plane_bytes)
     stride = _kernel_row_stride(group, index, offset, spec)
     planes = [msgspec.structs.replace(p, kernel_block_stride_bytes=stride) for p in planes]
     return planes, [stride * group.num_blocks * group.ratio]
@@ -195,13 +226,13 @@ def build_rank_layout(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> RankLayo
     region_bytes: list[int] = []
     shared_rows = spec.memory_layout.block_outermost and spec.block_stride_bytes is not None
     for index, group in enumerate(spec.groups):
-        _validate_group(group, index)
+        _validate_group(group, index, spec.memory_layout)
         if spec.memory_layout.block_outermost:
             first_region = 0 if shared_rows else len(region_bytes)
             planes, regions = _block_outermost_group(group, index, spec, tp_size, first_region)
         else:
             planes, regions = _per_layer_group(
-                group, tp_size, spec.memory_layout, len(region_bytes)
+                group, index, tp_size, spec.memory_layout, len(region_bytes)
             )
         if shared_rows:  # one buffer for every group: as long as the longest group's rows
             region_bytes = [max(region_bytes + regions)]

@@ -12,7 +12,8 @@ Byte address of (kernel block k, token slot t, head h) in a plane:
     region base + offset_bytes + k * kernel_block_stride_bytes
                 + t * token_stride_bytes + h * head_stride_bytes
 
-followed by ``head_bytes`` contiguous bytes. NHD (token-major) has token_stride_bytes ==
+followed by ``head_bytes`` contiguous bytes. A padded page (GroupSpec.page_stride_bytes) only
+widens kernel_block_stride_bytes (or, block-outermost, the offsets of later layers). NHD (token-major) has token_stride_bytes ==
 num_heads * head_bytes; HND (head-major) has head_stride_bytes == kernel_block_size * head_bytes.
 A block-outermost region puts all layers of one kernel block together, so
 kernel_block_stride_bytes spans every layer: one block of a whole group is one contiguous
@@ -123,6 +124,13 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layers: tuple[LayerSpec, ...]
     window: int | None = None  # SLIDING_WINDOW only: a position attends to the last `window` tokens
     block_format: BlockFormat = TOKEN_ADDRESSABLE
+    # Padded pages: the bytes one layer's kernel block occupies on this engine's ranks, padding
+    # included (None: exactly its content). vLLM pads a hybrid's state pages up to its
+    # attention pages (and may pad attention pages), so one page of one layer is content, then
+    # unused bytes. Only content moves; the other side's padding may differ. A page is one
+    # layer's kernel block of every plane: padding needs the planes of a kernel block side by
+    # side (packed or block-outermost layouts, or one-plane layers: state, MLA latent).
+    page_stride_bytes: int | None = None
 
     @property
     def ratio(self) -> int:

@@ -130,11 +130,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def build_model(out_dir: Path, timeout_s: float = 300.0) -> Path:
-    """The tiny seeded Llama and its tokenizer, written by .venv-vllm's python (transformers)."""
+def build_model(out_dir: Path, timeout_s: float = 300.0, kind: str = "llama") -> Path:
+    """A tiny seeded model (``llama`` or the hybrid ``qwen3-next``) and its tokenizer, written
+    by .venv-vllm's python (transformers)."""
     if not (out_dir / "config.json").exists():
         subprocess.run(
-            [str(VLLM_PYTHON), str(MODEL_SCRIPT), str(out_dir)],
+            [str(VLLM_PYTHON), str(MODEL_SCRIPT), str(out_dir), kind],
             check=True,
             timeout=timeout_s,
             env={**os.environ, **ENGINE_ENV},
@@ -441,37 +442,72 @@ class Deployment:
     _proxy: Any = None
     _proxy_thread: threading.Thread | None = None
     _stopped: list[Engine] = field(default_factory=list)
+    has_reference: bool = True  # False: ``reference`` is another deployment's, not started here
 
     @classmethod
     @contextlib.contextmanager
     def running(cls, model_dir: Path, connector: str, log_dir: Path) -> Iterator[Deployment]:
         """Start the three engines at once (startup dominates), then the proxy. Engine logs
         go to ``log_dir``."""
-        prefill_config = kv_transfer_config(connector, "kv_producer")
-        decode_config = kv_transfer_config(connector, "kv_consumer")
-        deployment = cls(
-            connector=connector,
-            model_dir=model_dir,
-            reference=Engine(EngineSpec("reference", model_dir, free_port()), log_dir),
-            prefill=Engine(
-                EngineSpec("prefill", model_dir, free_port(), prefill_config, free_port()), log_dir
-            ),
-            decode=Engine(
-                EngineSpec("decode", model_dir, free_port(), decode_config, free_port()), log_dir
-            ),
+        with cls.running_together(model_dir, (connector,), log_dir) as (deployment,):
+            yield deployment
+
+    @classmethod
+    @contextlib.contextmanager
+    def running_together(
+        cls,
+        model_dir: Path,
+        connectors: Sequence[str],
+        log_dir: Path,
+        extra_args: tuple[str, ...] = (),
+    ) -> Iterator[tuple[Deployment, ...]]:
+        """One P/D pair per connector, sharing one reference engine (the first deployment's),
+        all engines started at once, then one proxy per pair. ``extra_args`` go to every
+        engine (e.g. ``--dtype bfloat16``)."""
+        reference = Engine(
+            EngineSpec("reference", model_dir, free_port(), None, None, extra_args), log_dir
+        )
+        deployments = tuple(
+            cls._unstarted(model_dir, connector, log_dir, reference, extra_args, index == 0)
+            for index, connector in enumerate(connectors)
         )
         try:
-            for engine in deployment.engines():
+            engines = [engine for deployment in deployments for engine in deployment.engines()]
+            for engine in engines:
                 engine.start()
-            for engine in deployment.engines():
+            for engine in engines:
                 engine.wait_ready()
-            deployment._start_proxy()
-            yield deployment
+            for deployment in deployments:
+                deployment._start_proxy()
+            yield deployments
         finally:
-            deployment.close()
+            for deployment in deployments:
+                deployment.close()
 
-    def engines(self) -> tuple[Engine, Engine, Engine]:
-        return (self.reference, self.prefill, self.decode)
+    @classmethod
+    def _unstarted(
+        cls,
+        model_dir: Path,
+        connector: str,
+        log_dir: Path,
+        reference: Engine,
+        extra_args: tuple[str, ...],
+        has_reference: bool,
+    ) -> Deployment:
+        engines = []
+        for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
+            if connector != "nixlpd":
+                name = f"{name}-{connector}"
+            config = kv_transfer_config(connector, role)
+            spec = EngineSpec(name, model_dir, free_port(), config, free_port(), extra_args)
+            engines.append(Engine(spec, log_dir))
+        return cls(connector, model_dir, reference, *engines, has_reference=has_reference)
+
+    def engines(self) -> tuple[Engine, ...]:
+        """The engines this deployment started: a shared reference belongs to the first."""
+        if self.has_reference:
+            return (self.reference, self.prefill, self.decode)
+        return (self.prefill, self.decode)
 
     def restart_prefill(self) -> None:
         """Stop prefill, then start a new prefill on the same HTTP and side-channel ports."""

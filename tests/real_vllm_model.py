@@ -1,6 +1,9 @@
-"""Write a tiny seeded random Llama and its tokenizer to a directory (run with .venv-vllm's python).
+"""Write a tiny seeded random model and its tokenizer to a directory (run with .venv-vllm's python).
 
-    .venv-vllm/bin/python tests/real_vllm_model.py OUT_DIR
+    .venv-vllm/bin/python tests/real_vllm_model.py OUT_DIR [llama|qwen3-next]
+
+``llama`` (the default) is a dense 2-layer Llama; ``qwen3-next`` a hybrid: linear-attention
+(gated delta net, a recurrent state per request) and full-attention layers alternating.
 
 No hub: the weights come from a fixed seed, the tokenizer is a word-level vocabulary built in
 memory. The weights are drawn wider than Llama's default (initializer_range 0.2 instead of
@@ -35,6 +38,26 @@ CONFIG: dict[str, Any] = {
 }
 
 
+# The hybrid: the same vocabulary, 4 layers alternating linear and full attention, a small MoE.
+# Linear-attention head dims of 64: the CPU kernels refuse smaller ones. bf16, the dtype the
+# CPU build runs Qwen3-Next's kernels in.
+HYBRID_CONFIG: dict[str, Any] = {
+    **CONFIG,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+    "dtype": "bfloat16",
+}
+MODELS = ("llama", "qwen3-next")
+
+
 def build_tokenizer(out_dir: Path) -> None:
     """A whitespace word-level tokenizer whose ids are exactly 0..VOCAB_SIZE-1."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -55,22 +78,28 @@ def build_tokenizer(out_dir: Path) -> None:
     wrapped.save_pretrained(out_dir)
 
 
-def build_model(out_dir: Path) -> None:
+def build_model(out_dir: Path, kind: str = "llama") -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))  # float32: torch's default dtype
+    if kind == "qwen3-next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**HYBRID_CONFIG)).to(torch.bfloat16)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))  # float32: torch's default dtype
     model.save_pretrained(out_dir)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(f"usage: {argv[0]} OUT_DIR", file=sys.stderr)
+    if len(argv) not in (2, 3) or (len(argv) == 3 and argv[2] not in MODELS):
+        print(f"usage: {argv[0]} OUT_DIR [{'|'.join(MODELS)}]", file=sys.stderr)
         return 2
     out_dir = Path(argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_model(out_dir)
+    build_model(out_dir, argv[2] if len(argv) == 3 else "llama")
     build_tokenizer(out_dir)
     return 0
 

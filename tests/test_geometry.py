@@ -161,9 +161,13 @@ def test_ssm_state_has_no_token_axis():
         (_spec(heads=(6, 2)), 0, 4, "6 KV heads cannot be split over tensor-parallel size 4"),
         (_spec(num_blocks=0), 0, 1, "num_blocks=0 must all be positive"),
         (KVCacheSpec(model="m", dtype="bf16", cache_dtype="bf16", groups=()), 0, 1, "has no cache groups"),
+        (_spec(page_stride_bytes=512), 0, 1, "keeps K and V in separate halves of a layer"),
+        (_spec(memory_layout=MemoryLayout.NHD_PACKED, page_stride_bytes=100), 0, 1,
+         "'l0' holds 192 bytes per kernel block on this rank but its padded page is 100 bytes"),
     ],
     ids=["rank-out-of-range", "kernel-not-dividing", "ssm-split", "swa-without-window",
-         "heads-not-divisible", "empty-pool", "no-groups"],
+         "heads-not-divisible", "empty-pool", "no-groups", "padding-between-split-planes",
+         "padded-page-smaller-than-content"],
 )  # fmt: skip
 def test_build_rank_layout_rejects(spec, rank, tp, message):
     with pytest.raises(UnsupportedConfiguration, match=message):
@@ -188,3 +192,31 @@ def test_engine_rows_put_every_group_in_one_region():
     for group in layout.groups:
         assert {(p.region, p.kernel_block_stride_bytes) for p in group.planes} == {(0, row_bytes)}
     assert [p.offset_bytes for p in layout.groups[1].planes] == [0, 8]
+
+
+@pytest.mark.parametrize(
+    "memory_layout", [MemoryLayout.NHD_PACKED, MemoryLayout.HND_PACKED], ids=["nhd", "hnd"]
+)
+def test_padded_pages_stride_a_page_and_keep_the_cells_inside_it(memory_layout):
+    """Pages of 192 bytes of content (4 tokens x 4 heads x K|V of 6 bytes) padded to 256:
+    kernel block k starts at k * 256, every cell stays in [k * 256, k * 256 + 192), and the
+    region holds every page, the last one's padding too."""
+    spec = _spec(memory_layout=memory_layout, heads=(4,), page_stride_bytes=256)
+    layout = build_rank_layout(spec, 0, 1)
+    group = layout.groups[0]
+    assert layout.region_bytes == (group.num_kernel_blocks * 256,)
+    for plane in group.planes:
+        assert plane.kernel_block_stride_bytes == 256
+        for kb, t, h in itertools.product(range(group.num_kernel_blocks), range(4), range(4)):
+            start = _address(plane, kb, t, h)
+            assert kb * 256 <= start and start + plane.head_bytes <= kb * 256 + 192
+
+
+def test_padded_state_pages_one_per_block():
+    spec = _spec(kind=GroupKind.SSM, planes=1, heads=(2, 2), head_dim=10, kernel_block_size=8,
+                 page_stride_bytes=64)  # fmt: skip
+    layout = build_rank_layout(spec, 1, 2)  # one 20-byte state head per rank
+    assert layout.region_bytes == (3 * 64, 3 * 64)
+    assert {
+        (p.kernel_block_stride_bytes, p.head_bytes, p.num_heads) for p in layout.groups[0].planes
+    } == {(64, 20, 1)}

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from connector.geometry import build_rank_layout
 from connector.layout import (
@@ -24,7 +25,7 @@ from connector.layout import (
     RankLayout,
 )
 from tests import oracle
-from tests.test_planner_properties import Case, cases
+from tests.test_planner_properties import Case, cases, padded
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import NixlAgent, TransferState
 from worker.planner import RankReads, RequestSegments, TransferPlanner
@@ -286,6 +287,17 @@ def test_reads_by_index_land_the_oracles_bytes_and_the_range_paths(case: Case) -
 @given(cases(opaque=True))
 def test_opaque_blocks_by_index_land_the_oracles_bytes(case: Case) -> None:
     _check_case(case)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_padded_pages_by_index_land_the_oracles_bytes(data: st.DataObject) -> None:
+    """Prepared rows stride a padded page per block and carry its content only: a state or a
+    block by index lands exactly the oracle's bytes, each side padded its own way."""
+    case = data.draw(cases(opaque=data.draw(st.booleans())))
+    prefill = data.draw(padded(case.prefill, case.prefill_tp))
+    decode = data.draw(padded(case.decode, case.decode_tp))
+    _check_case(Case(prefill, decode, case.prefill_tp, case.decode_tp, case.request))
 
 
 # --- which pairings can be prepared ----------------------------------------------------------

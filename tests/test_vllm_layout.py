@@ -434,3 +434,55 @@ def test_model_wide_heads_follow_the_planners_head_placement(tp_size: int) -> No
         wide = _model_wide_heads(rank_heads, model_heads, tp_size)
         assert heads_per_rank(wide, tp_size) == rank_heads, (model_heads, wide)
         assert wide == (model_heads if tp_size > model_heads else rank_heads * tp_size)
+
+
+def _padded_mamba_views(num_blocks: int) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
+    """vLLM's own views of a Mamba group whose 68-byte states sit in 128-byte padded pages."""
+    spec = MambaSpec(
+        block_size=16, shapes=((3, 4), (5,)), dtypes=(_F32, _F32), page_size_padded=128
+    )
+    raw = torch.zeros(2 * 128 * num_blocks, dtype=torch.int8)
+    tensor = KVCacheTensor(
+        size=raw.numel(), layers=["g0.l0", "g0.l1"], layer_stride=128 * num_blocks, block_stride=128
+    )
+    views = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBNHC, tensor)
+    return _cache(spec, num_blocks=num_blocks), dict(zip(tensor.layers, views, strict=True)), raw
+
+
+def test_padded_state_pages_translate_to_content_and_page_stride() -> None:
+    """Each block's 68 bytes of state, 128 bytes apart: our plane addresses exactly vLLM's
+    view of block k, and the 60 bytes of padding after it are no part of the state."""
+    cache, views, raw = _padded_mamba_views(num_blocks=4)
+    spec = _translate(cache)
+    layout = build_rank_layout(spec, 0, 1)
+    addresses = region_addresses(layout, spec, views)
+
+    assert spec.groups[0].page_stride_bytes == 128
+    assert {layer.head_dim for layer in spec.groups[0].layers} == {68}
+    assert layout.region_bytes == (4 * 128, 4 * 128)
+    for view in views.values():
+        view.copy_(torch.randint(-128, 127, view.shape, dtype=torch.int8))
+    base = raw.data_ptr()
+    flat = raw.view(torch.uint8)
+    for plane in layout.groups[0].planes:
+        view = views[spec.groups[0].layers[plane.layer].name]
+        for block in range(4):
+            start = addresses[plane.region] - base + block * plane.kernel_block_stride_bytes
+            ours = flat[start : start + plane.head_bytes]
+            assert torch.equal(ours, view[block].reshape(-1).view(torch.uint8)), (plane, block)
+
+
+def test_padded_pages_split_into_kernel_blocks_are_refused() -> None:
+    padded = FullAttentionSpec(
+        block_size=16, num_kv_heads=4, head_size=8, dtype=_F32, page_size_padded=8192
+    )
+    with pytest.raises(UnsupportedConfiguration, match="padded pages .* split into kernel"):
+        _translate(_cache(padded), kernels=(8,))
+
+
+def test_a_view_that_strides_past_its_padded_page_is_refused() -> None:
+    cache, views, _ = _padded_mamba_views(num_blocks=4)
+    spec = _translate(cache)
+    dense = {name: torch.zeros(4, 1, 1, 68, dtype=torch.int8) for name in views}  # no padding
+    with pytest.raises(UnsupportedConfiguration, match="block stride 68 != 128 bytes"):
+        region_addresses(build_rank_layout(spec, 0, 1), spec, dense)

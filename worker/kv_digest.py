@@ -9,7 +9,10 @@ so a digest is taken of units both sides agree on:
   of (t, H) in every plane (layer, K/V) of the group, wherever each side keeps them;
 - opaque block formats (moved whole between peers of one format): one unit per kernel block
   of the request (unit k covers tokens [k*kernel_block_size, (k+1)*kernel_block_size)), its
-  bytes enumerated by the same geometry formula on both sides.
+  bytes enumerated by the same geometry formula on both sides;
+- SSM state groups: one unit, the request's state: the content bytes of its last block on each
+  side (prefill's last leased block, decode's block the state is loaded into), never a page's
+  padding, which each side may size differently.
 
 A unit's digest is a keyed linear sum, sum(word_i * key_i) mod 2**64 over its 8-byte words
 (its bytes where a head is not whole words), the keys odd numbers drawn by splitmix64 from
@@ -51,11 +54,6 @@ def host_regions(
 def check_digestible(layout: RankLayout) -> None:
     """Raise UnsupportedConfiguration where verify_kv cannot digest this layout."""
     for index, group in enumerate(layout.groups):
-        if group.kind is GroupKind.SSM:
-            raise UnsupportedConfiguration(
-                f"verify_kv: cache group {index} is an SSM state group, which verify_kv does "
-                "not digest yet; turn verify_kv off for hybrid SSM models"
-            )
         heads = {model_heads(layout, plane) for plane in group.planes}
         if len(heads) > 1:
             raise UnsupportedConfiguration(
@@ -79,12 +77,17 @@ def model_heads(layout: RankLayout, plane: PlaneGeometry) -> tuple[int, ...]:
 
 
 def unit_tokens(group: GroupGeometry) -> int:
-    """Tokens per unit: 1, or a kernel block for an opaque format."""
+    """Tokens per unit: 1, or a kernel block for an opaque format (the state for SSM)."""
     return 1 if group.block_format.token_addressable else group.kernel_block_size
+
+
+_STATE_UNIT = range(1)  # an SSM group's one unit: the request's state
 
 
 def read_units(group: GroupGeometry, num_cached_tokens: int, num_tokens: int) -> range:
     """The units of a group decode reads for tokens [num_cached_tokens, num_tokens)."""
+    if group.kind is GroupKind.SSM:  # the state, whenever tokens are left to load
+        return _STATE_UNIT if num_cached_tokens < num_tokens else range(0)
     start = num_cached_tokens
     if group.kind is GroupKind.SLIDING_WINDOW:
         start = max(start, num_tokens - (group.window or 0))
@@ -204,8 +207,11 @@ def _kernel_slots(
     first_logical: int,
     tokens: npt.NDArray[np.int64],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """(kernel block, slot) of each token, shaped like ``tokens``."""
+    """(kernel block, slot) of each token, shaped like ``tokens``; an SSM group's one unit is
+    slot 0 of its last block (earlier ids may be placeholders)."""
     ids = np.asarray(block_ids, dtype=np.int64)
+    if group.kind is GroupKind.SSM:
+        return np.full_like(tokens, ids[len(ids) - 1]), np.zeros_like(tokens)
     logical = ids[tokens // group.block_size - first_logical]
     kernel_block = logical * group.ratio + (tokens % group.block_size) // group.kernel_block_size
     return kernel_block, tokens % group.kernel_block_size

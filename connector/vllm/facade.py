@@ -164,6 +164,15 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         stale (vLLM then refuses --enable-sleep-mode at start instead of corrupting KV)."""
         return False
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Yes: a hybrid's local full-attention hit may run deeper than its local SSM state,
+        and a load always brings the state for the prompt's end (an SSM group's last block)
+        with the uncached attention suffix, so the load completes such a hit. vLLM then keeps
+        the deeper attention hit as local (without this, a hybrid's decode reuses no
+        prefix: a load never brings the block-boundary states vLLM's own hits need)."""
+        return True
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """No requirement: LBNHC, LBHNC, BLNHC and BLHNC all translate, and the attention

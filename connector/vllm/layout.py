@@ -109,8 +109,6 @@ def _check_attention(spec: AttentionSpec, index: int) -> None:
     problems = []
     if spec.head_size_v not in (spec.head_size, 0):
         problems.append(f"head_size_v={spec.head_size_v} differs from head_size={spec.head_size}")
-    if spec.page_size_padded not in (None, spec.unpadded_page_size_bytes):
-        problems.append(f"padded pages ({spec.page_size_padded} bytes)")
     if spec.kv_quant_mode != 0 or spec.num_head_slots is not None:
         problems.append(f"quantized or packed heads ({spec.kv_quant_mode!r})")
     if spec.tokens_per_state != 1:
@@ -163,10 +161,29 @@ def _rank_share(model_heads: int, tp_size: int) -> int | None:
 
 
 def _mamba_layers(spec: MambaSpec, names: Sequence[str], tp_size: int) -> tuple[LayerSpec, ...]:
-    # One opaque state page per rank: tp_size "heads" of page bytes, one head per rank, so a
-    # rank reads exactly its peer rank's page (SSM state cannot be re-sharded byte-wise).
-    page_bytes = spec.page_size_bytes
-    return tuple(LayerSpec(name, tp_size, page_bytes, 1, num_planes=1) for name in names)
+    # One opaque state per rank: tp_size "heads" of the state's content bytes, one head per
+    # rank, so a rank reads exactly its peer rank's state (SSM state cannot be re-sharded
+    # byte-wise). The page's padding is not the state's: _page_stride_bytes describes it.
+    content_bytes = spec.real_page_size_bytes
+    return tuple(LayerSpec(name, tp_size, content_bytes, 1, num_planes=1) for name in names)
+
+
+def _page_stride_bytes(spec: AttentionSpec | MambaSpec, index: int, kernel: int) -> int | None:
+    """A padded page's bytes per kernel block on this rank, or None for a dense page.
+
+    vLLM pads a hybrid's state pages (and may pad attention pages) so that every group's
+    page has one size; a padded page is never split into kernel blocks (vLLM refuses too).
+    """
+    padded = spec.page_size_padded
+    if padded is None or padded == spec.real_page_size_bytes:
+        return None
+    if kernel != spec.block_size:
+        raise UnsupportedConfiguration(
+            f"KV cache group {index} has padded pages ({padded} bytes for "
+            f"{spec.real_page_size_bytes} of content) split into kernel blocks of {kernel} "
+            f"tokens; a padded page holds one block of {spec.block_size} tokens"
+        )
+    return int(padded)
 
 
 def kv_cache_spec_from_vllm(
@@ -201,15 +218,17 @@ def kv_cache_spec_from_vllm(
             raise UnsupportedConfiguration(f"KV cache group {index}: unexpected {type(spec)}")
         block_size = int(spec.block_size)
         kernel = kernel_block_sizes[index] if kernel_block_sizes is not None else block_size
+        kernel = block_size if kind is GroupKind.SSM else kernel
         groups.append(
             GroupSpec(
                 kind=kind,
                 block_size=block_size,
-                kernel_block_size=block_size if kind is GroupKind.SSM else kernel,
+                kernel_block_size=kernel,
                 num_blocks=kv_cache_config.num_blocks,
                 layers=layers,
                 window=window,
                 block_format=block_formats[index] if block_formats else TOKEN_ADDRESSABLE,
+                page_stride_bytes=_page_stride_bytes(spec, index, kernel),
             )
         )
     if not groups:
@@ -257,7 +276,8 @@ def region_addresses(
 ) -> tuple[int, ...]:
     """One base address per region of ``layout``, each layer's tensor checked against it.
 
-    Layer-outermost: a region is one layer's dense tensor. Block-outermost: a region is a
+    Layer-outermost: a region is one layer's dense tensor, or with padded pages its pages
+    from the first to the last one's padding (inside the tensor's storage). Block-outermost: a region is a
     group's rows; each layer's view must start at its page's offset in the rows and stride
     as our geometry says, and the rows must lie inside the views' storage. Host or device
     memory alike: a region's address is its tensor's data_ptr() (the memory kind is decided
@@ -271,7 +291,12 @@ def region_addresses(
         regions = sorted({plane.region for plane in geometry.planes})
         for layer, region in zip(group.layers, regions, strict=True):
             tensor = _layer_tensor(kv_caches, layer.name, group_index)
-            _check_span(tensor, layer.name, layout.region_bytes[region])
+            region_bytes = layout.region_bytes[region]
+            if group.page_stride_bytes is None:
+                _check_span(tensor, layer.name, region_bytes)
+            else:
+                plane = next(p for p in geometry.planes if p.region == region)
+                _check_padded_pages(tensor, layer.name, plane, geometry, region_bytes)
             addresses.append(int(tensor.data_ptr()))
     return tuple(addresses)
 
@@ -368,3 +393,30 @@ def _check_span(tensor: torch.Tensor, name: str, region_bytes: int) -> None:
             f"strides {tuple(tensor.stride())}) but our layout expects a dense {region_bytes}-"
             "byte region; the KV cache layout does not match (is VLLM_KV_CACHE_LAYOUT LBNHC?)"
         )
+
+
+def _check_padded_pages(
+    tensor: torch.Tensor, name: str, plane: PlaneGeometry, group: GroupGeometry, region_bytes: int
+) -> None:
+    """A padded layer's view: one dense page of content per kernel block, blocks a padded page
+    apart, and the whole padded region (the last page's padding too) inside its storage."""
+    element_bytes = tensor.element_size()
+    block_stride = tensor.stride(0) * element_bytes if tensor.dim() else 0
+    page_content = tensor[0].numel() * element_bytes if tensor.dim() and len(tensor) else 0
+    slots = 1 if group.kind is GroupKind.SSM else group.kernel_block_size
+    ours = sum(slots * p.num_heads * p.head_bytes for p in group.planes if p.region == plane.region)
+    problems = []
+    if tensor.dim() != 4 or tensor.shape[0] != group.num_kernel_blocks:
+        problems.append(f"shape {tuple(tensor.shape)} is not [{group.num_kernel_blocks}, H, N, C]")
+    elif block_stride != plane.kernel_block_stride_bytes:
+        problems.append(f"block stride {block_stride} != {plane.kernel_block_stride_bytes} bytes")
+    elif not tensor[0].is_contiguous():
+        problems.append(f"a page's content is not dense (strides {tuple(tensor.stride())})")
+    elif page_content != ours:
+        problems.append(f"a page holds {page_content} bytes of content, not {ours}")
+    if problems:
+        raise UnsupportedConfiguration(
+            f"layer {name!r}: its padded KV cache pages are not laid out as our layout expects "
+            f"({'; '.join(problems)}); the engine's KV cache layout does not match its spec"
+        )
+    _check_rows_inside(tensor, name, int(tensor.data_ptr()), region_bytes)
