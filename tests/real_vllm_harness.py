@@ -391,6 +391,32 @@ def complete(
     )
 
 
+def complete_turn(
+    url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> tuple[Completion, dict[str, Any] | None]:
+    """One turn of a conversation: a non-streamed completion sent with the params the previous
+    turn's answer carried (None on the first turn); returns it and its answer's params."""
+    started = time.monotonic()
+    extra = {} if kv_transfer_params is None else {"kv_transfer_params": dict(kv_transfer_params)}
+    with _open(url, completion_body(prompt_ids, max_tokens, **extra), timeout_s) as response:
+        payload = json.loads(response.read())
+    choice = payload["choices"][0]
+    if choice.get("finish_reason") not in ("length", "stop"):
+        raise RequestFailed(200, json.dumps(payload))
+    completion = Completion(
+        token_ids=tuple(choice["token_ids"]),
+        logprobs=tuple(choice["logprobs"]["token_logprobs"]),
+        latency_s=time.monotonic() - started,
+    )
+    params = payload.get("kv_transfer_params")
+    return completion, params if isinstance(params, dict) else None
+
+
 def complete_streamed(
     url: str, prompt_ids: Sequence[int], max_tokens: int, *, timeout_s: float = REQUEST_TIMEOUT_S
 ) -> Completion:
@@ -444,11 +470,24 @@ class Deployment:
 
     @classmethod
     @contextlib.contextmanager
-    def running(cls, model_dir: Path, connector: str, log_dir: Path) -> Iterator[Deployment]:
+    def running(
+        cls,
+        model_dir: Path,
+        connector: str,
+        log_dir: Path,
+        *,
+        extra_config: Mapping[str, Any] | None = None,
+        prefill_failure_policy: str = "fail",
+    ) -> Iterator[Deployment]:
         """Start the three engines at once (startup dominates), then the proxy. Engine logs
-        go to ``log_dir``."""
-        prefill_config = kv_transfer_config(connector, "kv_producer")
-        decode_config = kv_transfer_config(connector, "kv_consumer")
+        go to ``log_dir``; ``extra_config`` goes to both P/D engines' extra config."""
+        prefill_config = kv_transfer_config(
+            connector,
+            "kv_producer",
+            extra_config=extra_config,
+            failure_policy=prefill_failure_policy,
+        )
+        decode_config = kv_transfer_config(connector, "kv_consumer", extra_config=extra_config)
         deployment = cls(
             connector=connector,
             model_dir=model_dir,
