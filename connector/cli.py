@@ -108,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS", help="for the batch (120)"
     )
+    demo.add_argument(
+        "--turns", type=int, default=1, metavar="N",
+        help="turns per conversation (1); above 1 both engines run in multi-turn mode and "
+        "each later turn's prefill pulls the history from decode",
+    )  # fmt: skip
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     _add_serve_parser(commands)
     _add_route_parser(commands)
@@ -302,6 +307,7 @@ def _demo(args: argparse.Namespace) -> int:
         staged=args.staged,
         verify_kv=args.verify_kv,
         timeout_s=args.timeout,
+        turns=args.turns,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM cleans up like Ctrl-C
     try:

@@ -52,6 +52,7 @@ class _Lease:
     key: str  # lease_key(request id, lease id): what the ranks count notifications by
     lease_id: str
     digest: DigestSpec | None = None  # verify_kv: what the ranks digest, until announced
+    hold_s: float | None = None  # decode's hold for a next turn (its own duration)
     state: LeaseState = LeaseState.NEW
     ranks_done: frozenset[int] = frozenset()  # reported finished_sending (replaced, not grown)
 
@@ -119,7 +120,7 @@ class Producer:
         if self._verify_kv:
             blocks: BlockIds = tuple(tuple(group) for group in block_ids)
             digest = DigestSpec(key, blocks, num_tokens or 0)
-        self._book.start(request_id, _Lease(now_s, key, lease_id, digest), LEASED)
+        self._book.start(request_id, _Lease(now_s, key, lease_id, digest, hold_s), LEASED)
         self._by_key[key] = request_id
         self._metrics.inc(LEASES_STARTED)
         if hold_s is None:
@@ -183,7 +184,16 @@ class Producer:
 
     def end_lapsed_leases(self) -> None:
         for request_id in self._leases.expired(self._clock()):
-            if self._book.get(request_id) is not None:
+            lease = self._book.get(request_id)
+            if lease is not None and lease.hold_s is not None:
+                logger.info(
+                    "request %s: no next turn pulled its KV within %.1f s; releasing its blocks",
+                    request_id,
+                    lease.hold_s,
+                )
+                self._metrics.inc(LEASES_EXPIRED)
+                self._end_early(request_id, EXPIRED)
+            elif lease is not None:
                 logger.warning(
                     "request %s: lease of %.1f s expired before every decode reader freed it; "
                     "releasing its KV blocks",
@@ -211,7 +221,8 @@ class Producer:
     def _finish(self, request_id: str, ended: LeaseState) -> None:
         lease = self._book.move(request_id, ended)
         del self._by_key[lease.key]
-        self._metrics.observe(PREFILL_FREE_SECONDS, self._clock() - lease.leased_s)
+        if lease.hold_s is None:  # a prefill lease, not decode's hold for a next turn
+            self._metrics.observe(PREFILL_FREE_SECONDS, self._clock() - lease.leased_s)
         self._finished.append(request_id)
 
     @property
