@@ -149,16 +149,16 @@ def test_three_turns_pull_the_history_from_decode(deployment: Deployment) -> Non
         assert_same(answer, expected, turn)
         external = external_tokens(prefill) - external_before
         pulled_per_turn.append((external, prefill.metric(PULLED) - ours_before if ours else 0))
-        assert params is not None, f"turn {turn}: decode returned no kv_transfer_params"
         prompt = [*prompt, *answer.token_ids, *words(turn + 1, NEW_MESSAGE_TOKENS)]
-    # Decode holds the last answer's KV for a next turn: that is what the TTL must free.
-    assert decode.metric("vllm:kv_cache_usage_perc") > 0.0
     first, *later = pulled_per_turn
     assert first == (0.0, 0.0), f"turn 1 loaded into prefill: {first}"
     for turn, (external, ours_pulled) in enumerate(later, start=2):
         assert external > 0, f"turn {turn}: prefill loaded no tokens from decode"
         if ours:
             assert ours_pulled == external, f"turn {turn}: {ours_pulled} pulled, {external} loaded"
+    assert params is not None, "decode returned no kv_transfer_params for the last turn"
+    # Decode holds the last answer's KV for a next turn: that is what the TTL must free.
+    assert decode.metric("vllm:kv_cache_usage_perc") > 0.0
     wait_until_decode_frees(decode, ours, timeout_s=TTL_S + 20.0)
 
 
