@@ -203,6 +203,26 @@ def test_prefill_claims_the_uncached_history_decode_holds(
         prefill.shutdown()
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"remote_lease_id": None},
+        {"remote_block_ids": [[10, 11, 12], [4]]},
+        {"remote_num_tokens": None},
+    ],
+    ids=["no-lease-id", "other-group-count", "no-token-count"],
+)
+def test_params_a_pull_cannot_use_are_computed_not_failed(
+    clock: FakeClock, heartbeats: RecordingHeartbeats, changes: dict[str, Any]
+) -> None:
+    prefill = _connector(clock, heartbeats, "prefill-0")
+    try:
+        info = RequestInfo("t2", 60, {**PULL, **changes})
+        assert prefill.get_num_new_matched_tokens(info, 0) == (0, False)
+    finally:
+        prefill.shutdown()
+
+
 def test_prefill_loads_the_pull_then_leases_its_own_blocks_for_decode(
     clock: FakeClock, heartbeats: RecordingHeartbeats
 ) -> None:
