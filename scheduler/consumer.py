@@ -13,6 +13,10 @@ prefix-cache reset, a failed allocation) gets (0, False) and computes locally. A
 never start on blocks prefill already freed. Prefill is told to free only when the engine
 decided: at allocation with nothing to load (a full local prefix hit), as vLLM's own connector
 does, or at request_finished; never at an ask, which the engine may repeat with a smaller hit.
+
+In multi-turn mode a prefill engine loads through this same class: its source is the decode
+engine holding an earlier turn (``RemoteSource.num_tokens`` set), and a successful pull is
+counted in ``nixl_pd_pulled_tokens_total``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Each lease draws a random lease id, returned in the params with the side channel
 The ranks count free notifications by lease key (``lease_key``: request id and lease id), so
 ``sends``, ``forgotten`` and the ranks' ``finished_sending`` name lease keys, never bare
 request ids: a notification for an ended lease or another boot counts towards nothing here.
+
+A decode engine in multi-turn mode holds its finished requests through this same class
+(``request_finished(..., hold_s=...)``): a lease of its own duration, whose reader is the
+next turn's prefill; it returns the params that prefill needs instead of decode's.
 """
 
 from __future__ import annotations
