@@ -326,8 +326,6 @@ class SchedulerConnector:
             )
         elif not self._pull_kinds_ok:
             why = "a sliding-window or SSM cache group holds no KV of an arbitrary prefix"
-        elif not source.lease_id:
-            why = "the params name no remote_lease_id, so no pull of them could be proven"
         if why:
             logger.info(
                 "request %s: not pulling its history from decode: %s", request.request_id, why

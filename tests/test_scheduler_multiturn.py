@@ -206,11 +206,10 @@ def test_prefill_claims_the_uncached_history_decode_holds(
 @pytest.mark.parametrize(
     "changes",
     [
-        {"remote_lease_id": None},
         {"remote_block_ids": [[10, 11, 12], [4]]},
         {"remote_num_tokens": None},
     ],
-    ids=["no-lease-id", "other-group-count", "no-token-count"],
+    ids=["other-group-count", "no-token-count"],
 )
 def test_params_a_pull_cannot_use_are_computed_not_failed(
     clock: FakeClock, heartbeats: RecordingHeartbeats, changes: dict[str, Any]

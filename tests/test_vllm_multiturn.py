@@ -248,6 +248,19 @@ def test_an_expired_hold_fails_the_pull_and_prefill_recomputes(make_pair: Any) -
     assert for_decode["do_remote_prefill"] is True
 
 
+def test_params_without_a_lease_id_cannot_be_proven_and_prefill_recomputes(
+    make_pair: Any,
+) -> None:
+    prefill, decode = make_pair()
+    held = _turn1(prefill, decode)
+    assert held is not None
+    del held["remote_lease_id"]  # a router that drops our key, or another decode connector
+    pulled_before = _pulled_tokens()
+    _prefill_turn2(prefill, decode, held)
+    assert _pulled_tokens() == pulled_before
+    assert prefill.stats["loads_failed"] == 1 and prefill.stats.get("loads_finished", 0) == 0
+
+
 def test_below_the_recompute_threshold_prefill_computes_and_releases_decode(
     make_pair: Any,
 ) -> None:
