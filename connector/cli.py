@@ -108,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS", help="for the batch (120)"
     )
+    demo.add_argument(
+        "--turns", type=int, default=1, metavar="N",
+        help="turns per conversation (1); above 1 both engines run in multi-turn mode and "
+        "each later turn's prefill pulls the history from decode",
+    )  # fmt: skip
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     _add_serve_parser(commands)
     _add_route_parser(commands)
@@ -177,6 +182,19 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "--handshake-retries", type=int, default=2, metavar="N",
         help="decode: attempts after the first, with backoff (2)",
     )  # fmt: skip
+    serve.add_argument(
+        "--bidirectional", action="store_true",
+        help="multi-turn (bidirectional_kv_xfer): decode holds a finished request's KV for the "
+        "next turn, whose prefill pulls it; give both engines the flag",
+    )  # fmt: skip
+    serve.add_argument(
+        "--decoder-kv-ttl", type=float, default=480.0, metavar="SECONDS",
+        help="decode, --bidirectional: how long it holds a finished request's KV (480)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--recompute-threshold", type=int, default=64, metavar="TOKENS",
+        help="prefill, --bidirectional: pull from decode only this many tokens or more (64)",
+    )  # fmt: skip
 
 
 def _add_route_parser(commands: argparse._SubParsersAction) -> None:
@@ -196,6 +214,12 @@ def _add_route_parser(commands: argparse._SubParsersAction) -> None:
         "--max-tokens", type=int, default=8, metavar="N", help="decode's tokens after the first (8)"
     )
     route.add_argument("--seed", type=int, default=0, help="prompts' seed (0)")
+    route.add_argument(
+        "--turns", type=int, default=1, metavar="N",
+        help="turns per conversation (1): each next prompt is the last one, its answer and "
+        "--prompt-len new tokens, sent to prefill with decode's returned kv_transfer_params "
+        "(engines served with --bidirectional pull the history from decode)",
+    )  # fmt: skip
     route.add_argument(
         "--timeout", type=float, default=60.0, metavar="SECONDS", help="for the batch (60)"
     )
@@ -283,6 +307,7 @@ def _demo(args: argparse.Namespace) -> int:
         staged=args.staged,
         verify_kv=args.verify_kv,
         timeout_s=args.timeout,
+        turns=args.turns,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM cleans up like Ctrl-C
     try:
@@ -333,6 +358,9 @@ def _serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat,
         handshake_timeout_s=args.handshake_timeout,
         handshake_retries=args.handshake_retries,
+        bidirectional_kv_xfer=args.bidirectional,
+        decoder_kv_blocks_ttl_s=args.decoder_kv_ttl,
+        kv_recompute_threshold=args.recompute_threshold,
     )
     try:
         serve.validate_options(options)  # before the signal handlers: a bad flag changes nothing
@@ -369,6 +397,7 @@ def _route(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout,
         check=args.check,
+        turns=args.turns,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

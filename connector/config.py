@@ -52,6 +52,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "verify_kv": prefill digests each leased block, decode checks what it READ against
     # them before it reports a load (worker/kv_digest.py); costs time, off by default
     verify_kv: bool = False
+    # Multi-turn (vLLM 0.33's bidirectional mode, same keys): a decode engine holds a finished
+    # request's blocks under a lease for "decoder_kv_blocks_ttl" seconds and returns params
+    # the next turn's prefill passes back; prefill then pulls the covered prompt tokens from
+    # decode when at least "kv_recompute_threshold" of them are not cached locally.
+    bidirectional_kv_xfer: bool = False  # "bidirectional_kv_xfer"
+    kv_recompute_threshold: int = 64  # "kv_recompute_threshold" (tokens; 0: pull any)
+    decoder_kv_blocks_ttl_s: float = 480.0  # "decoder_kv_blocks_ttl" (seconds)
 
     def __repr__(self) -> str:
         """Every field, with the secret masked: configs get logged."""
@@ -127,6 +134,17 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         f"an integer number of bytes in {2**16}..{2**31 - 1}",
     ),
     "verify_kv": ("verify_kv", bool, "true or false"),
+    "bidirectional_kv_xfer": ("bidirectional_kv_xfer", bool, "true or false"),
+    "kv_recompute_threshold": (
+        "kv_recompute_threshold",
+        Annotated[int, msgspec.Meta(ge=0, le=2**40)],
+        "an integer number of tokens >= 0 (0: pull whatever decode holds)",
+    ),
+    "decoder_kv_blocks_ttl": (
+        "decoder_kv_blocks_ttl_s",
+        PositiveSeconds,
+        "a number of seconds > 0",
+    ),
     "kv_buffer_device": (
         "kv_buffer_device",
         Literal["cpu", "cuda", "xpu"],

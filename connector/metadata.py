@@ -23,6 +23,10 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     remote_block_ids: BlockIds  # prefill's logical blocks for tokens [0, num_tokens), per group
     boot_id: str = ""  # prefill's side-channel boot when it leased ("": params had none)
     lease_id: str = ""  # the lease prefill drew for these blocks ("": none, load unprovable)
+    # The tokens the remote blocks hold when a load may read fewer (a pull from decode, whose
+    # blocks also hold the answer): the load then reads from the leading blocks only. None:
+    # the blocks cover exactly the load's tokens (prefill's lease).
+    num_tokens: int | None = None
 
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

@@ -129,6 +129,21 @@ NOTIFICATIONS = MetricSpec(
     label="kind",
     label_values=NOTIFICATION_KINDS,
 )
+LEASES_STARTED = MetricSpec(
+    "nixl_pd_leases_started_total",
+    COUNTER,
+    "requests",
+    "Leases taken: prefill holding a prompt's KV for decode, or (bidirectional mode) decode "
+    "holding a finished request's KV for the next turn's prefill. Minus the completed, "
+    "expired and released ones: the leases held now.",
+)
+PULLED_TOKENS = MetricSpec(
+    "nixl_pd_pulled_tokens_total",
+    COUNTER,
+    "tokens",
+    "Prefill (bidirectional mode): prompt tokens loaded from a decode engine's held KV of an "
+    "earlier turn instead of computed.",
+)
 LEASES_COMPLETED = MetricSpec(
     "nixl_pd_leases_completed_total",
     COUNTER,
@@ -167,6 +182,8 @@ METRICS: tuple[MetricSpec, ...] = (
     LOADS_FINISHED,
     LOADS_FAILED,
     NOTIFICATIONS,
+    LEASES_STARTED,
+    PULLED_TOKENS,
     LEASES_COMPLETED,
     LEASES_EXPIRED,
     LEASES_RELEASED,

@@ -11,10 +11,15 @@ Keys (the same ones vLLM's NixlConnector uses, so existing routers work):
     remote_host        str    prefill side channel host (non-empty)
     remote_port        int    prefill side channel port, 1..65535 (a decimal string is accepted)
     tp_size            int    prefill tensor-parallel size, >= 1 (absent: 1, as vLLM assumes)
-    remote_num_tokens  int    tokens whose KV prefill holds, >= 0 (informational)
+    remote_num_tokens  int    tokens whose KV the remote blocks hold, >= 0
     transfer_mode      str    "pull": decode reads from prefill (the only mode served here)
     remote_boot_id     str    the boot id of prefill's side channel when it leased the blocks
     remote_lease_id    str    the lease prefill drew for these blocks (random, never reused)
+    remote_blocks_expiry_time  float  bidirectional mode: when decode frees its held blocks
+
+Bidirectional mode (multi-turn): a decode engine returns ``do_remote_decode: true`` with its
+own remote_* keys for the next turn; a prefill engine given them pulls the first
+``remote_num_tokens`` tokens' KV from decode (``KVTransferParams.pull_source``).
 
 remote_boot_id and remote_lease_id are ours (vLLM's NixlConnector has neither): decode names
 them when it asks prefill whether the lease still holds after its READs, and in every message
@@ -73,6 +78,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     transfer_mode: Literal["pull"] | None = None
     remote_boot_id: _Token | None = None
     remote_lease_id: _Token | None = None
+    remote_blocks_expiry_time: float | None = None  # decode's clock; advisory (see pull_source)
     ignored_keys: tuple[str, ...] = ()  # unknown keys seen in the dict (tolerated, for logging)
 
     def remote_source(self) -> RemoteSource:
@@ -98,6 +104,32 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             lease_id=self.remote_lease_id or "",
         )
 
+    def pull_source(self) -> RemoteSource | None:
+        """Prefill (bidirectional mode): where an earlier turn's KV is held, or None.
+
+        Params a decode engine returned at request_finished, passed back with the next turn:
+        ``do_remote_decode`` with the decode engine's blocks and address. Params lacking any
+        of them ask for no pull (a first turn). The expiry time is not trusted: the pull is
+        lease-proven like any load, so a lapsed hold fails it and prefill recomputes.
+        """
+        engine_id, host, port = self.remote_engine_id, self.remote_host, self.remote_port
+        request_id, block_ids = self.remote_request_id, self.remote_block_ids
+        if not self.do_remote_decode or block_ids is None or not any(block_ids):
+            return None
+        if engine_id is None or host is None or port is None or request_id is None:
+            return None
+        return RemoteSource(
+            engine_id,
+            host,
+            port,
+            1 if self.tp_size is None else self.tp_size,
+            request_id,
+            block_ids,
+            boot_id=self.remote_boot_id or "",
+            lease_id=self.remote_lease_id or "",
+            num_tokens=self.remote_num_tokens,
+        )
+
 
 # key -> (msgspec type, accepted values for the error message)
 _KEY_RULES: dict[str, tuple[Any, str]] = {
@@ -113,6 +145,7 @@ _KEY_RULES: dict[str, tuple[Any, str]] = {
     "transfer_mode": (str, f"{TRANSFER_MODE!r} (decode reads the KV from prefill)"),
     "remote_boot_id": (_Token, "the boot id string the prefill engine returned"),
     "remote_lease_id": (_Token, "the lease id string the prefill engine returned"),
+    "remote_blocks_expiry_time": (float, "a number: when decode frees the held blocks"),
 }
 _REQUIRED_FOR_PREFILL = (
     "remote_engine_id",
@@ -323,6 +356,7 @@ def params_for_decode(
     """
     params = {
         "do_remote_prefill": True,
+        "do_remote_decode": False,
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
         "remote_block_ids": [list(block_ids[0])]  # one group: no comprehension
@@ -339,6 +373,43 @@ def params_for_decode(
         params["remote_boot_id"] = boot_id
     if lease_id:
         params["remote_lease_id"] = lease_id
+    return params
+
+
+def params_for_prefill(
+    *,
+    engine_id: str,
+    request_id: str,
+    block_ids: Sequence[Sequence[int]],
+    host: str,
+    port: int,
+    tp_size: int,
+    num_tokens: int,
+    expiry_s: float,
+    boot_id: str = "",
+    lease_id: str = "",
+) -> dict[str, Any]:
+    """The kv_transfer_params a decode engine returns (bidirectional mode) for the next turn.
+
+    The router passes them with the next turn to a prefill engine, which pulls the KV of the
+    first ``num_tokens`` tokens (prompt and answer so far) from these held blocks. vLLM 0.33's
+    keys: ``do_remote_decode`` true (the next turn is still decoded remotely), decode's
+    address, blocks, ``remote_num_tokens`` and ``remote_blocks_expiry_time`` (``expiry_s``,
+    this engine's monotonic clock); ours add the lease and boot ids the pull's proof names.
+    """
+    params = params_for_decode(
+        engine_id=engine_id,
+        request_id=request_id,
+        block_ids=block_ids,
+        host=host,
+        port=port,
+        tp_size=tp_size,
+        num_tokens=num_tokens,
+        boot_id=boot_id,
+        lease_id=lease_id,
+    )
+    params["do_remote_prefill"], params["do_remote_decode"] = False, True
+    params["remote_blocks_expiry_time"] = expiry_s
     return params
 
 

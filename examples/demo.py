@@ -5,6 +5,12 @@ both engines in this process over FakeNixl. Either way the demo warms decode's p
 if asked, sends the batch through the toy router, runs the same prompts on a single local
 engine, and checks: tokens identical, prompt KV identical byte for byte (by digest), no failed
 request, and no block left referenced on either engine once the transfers are done.
+
+``turns`` > 1 runs each prompt as a conversation (each next prompt: the last one, its answer
+and ``prompt_len`` new tokens) with both engines in multi-turn mode: prefill gets the params
+decode returned for the turn before and pulls the history from decode (``pulled_tokens``).
+Decode's holds last DEMO_HOLD_TTL_S, so the leak check after the last turn sees them end; the
+single engine's answers for later turns are computed after the turns, which run back to back.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from examples.router import Completion, EngineHandle, InProcessEngine, ToyRouter
 
 Progress = Callable[[str], None]
 MAX_BATCH_TOKENS = 200_000  # bounds each engine's KV pools (and the demo's run time)
+DEMO_HOLD_TTL_S = 6.0  # multi-turn: decode's holds, shorter than the drain timeout
 
 
 class DemoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,6 +60,7 @@ class DemoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     timeout_s: float = 120.0
     drain_timeout_s: float = 10.0  # after the batch: how long engines may take to free blocks
+    turns: int = 1  # turns per conversation (multi-turn mode when > 1)
 
 
 class DemoResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,6 +83,7 @@ class DemoResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mode: str
     errors: list[str]
     options: DemoOptions
+    pulled_tokens: int = 0  # multi-turn: history tokens prefill pulled from decode
 
 
 def _check(condition: bool, message: str) -> None:
@@ -109,10 +118,15 @@ def validate_options(options: DemoOptions) -> None:
     )
     _check(1 <= options.requests <= 1024, f"--requests {options.requests}: use 1..1024")
     _check(1 <= options.max_tokens <= 256, f"--max-tokens {options.max_tokens}: use 1..256")
-    limit = MAX_POSITIONS - options.max_tokens - 1
+    _check(1 <= options.turns <= 16, f"--turns {options.turns}: use 1..16")
+    _check(
+        options.turns == 1 or options.drain_timeout_s > DEMO_HOLD_TTL_S,
+        f"--turns {options.turns} needs a drain timeout above decode's {DEMO_HOLD_TTL_S} s holds",
+    )
+    limit = MAX_POSITIONS // options.turns - options.max_tokens - 1
     _check(1 <= options.prompt_len <= limit, f"--prompt-len {options.prompt_len}: use 1..{limit}")
     _check(options.timeout_s > 0, f"--timeout {options.timeout_s}: must be positive")
-    num_tokens = options.requests * (options.prompt_len + options.max_tokens)
+    num_tokens = options.requests * options.turns * (options.prompt_len + options.max_tokens)
     _check(
         num_tokens <= MAX_BATCH_TOKENS,
         f"--requests {options.requests} x (--prompt-len {options.prompt_len} + --max-tokens "
@@ -145,7 +159,9 @@ def engine_configs(options: DemoOptions, run_id: str) -> tuple[EngineConfig, Eng
 
 
 def _blocks_per_request(options: DemoOptions, block_size: int) -> int:
-    return math.ceil((options.prompt_len + options.max_tokens + 1) / block_size) + 1
+    """A conversation's last turn; with turns, decode also holds the turn before."""
+    num_tokens = options.turns * (options.prompt_len + options.max_tokens + 1)
+    return (1 + (options.turns > 1)) * (math.ceil(num_tokens / block_size) + 1)
 
 
 def make_prompts(options: DemoOptions) -> dict[str, list[int]]:
@@ -202,16 +218,33 @@ def run_demo(options: DemoOptions, progress: Progress | None = None) -> DemoResu
             run_local(decode, warm, 1, timeout_s=options.timeout_s)
         router = ToyRouter(prefill, decode)
         done: list[Completion] = []
+        num_requests = options.requests * options.turns
 
         def on_done(completion: Completion) -> None:
             done.append(completion)
             status = "; ".join(completion.errors) or f"{len(completion.token_ids)} tokens"
-            say(f"[{len(done)}/{options.requests}] {completion.request_id}: {status}")
+            say(f"[{len(done)}/{num_requests}] {completion.request_id}: {status}")
 
-        completions = router.run(
-            prompts, options.max_tokens, timeout_s=options.timeout_s, on_done=on_done
-        )
+        completions: dict[str, Completion] = {}
+        held: dict[str, dict[str, object]] = {}
+        later_prompts: dict[str, list[int]] = {}
+        rng = np.random.default_rng(options.seed + 1)  # later turns' new tokens
+        for turn in range(1, options.turns + 1):
+            later_prompts.update(prompts if turn > 1 else {})
+            completions.update(
+                router.run(
+                    prompts,
+                    options.max_tokens,
+                    timeout_s=options.timeout_s,
+                    on_done=on_done,
+                    held=held,
+                )
+            )
+            prompts, held = next_turn(completions, prompts, options.prompt_len, rng, turn + 1)
         leaked_prefill, leaked_decode, snapshot = leaks(options.drain_timeout_s)
+        if later_prompts:  # after the turns: between them it would outlast decode's holds
+            say(f"reference: {len(later_prompts)} later turns on a single local engine")
+            expected.update(reference_outputs(options, later_prompts))
     return _result(
         options,
         completions,
@@ -221,6 +254,30 @@ def run_demo(options: DemoOptions, progress: Progress | None = None) -> DemoResu
         snapshot,
         time.monotonic() - start_s,
     )
+
+
+def next_turn(
+    completions: Mapping[str, Completion],
+    prompts: Mapping[str, list[int]],
+    num_new_tokens: int,
+    rng: np.random.Generator,
+    turn: int,
+) -> tuple[dict[str, list[int]], dict[str, dict[str, object]]]:
+    """Turn ``turn``'s prompts (each of ``prompts``: itself, its answer, new tokens) under
+    ids ``<conversation>-t<turn>``, and the params decode returned for each (they go to
+    prefill). A conversation whose turn failed ends there."""
+    next_prompts: dict[str, list[int]] = {}
+    held: dict[str, dict[str, object]] = {}
+    for request_id in prompts:
+        completion = completions[request_id]
+        if completion.errors or completion.decode is None:
+            continue
+        next_id = f"{request_id.split('-t')[0]}-t{turn}"
+        new_tokens = [int(t) for t in rng.integers(0, VOCAB_SIZE, num_new_tokens)]
+        next_prompts[next_id] = completion.prompt + completion.token_ids + new_tokens
+        if completion.decode.kv_transfer_params:
+            held[next_id] = dict(completion.decode.kv_transfer_params)
+    return next_prompts, held
 
 
 LeakCheck = Callable[[float], tuple[int, int, StatsSnapshot]]
@@ -237,7 +294,15 @@ def demo_connector_config(options: DemoOptions) -> ConnectorConfig:
     """The example engines' connector settings, with the demo's verify_kv."""
     from examples.server import connector_config
 
-    return msgspec.structs.replace(connector_config(), verify_kv=options.verify_kv)
+    config = msgspec.structs.replace(connector_config(), verify_kv=options.verify_kv)
+    if options.turns == 1:
+        return config
+    return msgspec.structs.replace(
+        config,
+        bidirectional_kv_xfer=True,
+        decoder_kv_blocks_ttl_s=DEMO_HOLD_TTL_S,
+        kv_recompute_threshold=0,  # the demo's short turns: pull whatever decode holds
+    )
 
 
 def _start_in_process(
@@ -290,7 +355,9 @@ def _start_processes(
             config,
             env=env,
             log_path=os.path.join(log_dir, config.role),
-            connector=demo_connector_config(options) if options.verify_kv else None,
+            connector=demo_connector_config(options)
+            if options.verify_kv or options.turns > 1
+            else None,
         )
         stack.push(server)
         servers.append(server)
@@ -360,6 +427,7 @@ def _result(
         mode="fake-nixl" if options.fake_nixl else "nixl-ucx-loopback",
         errors=errors,
         options=options,
+        pulled_tokens=sum(c.prefill.num_external_tokens for c in completions.values() if c.prefill),
     )
 
 
@@ -382,6 +450,14 @@ def summary(result: DemoResult) -> str:
         f"  transfer      {result.bytes_transferred:,} bytes in {result.num_reads} READs "
         f"({result.num_descriptors} descriptors), {result.transfer_gbps:.3f} GB/s",
         f"  handshake     {handshake}",
+        *(
+            [
+                f"  multi-turn    {o.turns} turns: {result.pulled_tokens} history tokens pulled "
+                "by prefill from decode"
+            ]
+            if o.turns > 1
+            else []
+        ),
         f"  leaks         prefill {result.leaked_blocks_prefill} blocks, decode "
         f"{result.leaked_blocks_decode} blocks",
         f"  wall time     {result.wall_s:.2f} s",

@@ -316,6 +316,9 @@ class Engine:
         delay_free = False
         if self.scheduler is not None:
             block_ids = self.blocks.block_ids(request.request_id)
+            # The tokens whose KV the blocks hold: a decode engine in multi-turn mode holds
+            # them for the next turn's prefill (the last output token has none yet).
+            request.info.num_computed_tokens = request.num_computed_tokens
             delay_free, params = self.scheduler.request_finished(request.info, block_ids)
         if delay_free:
             self.held[request.request_id] = request

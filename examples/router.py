@@ -1,5 +1,8 @@
 """A toy P/D router: prompt -> prefill (do_remote_decode) -> decode with the returned params.
 
+Multi-turn: a next turn's prompt goes to prefill with the params decode returned for the
+previous turn (engines in bidirectional mode), so prefill pulls the history from decode.
+
 Like vLLM's toy proxy: prefill runs the prompt with ``max_tokens=1`` and returns the first
 token and ``kv_transfer_params``; the router sends prompt + that token to decode with those
 params untouched, and decode generates the rest. Engines are reached through ``EngineHandle``
@@ -87,9 +90,15 @@ class ToyRouter:
         *,
         timeout_s: float,
         on_done: Callable[[Completion], None] | None = None,
+        held: Mapping[str, Mapping[str, object]] | None = None,
     ) -> dict[str, Completion]:
         """Send every prompt; returns when all completed or failed, or after ``timeout_s``
-        (unfinished requests then carry a timeout error)."""
+        (unfinished requests then carry a timeout error).
+
+        ``held``: request id -> the params the previous turn's decode returned (multi-turn);
+        they go to prefill whole, instead of a bare do_remote_decode, so prefill can pull the
+        conversation's KV from decode."""
+        held = held or {}
         completions = {
             rid: Completion(rid, list(p), submitted_s=self.clock()) for rid, p in prompts.items()
         }
@@ -101,7 +110,7 @@ class ToyRouter:
                     prefill_request_id(completion.request_id),
                     completion.prompt,
                     1,
-                    {"do_remote_decode": True},
+                    dict(held.get(completion.request_id, {"do_remote_decode": True})),
                 )
             )
         deadline_s = self.clock() + timeout_s

@@ -57,6 +57,11 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 5.0  # decode extends leases this often while it waits
     handshake_timeout_s: float = 5.0  # per side-channel attempt
     handshake_retries: int = 2  # more attempts after the first, with backoff
+    # Multi-turn (flags --bidirectional, --decoder-kv-ttl, --recompute-threshold): decode holds
+    # finished requests' KV for the next turn's prefill, which pulls it (README "Multi-turn").
+    bidirectional_kv_xfer: bool = False
+    decoder_kv_blocks_ttl_s: float = 480.0
+    kv_recompute_threshold: int = 64
 
 
 def engine_config(options: ServeOptions) -> EngineConfig:
@@ -88,6 +93,9 @@ def serve_connector_config(options: ServeOptions, env: dict[str, str]) -> Connec
         heartbeat_interval_s=options.heartbeat_interval_s,
         handshake_timeout_s=options.handshake_timeout_s,
         handshake_retries=options.handshake_retries,
+        bidirectional_kv_xfer=options.bidirectional_kv_xfer,
+        decoder_kv_blocks_ttl_s=options.decoder_kv_blocks_ttl_s,
+        kv_recompute_threshold=options.kv_recompute_threshold,
     )
 
 
@@ -127,6 +135,14 @@ def _validate_timeouts(options: ServeOptions) -> None:
         raise UnsupportedConfiguration(
             f"--heartbeat {options.heartbeat_interval_s} must be below --lease "
             f"{options.kv_lease_duration_s}, or leases expire between heartbeats"
+        )
+    if not 0 < options.decoder_kv_blocks_ttl_s <= 86400:
+        raise UnsupportedConfiguration(
+            f"--decoder-kv-ttl {options.decoder_kv_blocks_ttl_s}: use seconds in (0, 86400]"
+        )
+    if options.kv_recompute_threshold < 0:
+        raise UnsupportedConfiguration(
+            f"--recompute-threshold {options.kv_recompute_threshold}: use tokens >= 0"
         )
     if not 0 <= options.handshake_retries <= 100:
         raise UnsupportedConfiguration(

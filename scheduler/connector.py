@@ -27,6 +27,7 @@ from scheduler.leases import LeaseTable
 from scheduler.producer import Producer
 from scheduler.requests import FinishedRequests, RequestInfo, Role
 from scheduler.side_channel import SideChannelServer
+from scheduler.suffix import PULLABLE_KINDS, held_blocks
 
 __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]
 
@@ -39,11 +40,13 @@ MAX_PARSED_REQUESTS = 65536  # parsed params kept for requests not yet finished;
 
 
 class _Parsed(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers to no record of ours
-    """One request's params as parsed: ``source`` is set for a load from a prefill engine."""
+    """One request's params as parsed: ``source`` is set for a load, from a prefill engine or
+    (``pulls``, bidirectional mode) from a decode engine holding an earlier turn."""
 
     raw: object  # the params object parsed: reused only while the request carries it
     params: KVTransferParams | None
     source: RemoteSource | None
+    pulls: bool = False
 
 
 class SchedulerConnector:
@@ -72,6 +75,9 @@ class SchedulerConnector:
         self._consumes, self._produces = role.consumes, role.produces
         self._spec = spec
         self._num_groups = len(spec.groups)
+        # A pull reads a prefix of what decode holds: only full-attention and MLA groups
+        # keep every token's KV (a window or a recurrent state holds the end only).
+        self._pull_kinds_ok = all(group.kind in PULLABLE_KINDS for group in spec.groups)
         self._tp_size = tp_size
         self._clock = clock
         self._leases = LeaseTable(config.kv_lease_duration_s, num_ranks=tp_size)
@@ -145,12 +151,24 @@ class SchedulerConnector:
         no state is kept for it then.
         """
         parsed = self._parse(request)
-        if parsed.source is not None:
-            validate_block_groups(parsed.source.remote_block_ids, self._num_groups)
-            return self._consumer.get_num_new_matched_tokens(
-                request.request_id, parsed.source, request.num_prompt_tokens, num_computed_tokens
-            )
-        return 0, False
+        source = parsed.source
+        if source is None:
+            return 0, False
+        num_tokens = request.num_prompt_tokens
+        if parsed.pulls:
+            num_tokens = min(num_tokens, source.num_tokens or 0)
+            if not self._worth_pulling(num_tokens - num_computed_tokens):
+                return 0, False
+        else:
+            validate_block_groups(source.remote_block_ids, self._num_groups)
+        return self._consumer.get_num_new_matched_tokens(
+            request.request_id, source, num_tokens, num_computed_tokens
+        )
+
+    def _worth_pulling(self, num_tokens: int) -> bool:
+        """Pull ``num_tokens`` uncached tokens from decode, or compute them here?"""
+        threshold = self._config.kv_recompute_threshold
+        return num_tokens > 0 and num_tokens >= threshold
 
     def update_state_after_alloc(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -178,12 +196,34 @@ class SchedulerConnector:
             logger.warning("request %s finished with invalid params: %s", request.request_id, exc)
             return False, None
         if parsed.source is not None:
-            return self._consumer.request_finished(request.request_id, parsed.source)
+            delay, _ = self._consumer.request_finished(request.request_id, parsed.source)
+            if delay or request.aborted:
+                return delay, None
+            if not parsed.pulls:
+                return self._hold_for_next_turn(request, block_ids)
         params = parsed.params
         if params is None or request.aborted or not params.do_remote_decode:
             return False, None
         return self._producer.request_finished(
             request.request_id, block_ids, request.num_prompt_tokens
+        )
+
+    def _hold_for_next_turn(
+        self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Decode, bidirectional mode: lease a finished request's blocks for the next turn's
+        prefill (decoder_kv_blocks_ttl), and return the params it needs; else free them."""
+        if not self._config.bidirectional_kv_xfer:
+            return False, None
+        num_tokens = request.num_computed_tokens
+        if num_tokens is None:
+            num_tokens = request.num_prompt_tokens
+        held = held_blocks(block_ids, self._spec.groups, num_tokens)
+        if held is None:
+            logger.debug("request %s: its blocks cannot be held for a pull", request.request_id)
+            return False, None
+        return self._producer.request_finished(
+            request.request_id, held, num_tokens, hold_s=self._config.decoder_kv_blocks_ttl_s
         )
 
     def update_connector_output(self, reports: Sequence[WorkerReport]) -> None:
@@ -214,6 +254,12 @@ class SchedulerConnector:
         full prefix hit must still reach the prefill engine.
         """
         return self._producer.has_pending_work or self._consumer.has_pending_work
+
+    @property
+    def holds_finished_requests(self) -> bool:
+        """Bidirectional mode: a decode request's blocks may be held at request_finished, so
+        the engine must pass them (otherwise a decode keeps none)."""
+        return self._config.bidirectional_kv_xfer
 
     @property
     def num_tracked_loads(self) -> int:
@@ -264,7 +310,27 @@ class SchedulerConnector:
             return _Parsed(raw, params, params.remote_source())
         if params.do_remote_decode and not self._produces:
             self._note_other_role(request, params)
-        return _Parsed(raw, params, None)
+        source = params.pull_source() if self._config.bidirectional_kv_xfer else None
+        if source is not None and not self._can_pull(request, source):
+            source = None
+        return _Parsed(raw, params, source, pulls=source is not None)
+
+    def _can_pull(self, request: RequestInfo, source: RemoteSource) -> bool:
+        """Can this engine pull an earlier turn's KV from decode's held blocks? When not, it
+        computes the prompt itself (always correct) and says why."""
+        why = ""
+        if len(source.remote_block_ids) != self._num_groups:
+            why = (
+                f"decode sent {len(source.remote_block_ids)} cache group(s), this engine has "
+                f"{self._num_groups}"
+            )
+        elif not self._pull_kinds_ok:
+            why = "a sliding-window or SSM cache group holds no KV of an arbitrary prefix"
+        if why:
+            logger.info(
+                "request %s: not pulling its history from decode: %s", request.request_id, why
+            )
+        return not why
 
     def _note_other_role(self, request: RequestInfo, params: KVTransferParams) -> None:
         logger.debug(

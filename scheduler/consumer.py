@@ -13,6 +13,10 @@ prefix-cache reset, a failed allocation) gets (0, False) and computes locally. A
 never start on blocks prefill already freed. Prefill is told to free only when the engine
 decided: at allocation with nothing to load (a full local prefix hit), as vLLM's own connector
 does, or at request_finished; never at an ask, which the engine may repeat with a smaller hit.
+
+In multi-turn mode a prefill engine loads through this same class: its source is the decode
+engine holding an earlier turn (``RemoteSource.num_tokens`` set), and a successful pull is
+counted in ``nixl_pd_pulled_tokens_total``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from connector.errors import TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
 from connector.protocol import lease_key
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import LOAD_LIFECYCLE, Book, LoadState, OnMove
@@ -69,7 +74,9 @@ class Consumer:
         heartbeat_interval_s: float,
         clock: Callable[[], float],
         on_move: OnMove | None = None,  # sees every state change (tests)
+        metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
+        self._metrics = metrics or default_recorder()
         self._groups = groups
         self._tp_size = tp_size
         self._heartbeats = heartbeats
@@ -223,6 +230,8 @@ class Consumer:
             self._release_over_side_channel(load.source)
         else:
             self._finished.append(request_id)
+            if load.source.num_tokens is not None:  # a pull of an earlier turn from decode
+                self._metrics.inc(PULLED_TOKENS, amount=load.num_tokens - load.num_cached_tokens)
         # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
         self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)
 

@@ -51,6 +51,8 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._expiry_s: dict[str, float] = {}  # held leases: request id -> expiry time
         self._lease_ids: dict[str, str] = {}  # held leases: request id -> lease id
+        # held leases taken for another duration than the table's (decode's multi-turn holds)
+        self._own_duration_s: dict[str, float] = {}
         self._by_name: dict[str, str] = {}  # held leases: lease key (or bare id) -> request id
         # verify_kv: held leases -> tp_rank -> that rank's digest tables
         self._digests: dict[str, dict[int, tuple[GroupDigests, ...]]] = {}
@@ -68,15 +70,21 @@ class LeaseTable:
     def duration_s(self) -> float:
         return self._duration_s
 
-    def lease(self, request_id: str, now: float, lease_id: str = "") -> None:
-        """Hold ``request_id``'s blocks until ``now + duration_s`` (or until extended), as
-        lease ``lease_id``."""
+    def lease(
+        self, request_id: str, now: float, lease_id: str = "", duration_s: float | None = None
+    ) -> float:
+        """Hold ``request_id``'s blocks until ``now + duration_s`` (default: the table's; or
+        until extended), as lease ``lease_id``; returns the expiry time."""
+        duration_s = self._duration_s if duration_s is None else duration_s
         with self._lock:
-            self._expiry_s[request_id] = now + self._duration_s
+            self._expiry_s[request_id] = now + duration_s
+            if duration_s != self._duration_s:
+                self._own_duration_s[request_id] = duration_s
             self._lease_ids[request_id] = lease_id
             name = lease_key(request_id, lease_id)
             self._by_name[name] = request_id
             self._ended.pop(name, None)
+        return now + duration_s
 
     def held(self, refs: Iterable[tuple[str, str]], now: float) -> tuple[bool, ...]:
         """For each (request id, lease id): is that very lease held, and not past its expiry?
@@ -119,12 +127,13 @@ class LeaseTable:
         return LeaseStatus(held, verdicts)
 
     def extend(self, names: Iterable[str], now: float) -> int:
-        """Push the held leases ``names`` names (lease keys) out to ``now + duration_s``;
+        """Push the held leases ``names`` names (lease keys) out to now plus their duration;
         returns how many were held."""
         with self._lock:
             held = self._split_stray(names)
             for request_id in held:
-                self._expiry_s[request_id] = max(self._expiry_s[request_id], now + self._duration_s)
+                duration_s = self._own_duration_s.get(request_id, self._duration_s)
+                self._expiry_s[request_id] = max(self._expiry_s[request_id], now + duration_s)
         return len(held)
 
     def release(self, names: Iterable[str]) -> int:
@@ -186,6 +195,7 @@ class LeaseTable:
     def _end(self, request_id: str) -> None:
         """Drop a held lease and remember that it ended. Lock held."""
         del self._expiry_s[request_id]
+        self._own_duration_s.pop(request_id, None)
         name = lease_key(request_id, self._lease_ids.pop(request_id))
         del self._by_name[name]
         self._digests.pop(request_id, None)

@@ -12,6 +12,10 @@ Each lease draws a random lease id, returned in the params with the side channel
 The ranks count free notifications by lease key (``lease_key``: request id and lease id), so
 ``sends``, ``forgotten`` and the ranks' ``finished_sending`` name lease keys, never bare
 request ids: a notification for an ended lease or another boot counts towards nothing here.
+
+A decode engine in multi-turn mode holds its finished requests through this same class
+(``request_finished(..., hold_s=...)``): a lease of its own duration, whose reader is the
+next turn's prefill; it returns the params that prefill needs instead of decode's.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from connector.metrics import (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
     LEASES_RELEASED,
+    LEASES_STARTED,
     PREFILL_FREE_SECONDS,
     MetricsRecorder,
     default_recorder,
 )
-from connector.params import params_for_decode
+from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
@@ -51,6 +56,7 @@ class _Lease:
     key: str  # lease_key(request id, lease id): what the ranks count notifications by
     lease_id: str
     digest: DigestSpec | None = None  # verify_kv: what the ranks digest, until announced
+    hold_s: float | None = None  # decode's hold for a next turn (its own duration)
     state: LeaseState = LeaseState.NEW
     ranks_done: frozenset[int] = frozenset()  # reported finished_sending (replaced, not grown)
 
@@ -85,11 +91,19 @@ class Producer:
         self.num_stray_reports = 0  # finished_sending for ids with no live lease here
 
     def request_finished(
-        self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int | None = None
+        self,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int | None = None,
+        *,
+        hold_s: float | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Lease the blocks and return the params decode needs; (False, None) if we cannot.
+        """Lease the blocks and return the params their reader needs; (False, None) if we
+        cannot.
 
         ``num_tokens``: the tokens whose KV the blocks hold, returned as remote_num_tokens.
+        ``hold_s`` (a decode engine in bidirectional mode): hold the finished request's
+        blocks that long for the next turn's prefill, and return the params it needs.
         """
         if self._book.get(request_id) is not None:
             logger.warning("request %s finished twice; keeping its first lease", request_id)
@@ -97,33 +111,46 @@ class Producer:
         host, port = self._address()
         if port == 0:
             logger.error(
-                "request %s: the side channel is not started, so no decode engine could reach "
-                "this prefill engine; freeing its blocks (call start_side_channel first)",
+                "request %s: the side channel is not started, so no engine could reach this "
+                "one to read the blocks; freeing them (call start_side_channel first)",
                 request_id,
             )
             return False, None
         now_s = self._clock()
         lease_id = secrets.token_hex(8)
         key = lease_key(request_id, lease_id)
-        self._leases.lease(request_id, now_s, lease_id)
+        expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s)
         digest = None
         if self._verify_kv:
             blocks: BlockIds = tuple(tuple(group) for group in block_ids)
             digest = DigestSpec(key, blocks, num_tokens or 0)
-        self._book.start(request_id, _Lease(now_s, key, lease_id, digest), LEASED)
+        self._book.start(request_id, _Lease(now_s, key, lease_id, digest, hold_s), LEASED)
         self._by_key[key] = request_id
-        params = params_for_decode(
+        self._metrics.inc(LEASES_STARTED)
+        if hold_s is None:
+            return True, params_for_decode(
+                engine_id=self._engine_id,
+                request_id=request_id,
+                block_ids=block_ids,
+                host=host,
+                port=port,
+                tp_size=self._tp_size,
+                num_tokens=num_tokens,
+                boot_id=self._boot_id(),
+                lease_id=lease_id,
+            )
+        return True, params_for_prefill(
             engine_id=self._engine_id,
             request_id=request_id,
             block_ids=block_ids,
             host=host,
             port=port,
             tp_size=self._tp_size,
-            num_tokens=num_tokens,
+            num_tokens=0 if num_tokens is None else num_tokens,
+            expiry_s=expiry_s,
             boot_id=self._boot_id(),
             lease_id=lease_id,
         )
-        return True, params
 
     def take_step(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[DigestSpec, ...]]:
         """(sends, forgotten, digests) for the next metadata, as lease keys, after ending
@@ -161,7 +188,16 @@ class Producer:
 
     def end_lapsed_leases(self) -> None:
         for request_id in self._leases.expired(self._clock()):
-            if self._book.get(request_id) is not None:
+            lease = self._book.get(request_id)
+            if lease is not None and lease.hold_s is not None:
+                logger.info(
+                    "request %s: no next turn pulled its KV within %.1f s; releasing its blocks",
+                    request_id,
+                    lease.hold_s,
+                )
+                self._metrics.inc(LEASES_EXPIRED)
+                self._end_early(request_id, EXPIRED)
+            elif lease is not None:
                 logger.warning(
                     "request %s: lease of %.1f s expired before every decode reader freed it; "
                     "releasing its KV blocks",
@@ -189,7 +225,8 @@ class Producer:
     def _finish(self, request_id: str, ended: LeaseState) -> None:
         lease = self._book.move(request_id, ended)
         del self._by_key[lease.key]
-        self._metrics.observe(PREFILL_FREE_SECONDS, self._clock() - lease.leased_s)
+        if lease.hold_s is None:  # a prefill lease, not decode's hold for a next turn
+            self._metrics.observe(PREFILL_FREE_SECONDS, self._clock() - lease.leased_s)
         self._finished.append(request_id)
 
     @property

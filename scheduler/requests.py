@@ -34,6 +34,9 @@ class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cyc
     num_prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None
     aborted: bool = False
+    # Decode in bidirectional mode, at request_finished: the tokens whose KV the request's
+    # blocks hold (prompt and answer, less the last sampled token). None: the prompt's.
+    num_computed_tokens: int | None = None
 
 
 class FinishedRequests(msgspec.Struct):

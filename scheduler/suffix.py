@@ -66,3 +66,23 @@ def _group_suffix(
             f"cannot hold {num_tokens} tokens (need {end_block})"
         )
     return tuple(group_ids[first_block:end_block])  # a copy: the engine keeps its lists
+
+
+def held_blocks(
+    block_ids: Sequence[Sequence[int]], groups: tuple[GroupSpec, ...], num_tokens: int
+) -> BlockIds | None:
+    """Decode (bidirectional mode): the blocks to hold so a later turn can pull tokens
+    [0, num_tokens); None when there is nothing a pull could use.
+
+    Only full-attention and MLA groups hold every token's KV; a sliding window or an SSM
+    state holds the sequence's end only, which a longer next prompt cannot start from.
+    """
+    if num_tokens <= 0 or any(group.kind not in PULLABLE_KINDS for group in groups):
+        return None
+    try:
+        return uncached_suffix_blocks(block_ids, groups, num_cached_tokens=0, num_tokens=num_tokens)
+    except TransferPlanError:
+        return None
+
+
+PULLABLE_KINDS = (GroupKind.FULL, GroupKind.MLA)

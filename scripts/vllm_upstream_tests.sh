@@ -21,6 +21,7 @@ TREE=$CACHE/vllm-$VERSION-connector-tests
 # configured connector (the rest of that file builds NixlConnector's classes directly).
 UNIT=tests/v1/kv_connector/unit
 SELECTION=(
+    "$UNIT/test_bidirectional_kv_transfer.py"
     "$UNIT/test_remote_prefill_lifecycle.py"
     "$UNIT/test_remote_decode_lifecycle.py"
     "$UNIT/test_kv_load_failure_recovery.py"

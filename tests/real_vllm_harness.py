@@ -392,6 +392,32 @@ def complete(
     )
 
 
+def complete_turn(
+    url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> tuple[Completion, dict[str, Any] | None]:
+    """One turn of a conversation: a non-streamed completion sent with the params the previous
+    turn's answer carried (None on the first turn); returns it and its answer's params."""
+    started = time.monotonic()
+    extra = {} if kv_transfer_params is None else {"kv_transfer_params": dict(kv_transfer_params)}
+    with _open(url, completion_body(prompt_ids, max_tokens, **extra), timeout_s) as response:
+        payload = json.loads(response.read())
+    choice = payload["choices"][0]
+    if choice.get("finish_reason") not in ("length", "stop"):
+        raise RequestFailed(200, json.dumps(payload))
+    completion = Completion(
+        token_ids=tuple(choice["token_ids"]),
+        logprobs=tuple(choice["logprobs"]["token_logprobs"]),
+        latency_s=time.monotonic() - started,
+    )
+    params = payload.get("kv_transfer_params")
+    return completion, params if isinstance(params, dict) else None
+
+
 def complete_streamed(
     url: str, prompt_ids: Sequence[int], max_tokens: int, *, timeout_s: float = REQUEST_TIMEOUT_S
 ) -> Completion:
@@ -446,10 +472,24 @@ class Deployment:
 
     @classmethod
     @contextlib.contextmanager
-    def running(cls, model_dir: Path, connector: str, log_dir: Path) -> Iterator[Deployment]:
+    def running(
+        cls,
+        model_dir: Path,
+        connector: str,
+        log_dir: Path,
+        *,
+        extra_config: Mapping[str, Any] | None = None,
+        prefill_failure_policy: str = "fail",
+    ) -> Iterator[Deployment]:
         """Start the three engines at once (startup dominates), then the proxy. Engine logs
-        go to ``log_dir``."""
-        with cls.running_together(model_dir, (connector,), log_dir) as (deployment,):
+        go to ``log_dir``; ``extra_config`` goes to both P/D engines' extra config."""
+        with cls.running_together(
+            model_dir,
+            (connector,),
+            log_dir,
+            extra_config=extra_config,
+            prefill_failure_policy=prefill_failure_policy,
+        ) as (deployment,):
             yield deployment
 
     @classmethod
@@ -460,6 +500,9 @@ class Deployment:
         connectors: Sequence[str],
         log_dir: Path,
         extra_args: tuple[str, ...] = (),
+        *,
+        extra_config: Mapping[str, Any] | None = None,
+        prefill_failure_policy: str = "fail",
     ) -> Iterator[tuple[Deployment, ...]]:
         """One P/D pair per connector, sharing one reference engine (the first deployment's),
         all engines started at once, then one proxy per pair. ``extra_args`` go to every
@@ -468,7 +511,16 @@ class Deployment:
             EngineSpec("reference", model_dir, free_port(), None, None, extra_args), log_dir
         )
         deployments = tuple(
-            cls._unstarted(model_dir, connector, log_dir, reference, extra_args, index == 0)
+            cls._unstarted(
+                model_dir,
+                connector,
+                log_dir,
+                reference,
+                extra_args,
+                index == 0,
+                extra_config=extra_config,
+                prefill_failure_policy=prefill_failure_policy,
+            )
             for index, connector in enumerate(connectors)
         )
         try:
@@ -493,12 +545,18 @@ class Deployment:
         reference: Engine,
         extra_args: tuple[str, ...],
         has_reference: bool,
+        *,
+        extra_config: Mapping[str, Any] | None = None,
+        prefill_failure_policy: str = "fail",
     ) -> Deployment:
         engines = []
         for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
             if connector != "nixlpd":
                 name = f"{name}-{connector}"
-            config = kv_transfer_config(connector, role)
+            policy = prefill_failure_policy if role == "kv_producer" else "fail"
+            config = kv_transfer_config(
+                connector, role, extra_config=extra_config, failure_policy=policy
+            )
             spec = EngineSpec(name, model_dir, free_port(), config, free_port(), extra_args)
             engines.append(Engine(spec, log_dir))
         return cls(connector, model_dir, reference, *engines, has_reference=has_reference)

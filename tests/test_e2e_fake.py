@@ -13,6 +13,7 @@ import itertools
 import json
 from typing import Any
 
+import msgspec
 import pytest
 
 from connector.cli import main
@@ -127,6 +128,27 @@ def test_full_decode_hit_reads_nothing_and_frees_prefill() -> None:
     assert result.ok
     assert result.decode_prefix_hit_tokens == 2 * PROMPT_LEN
     assert result.bytes_transferred == 0
+
+
+@pytest.mark.parametrize(
+    ("tp_pair", "blocks", "kernel", "layout"),
+    [
+        ("tp1-1", "equal", "none", "nhd"),
+        ("tp1-2", "prefill-larger", "decode-split", "hnd"),
+        ("tp2-1", "decode-larger", "prefill-split", "nhd"),
+    ],
+)
+def test_demo_turns_pull_the_history_from_decode_and_leave_nothing_held(
+    tp_pair: str, blocks: str, kernel: str, layout: str
+) -> None:
+    # Both directions of every difference: a pull reads decode's geometry into prefill's.
+    base = options_for(("dense", tp_pair, blocks, kernel, layout, "no-hit"))
+    result = run_demo(msgspec.structs.replace(base, turns=3))
+
+    assert result.ok, result.errors
+    assert result.requests == 3 * base.requests
+    assert result.pulled_tokens > 0
+    assert (result.leaked_blocks_prefill, result.leaked_blocks_decode) == (0, 0)
 
 
 # ---- pairings the connector refuses ------------------------------------------------------

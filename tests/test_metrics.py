@@ -22,6 +22,7 @@ from connector.metrics import (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
     LEASES_RELEASED,
+    LEASES_STARTED,
     LOADS_FAILED,
     LOADS_FINISHED,
     METRICS,
@@ -264,6 +265,7 @@ def test_producer_times_each_lease_to_its_free_and_counts_how_it_ended() -> None
     producer.end_lapsed_leases()
     snapshot = recorder.snapshot()
     assert {name: snapshot.counters[name] for name in snapshot.counters} == {
+        LEASES_STARTED.name: {"": 3},
         LEASES_COMPLETED.name: {"": 1},
         LEASES_RELEASED.name: {"": 1},
         LEASES_EXPIRED.name: {"": 1},

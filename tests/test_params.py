@@ -14,6 +14,7 @@ from connector.metadata import RemoteSource
 from connector.params import (
     KVTransferParams,
     params_for_decode,
+    params_for_prefill,
     parse_kv_transfer_params,
     validate_block_groups,
 )
@@ -291,7 +292,7 @@ def test_params_for_decode_round_trip_through_the_parser() -> None:
         port=5600,
         tp_size=2,
     )
-    assert returned == {**PREFILL_DONE, "transfer_mode": "pull"}
+    assert returned == {**PREFILL_DONE, "do_remote_decode": False, "transfer_mode": "pull"}
     parsed = parse_kv_transfer_params(returned)
     assert parsed is not None
     assert parsed.remote_source() == RemoteSource(
@@ -302,6 +303,58 @@ def test_params_for_decode_round_trip_through_the_parser() -> None:
         remote_request_id="cmpl-1",
         remote_block_ids=((1, 2, 3), (7,)),
     )
+
+
+def test_params_for_prefill_name_a_pull_of_decode_held_blocks() -> None:
+    returned = params_for_prefill(
+        engine_id="decode-0",
+        request_id="cmpl-1",
+        block_ids=((4, 5, 6),),
+        host="127.0.0.6",
+        port=5700,
+        tp_size=2,
+        num_tokens=40,
+        expiry_s=123.5,
+        boot_id="boot1",
+        lease_id="lease1",
+    )
+    assert returned["do_remote_decode"] is True and returned["do_remote_prefill"] is False
+    assert returned["remote_blocks_expiry_time"] == 123.5
+    parsed = parse_kv_transfer_params(returned)
+    assert parsed is not None and parsed.ignored_keys == ()
+    assert parsed.pull_source() == RemoteSource(
+        engine_id="decode-0",
+        host="127.0.0.6",
+        port=5700,
+        tp_size=2,
+        remote_request_id="cmpl-1",
+        remote_block_ids=((4, 5, 6),),
+        boot_id="boot1",
+        lease_id="lease1",
+        num_tokens=40,
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"do_remote_decode": True},
+        {"do_remote_decode": True, "remote_engine_id": None, "remote_block_ids": None},
+        {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_host": "h"},
+        {
+            "do_remote_decode": True,
+            "remote_engine_id": "d",
+            "remote_request_id": "r",
+            "remote_block_ids": [[]],
+            "remote_host": "h",
+            "remote_port": 1,
+        },
+    ],
+    ids=["first-turn", "null-keys", "incomplete-address", "no-blocks"],
+)
+def test_params_without_a_complete_hold_ask_for_no_pull(params: dict[str, Any]) -> None:
+    parsed = parse_kv_transfer_params(params)
+    assert parsed is not None and parsed.pull_source() is None
 
 
 def test_tp_size_defaults_to_1_as_vllm_assumes() -> None:

@@ -92,6 +92,7 @@ def test_prefill_lifecycle_reports_finished_sending_once_all_ranks_freed(
     assert re.fullmatch("[0-9a-f]{16}", lease_id), lease_id  # random per lease
     assert params == {
         "do_remote_prefill": True,
+        "do_remote_decode": False,
         "remote_engine_id": "prefill-0",
         "remote_request_id": "p1",
         "remote_block_ids": [[1, 2, 3]],

@@ -35,12 +35,15 @@ READY = re.compile(r"engine (\S+) ready: requests on 127\.0\.0\.1:(\d+), side ch
 class ServedEngine:
     """One `nixl-pd serve` subprocess; ``close()`` kills it if it is still running."""
 
-    def __init__(self, role: str, log_path: Path) -> None:
+    def __init__(self, role: str, log_path: Path, *extra_args: str) -> None:
         self.role = role
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "connector.cli", "serve", "--role", role, "--port", "0"],
+            [
+                *(sys.executable, "-m", "connector.cli", "serve"),
+                *("--role", role, "--port", "0", *extra_args),
+            ],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
@@ -138,6 +141,38 @@ def test_route_check_over_two_served_engines_then_signals_stop_them(tmp_path: Pa
     for (code, elapsed_s, stdout), role in ((prefill_stop, "prefill"), (decode_stop, "decode")):
         assert code == 0, f"{role} exit code {code} after {elapsed_s:.1f} s"
         assert f"nixl-pd serve: {role} engine stopped" in stdout
+
+
+def test_route_turns_pull_the_history_from_decode_with_bidirectional_engines(
+    tmp_path: Path,
+) -> None:
+    flags = ("--bidirectional", "--recompute-threshold", "8")
+    prefill = ServedEngine("prefill", tmp_path / "prefill.log", *flags)
+    decode = ServedEngine("decode", tmp_path / "decode.log", *flags)
+    try:
+        prefill_address, decode_address = prefill.wait_ready(), decode.wait_ready()
+        routed = run_cli(
+            "route",
+            *("--prefill", prefill_address, "--decode", decode_address),
+            *("--requests", "2", "--prompt-len", "40", "--max-tokens", "20", "--turns", "3"),
+            *("--check", "--json"),
+        )
+    finally:
+        prefill.close()
+        decode.close()
+
+    assert routed.returncode == 0, routed.stderr
+    result = json.loads(routed.stdout)
+    assert (result["ok"], result["tokens_match"], result["kv_match"]) == (True, True, True)
+    assert (result["completed_requests"], result["failed_requests"]) == (6, 0)
+    by_turn: dict[int, list[int]] = {}
+    for request in result["results"]:
+        by_turn.setdefault(request["turn"], []).append(request["num_pulled_tokens"])
+    # Turn 1 has no history; later turns pull what prefill has not cached: at least the
+    # part of the answer past prefill's last cached block (16 tokens).
+    assert by_turn[1] == [0, 0]
+    assert all(pulled >= 8 for turn in (2, 3) for pulled in by_turn[turn]), by_turn
+    assert result["pulled_tokens"] == sum(by_turn[2] + by_turn[3])
 
 
 @pytest.fixture(scope="module")

@@ -112,3 +112,39 @@ def test_prefill_body(body: dict[str, Any], expected: dict[str, Any]) -> None:
 def test_decode_body_needs_params_from_prefill() -> None:
     with pytest.raises(ValueError, match="returned no kv_transfer_params"):
         decode_body({"prompt": "x"}, {"choices": []})
+
+
+HELD_BY_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": "decode-0",
+    "remote_request_id": "turn-1",
+    "remote_block_ids": [[3, 4]],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5701,
+    "remote_num_tokens": 30,
+}
+
+
+@pytest.mark.parametrize(
+    ("client_params", "to_prefill"),
+    [
+        (None, {"do_remote_decode": True}),
+        (HELD_BY_DECODE, HELD_BY_DECODE),
+        ({**HELD_BY_DECODE, "do_remote_decode": False}, {"do_remote_decode": True}),
+        ("not a dict", {"do_remote_decode": True}),
+    ],
+    ids=["first-turn", "next-turn-passes-decode-hold", "not-a-hold", "garbage"],
+)
+def test_prefill_gets_the_previous_turns_params_the_client_passed_back(
+    client_params: Any, to_prefill: dict[str, Any]
+) -> None:
+    body = {"prompt": [1, 2, 3], "max_tokens": 9}
+    if client_params is not None:
+        body["kv_transfer_params"] = client_params
+    assert prefill_body(body)["kv_transfer_params"] == to_prefill
+
+
+def test_decode_gets_prefill_params_not_the_clients() -> None:
+    body = {"prompt": [1], "kv_transfer_params": HELD_BY_DECODE}
+    assert decode_body(body, {"kv_transfer_params": PARAMS})["kv_transfer_params"] == PARAMS

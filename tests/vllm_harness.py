@@ -158,11 +158,13 @@ def make_request(
     kv_transfer_params: dict[str, Any] | None = None,
     max_tokens: int = 4,
     first_token: int = 1,
+    token_ids: Sequence[int] | None = None,  # the prompt (then num_tokens is its length)
 ) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompt = [first_token + i for i in range(num_tokens)] if token_ids is None else token_ids
     request = Request(
         request_id=request_id,
-        prompt_token_ids=[first_token + i for i in range(num_tokens)],
+        prompt_token_ids=list(prompt),
         sampling_params=params,
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),

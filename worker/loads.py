@@ -338,10 +338,13 @@ class LoadTable:
 
     def _post(self, load: Load, spec: LoadSpec, link: PeerLink) -> None:
         planner = link.planner
+        remote_block_ids: Sequence[Sequence[int]] = spec.remote.remote_block_ids
+        if spec.remote.num_tokens is not None:  # a pull: decode's blocks hold more tokens
+            remote_block_ids = planner.leading_remote_blocks(remote_block_ids, spec.num_tokens)
         try:
             segments = planner.segments(
                 spec.local_block_ids,
-                spec.remote.remote_block_ids,
+                remote_block_ids,
                 num_tokens=spec.num_tokens,
                 num_cached_tokens=spec.num_cached_tokens,
             )

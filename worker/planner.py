@@ -129,6 +129,21 @@ class TransferPlanner:
         ]
         return self.finish(tuple(reads), {r.remote_rank for r in reads})
 
+    def leading_remote_blocks(
+        self, remote_block_ids: Sequence[Sequence[int]], num_tokens: int
+    ) -> tuple[Sequence[int], ...]:
+        """The remote blocks covering tokens [0, num_tokens), per group: the leading ones.
+
+        A pull from decode (multi-turn) reads fewer tokens than decode's blocks hold (its
+        answer, a prompt that diverges): its block size is the remote's, known only here.
+        Block size 16, 40 tokens, ids [7, 8, 9, 4] -> [7, 8, 9]. SSM groups pass unchanged;
+        a group with too few blocks too (``segments`` refuses it with the counts).
+        """
+        return tuple(
+            ids if g.kind is GroupKind.SSM else ids[: _ceil_div(num_tokens, g.remote.block_size)]
+            for g, ids in zip(self._groups, remote_block_ids, strict=False)
+        ) + tuple(remote_block_ids[len(self._groups) :])
+
     def segments(
         self,
         local_block_ids: Sequence[Sequence[int]],

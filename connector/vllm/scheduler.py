@@ -209,8 +209,9 @@ class SchedulerSide:
             refused = _Tracked(reason=f"invalid kv_transfer_params: {exc}")
             self._tracked.start(request_id, refused, CLAIMED if claimed else REFUSED)
             return (num_tokens, True) if claimed else (0, False)
-        if tracked is None and loads_from_remote(request.kv_transfer_params):
-            self._track(request_id, HANDED)  # the connector holds its load from now on
+        if tracked is None and (loads_from_remote(request.kv_transfer_params) or matched[1]):
+            # the connector holds its load from now on (matched: a pull from decode)
+            self._track(request_id, HANDED)
         return matched
 
     def update_state_after_alloc(
@@ -334,8 +335,10 @@ class SchedulerSide:
             if state is HANDED:  # no LoadSpec went out: the ranks will not report it
                 self._tracked.move(request_id, ENDED)
         aborted = request.status not in _COMPLETE
-        info = RequestInfo(request_id, request.num_prompt_tokens, params, aborted)
-        if loads and not params.get("do_remote_decode"):
+        info = RequestInfo(
+            request_id, request.num_prompt_tokens, params, aborted, request.num_computed_tokens
+        )
+        if loads and not self.connector.holds_finished_requests:
             return self.connector.request_finished(info, ())  # a decode keeps no lease
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 

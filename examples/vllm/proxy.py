@@ -5,6 +5,12 @@ For each OpenAI completion or chat request: send it to the prefill engine with
 request to the decode engine with the ``kv_transfer_params`` prefill returned, under the same
 ``X-Request-Id``; decode's answer (streamed or not) goes back to the client as it arrives.
 
+Multi-turn (engines with ``bidirectional_kv_xfer``): decode's answer carries the
+``kv_transfer_params`` of its held KV. A client that sends them back with its next turn (the
+previous answer's ``kv_transfer_params``, unchanged) gets them passed to prefill instead of a
+plain ``do_remote_decode``, so prefill pulls the conversation so far from decode. The proxy
+keeps no state: the client carries the conversation's params, as it carries its text.
+
     python -m examples.vllm.proxy --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --port 8000
 """
@@ -25,11 +31,21 @@ CHUNK_BYTES = 16 * 1024
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill engine's copy: one token, no streaming, asking to keep the KV for decode."""
-    prefill = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    """The prefill engine's copy: one token, no streaming, asking to keep the KV for decode
+    (and to pull the earlier turns' KV from decode, with the params a client passed back)."""
+    prefill = dict(body, max_tokens=1, stream=False, kv_transfer_params=prefill_params(body))
     prefill.pop("max_completion_tokens", None)
     prefill.pop("stream_options", None)
     return prefill
+
+
+def prefill_params(body: dict[str, Any]) -> dict[str, Any]:
+    """``do_remote_decode``, plus decode's held KV when the client passed back the params of
+    the previous turn's answer (they say ``do_remote_decode: true`` themselves)."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, dict) and params.get("do_remote_decode") is True:
+        return dict(params)
+    return {"do_remote_decode": True}
 
 
 def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
