@@ -2,7 +2,9 @@
 
 The facts: NIXL loads and creates a UCX backend (in this process); a real loopback READ
 between two processes, with the transport UCX names for it (connector.doctor_loopback); a
-real handshake with each ``--side-channel HOST:PORT``; the environment. The verdicts live in
+real handshake with each ``--side-channel HOST:PORT``; the environment. In two-host mode
+(``--listen`` on one host, ``--peer`` on the other: connector.doctor_remote) a READ between
+the hosts replaces the loopback READ. The verdicts live in
 connector.doctor_checks and connector.doctor_env (pure); this module only does the I/O and
 prints. Every network call and child process is bounded in time.
 """
