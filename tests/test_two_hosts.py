@@ -17,6 +17,7 @@ Skipped where namespaces cannot be made (not root), unless NIXL_PD_REQUIRE_NETNS
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -31,7 +32,15 @@ from pathlib import Path
 import pytest
 
 from connector.doctor_ucx import all_read_lanes, parse_proto_tables, read_scopes
-from tests.netns import Host, HostPair, host_pair, our_namespaces, require_or_skip_reason
+from tests.netns import (
+    NETNS_DIR,
+    Host,
+    HostPair,
+    host_pair,
+    our_namespaces,
+    require_or_skip_reason,
+    threads_in,
+)
 
 pytestmark = pytest.mark.real_nixl
 
@@ -196,3 +205,40 @@ def test_doctor_two_host_mode_flags_cma_between_namespaces_of_one_machine(
         assert "CMA/shm cannot cross hosts" in check["summary"]
         assert "UCX_TLS=tcp" in check["fix"]
         assert report["exit_code"] == 1
+
+
+def test_the_hosts_reach_each_other_only_over_the_veth(hosts: HostPair) -> None:
+    """Decode's namespace reaches prefill's address, and its only route is the veth's /30
+    (no default route: nothing sent inside can leave the machine)."""
+    import socket
+
+    def connect(address: str) -> str:
+        with socket.socket() as client:
+            client.settimeout(2.0)
+            try:
+                client.connect((address, DOCTOR_PORT))
+            except ConnectionRefusedError:
+                return "refused"  # reached the host: nothing listens there
+            except OSError as exc:
+                return type(exc).__name__
+        return "connected"
+
+    with threads_in(hosts.decode) as on_decode:
+        from_decode = on_decode.submit(connect, hosts.prefill.address).result()
+    routes = subprocess.run(
+        ["ip", "-n", hosts.decode.namespace, "-4", "route", "show"],
+        capture_output=True, text=True, check=True, timeout=10,
+    ).stdout.splitlines()  # fmt: skip
+
+    assert from_decode == "refused"
+    network = ipaddress.ip_interface(f"{hosts.decode.address}/30").network
+    assert [route.split()[:3] for route in routes] == [[str(network), "dev", hosts.decode.device]]
+
+
+def test_a_failure_inside_still_removes_both_namespaces() -> None:
+    with pytest.raises(RuntimeError, match="boom"), host_pair() as pair:
+        assert (NETNS_DIR / pair.prefill.namespace).exists()
+        raise RuntimeError("boom")
+
+    assert not (NETNS_DIR / pair.prefill.namespace).exists()
+    assert not (NETNS_DIR / pair.decode.namespace).exists()
