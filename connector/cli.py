@@ -252,6 +252,16 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
     doctor.add_argument(
         "--no-transfer", action="store_true", help="skip the loopback READ (faster)"
     )
+    doctor.add_argument(
+        "--listen", default=None, metavar="HOST:PORT",
+        help="two-host mode, first side: serve a READ target here (HOST: this host's address "
+        "on the link to the other) and wait up to 120 s for one --peer",
+    )  # fmt: skip
+    doctor.add_argument(
+        "--peer", default=None, metavar="HOST:PORT",
+        help="two-host mode, second side: READ the target of the --listen at HOST:PORT and "
+        "name the transport (CMA/shared memory cannot cross hosts)",
+    )  # fmt: skip
     doctor.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -265,6 +275,8 @@ def _doctor(args: argparse.Namespace) -> int:
         transfer=not args.no_transfer,
         strict=args.strict,
         as_json=args.json,
+        listen=args.listen,
+        peer=args.peer,
     )
 
 

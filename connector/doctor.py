@@ -2,7 +2,9 @@
 
 The facts: NIXL loads and creates a UCX backend (in this process); a real loopback READ
 between two processes, with the transport UCX names for it (connector.doctor_loopback); a
-real handshake with each ``--side-channel HOST:PORT``; the environment. The verdicts live in
+real handshake with each ``--side-channel HOST:PORT``; the environment. In two-host mode
+(``--listen`` on one host, ``--peer`` on the other: connector.doctor_remote) a READ between
+the hosts replaces the loopback READ. The verdicts live in
 connector.doctor_checks and connector.doctor_env (pure); this module only does the I/O and
 prints. Every network call and child process is bounded in time.
 """
@@ -40,7 +42,9 @@ from connector.doctor_checks import (
     exit_code,
 )
 from connector.doctor_env import EnvFacts, check_env
+from connector.doctor_hosts import RemoteRead, check_remote_read, check_tls_across_hosts
 from connector.doctor_loopback import run_loopback
+from connector.doctor_remote import run_listener, run_peer
 from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.side_channel_client import fetch_handshake
 
@@ -58,6 +62,8 @@ class DoctorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_bytes: int = 32 * 2**20  # per READ
     num_reads: int = 4
     strict: bool = False  # warnings fail too
+    listen: str | None = None  # two-host mode: serve a READ target on HOST:PORT
+    peer: str | None = None  # two-host mode: READ the target of a listener at HOST:PORT
 
 
 class DoctorReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -67,6 +73,7 @@ class DoctorReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     loopback: Loopback | None
     side_channels: tuple[SideChannelProbe, ...]
     checks: tuple[Check, ...]
+    remote: RemoteRead | None = None  # two-host mode's READ
 
 
 def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> DoctorReport:
@@ -78,11 +85,15 @@ def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> 
         )
     env = dict(os.environ if env is None else env)
     addresses = [parse_address(address) for address in options.side_channels]
+    two_hosts = _two_hosts_address(options)
     secret = env.get(ENV_SIDE_CHANNEL_SECRET) or None
     nixl = probe_nixl()
     checks = check_nixl(nixl)
-    loopback = None
-    if options.transfer and "UCX" in nixl.backends:
+    loopback = remote = None
+    if two_hosts is not None:  # the READ between the hosts replaces the loopback READ
+        remote, remote_checks = _two_hosts_read(options, two_hosts, env, "UCX" in nixl.backends)
+        checks += remote_checks
+    elif options.transfer and "UCX" in nixl.backends:
         loopback = run_loopback(
             env,
             num_bytes=options.num_bytes,
@@ -92,7 +103,10 @@ def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> 
         checks += check_loopback(loopback) + check_progress(loopback.idle_cpu_fraction)
     elif options.transfer:
         checks.append(Check("transfer", "info", "loopback READ not run: no UCX backend"))
-    checks += check_env(gather_env(env, secret))
+    env_checks = check_env(gather_env(env, secret))
+    if two_hosts is not None:  # UCX_TLS's same-host advice (allow cma) does not apply here
+        env_checks = [check for check in env_checks if check.name != "UCX_TLS"]
+    checks += env_checks
     probes = tuple(probe_side_channel(h, p, secret, options.timeout_s) for h, p in addresses)
     checks += [check_side_channel(probe) for probe in probes]
     reachable = [probe for probe in probes if probe.reachable]
@@ -100,16 +114,49 @@ def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> 
     if reachable:
         checks.append(check_clocks(reachable))
     code = exit_code(checks, strict=options.strict)
-    return DoctorReport(code == 0, code, nixl, loopback, probes, tuple(checks))
+    return DoctorReport(code == 0, code, nixl, loopback, probes, tuple(checks), remote)
 
 
-def parse_address(address: str) -> tuple[str, int]:
+def _two_hosts_address(options: DoctorOptions) -> tuple[str, int] | None:
+    if options.listen is not None and options.peer is not None:
+        raise UnsupportedConfiguration(
+            "--listen and --peer are the two ends of one test: give one of them here and the "
+            "other on the other host"
+        )
+    address = options.listen or options.peer
+    return (
+        None
+        if address is None
+        else parse_address(address, "--listen" if options.listen else "--peer")
+    )
+
+
+def _two_hosts_read(
+    options: DoctorOptions, address: tuple[str, int], env: Mapping[str, str], have_ucx: bool
+) -> tuple[RemoteRead | None, list[Check]]:
+    """The READ between this host and the other one: listener or peer, and its verdicts."""
+    checks = check_tls_across_hosts(env.get("UCX_TLS"))
+    if not have_ucx or checks:
+        return None, checks
+    host, port = address
+    if options.listen is not None:
+        read = run_listener(
+            host, port, env, num_bytes=options.num_bytes, timeout_s=options.transfer_timeout_s
+        )
+    else:
+        read = run_peer(
+            host, port, env, num_reads=options.num_reads, timeout_s=options.transfer_timeout_s
+        )
+    return read, checks + check_remote_read(read, _rdma_devices())
+
+
+def parse_address(address: str, flag: str = "--side-channel") -> tuple[str, int]:
     """ "HOST:PORT" (or "[v6]:PORT") -> (host, port); anything else: UnsupportedConfiguration."""
     host, colon, port_text = address.rpartition(":")
     host = host.strip("[]")
     if not colon or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise UnsupportedConfiguration(
-            f"--side-channel {address!r} is not HOST:PORT with a port in 1..65535; "
+            f"{flag} {address!r} is not HOST:PORT with a port in 1..65535; "
             "pass what the engine prints, e.g. 127.0.0.1:5600"
         )
     return host, int(port_text)
@@ -270,11 +317,18 @@ def main(
     transfer: bool,
     strict: bool,
     as_json: bool,
+    listen: str | None = None,
+    peer: str | None = None,
 ) -> int:
     """The `nixl-pd doctor` command: 0 when a deployment has what it needs, 1 if not, 2 on a
     bad argument."""
     options = DoctorOptions(
-        side_channels=tuple(side_channels), timeout_s=timeout_s, transfer=transfer, strict=strict
+        side_channels=tuple(side_channels),
+        timeout_s=timeout_s,
+        transfer=transfer,
+        strict=strict,
+        listen=listen,
+        peer=peer,
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the children like Ctrl-C
     try:

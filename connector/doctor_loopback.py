@@ -30,7 +30,7 @@ STOP_TIMEOUT_S = 5.0
 IDLE_WINDOW_S = 0.5  # how long the target is watched doing nothing, for the spinning check
 
 
-class _Peer:
+class PeerProcess:
     """One doctor_peer child: send it a line, wait for a tagged line, always stop it."""
 
     def __init__(self, args: list[str], env: Mapping[str, str], stderr: IO[bytes]) -> None:
@@ -143,7 +143,7 @@ def run_loopback(
     )
 
 
-class _Result(NamedTuple):
+class ReaderResult(NamedTuple):
     """The reader's RESULT line."""
 
     num_reads: int
@@ -153,7 +153,7 @@ class _Result(NamedTuple):
     matched: bool
 
     @classmethod
-    def parse(cls, words: list[str]) -> _Result:
+    def parse(cls, words: list[str]) -> ReaderResult:
         try:
             num_bytes, seconds, num_reads, num_descriptors, matched = words
             descriptors = max(1, int(num_descriptors))
@@ -171,20 +171,20 @@ def _transfer(
     num_bytes: int,
     num_reads: int,
     timeout_s: float,
-) -> tuple[_Result, float | None]:
+) -> tuple[ReaderResult, float | None]:
     deadline_s = time.monotonic() + timeout_s
     lifetime = ["--lifetime-s", str(timeout_s + STOP_TIMEOUT_S)]
     size = ["--num-bytes", str(num_bytes)]
     with tempfile.TemporaryFile() as target_err, tempfile.TemporaryFile() as reader_err:
-        target = _Peer(["target", *size, *lifetime], env, target_err)
+        target = PeerProcess(["target", *size, *lifetime], env, target_err)
         try:
-            reader = _Peer(
+            reader = PeerProcess(
                 ["reader", *size, "--reads", str(num_reads), *lifetime], reader_env, reader_err
             )
             try:
                 address, metadata_hex = _two(target.wait_line("READY", deadline_s))
                 reader.send(f"{address} {metadata_hex}")
-                result = _Result.parse(reader.wait_line("RESULT", deadline_s))
+                result = ReaderResult.parse(reader.wait_line("RESULT", deadline_s))
             finally:
                 reader.stop()
             # Only now, with the reader gone, is the target truly idle.

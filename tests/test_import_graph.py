@@ -49,6 +49,7 @@ TOP_IN_CONNECTOR = frozenset(
     {"connector.cli", "connector.source_tree"}
     | {f"connector.{name}" for name in ("doctor", "doctor_checks", "doctor_env")}
     | {f"connector.{name}" for name in ("doctor_loopback", "doctor_peer", "doctor_ucx")}
+    | {f"connector.{name}" for name in ("doctor_hosts", "doctor_remote")}
 )
 
 
