@@ -246,6 +246,7 @@ class LoadTable:
                     load.end()
             if load.ended:
                 outcomes.append(self._finish(load))
+        self._proofs.dispatch()  # this pass's lease checks: one message per prefill boot
         return outcomes
 
     def abandon_all(self) -> None:
@@ -285,6 +286,7 @@ class LoadTable:
             if self._claims is not None and load.spec is not None:
                 claims = self._claims(load.spec)
             load.proof_ticket = self._proofs.submit(load.remote, claims=claims)
+            return  # asked at the end of this pass, with the other checks for that prefill
         answered, reason = self._proofs.take(load.proof_ticket)
         if not answered:
             return
