@@ -246,11 +246,13 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-STALE_REASON = (  # the lease check names boot A's id; B's side channel says it is another boot
+STALE_REASON = (  # the lease check (D1: A's peer is cached) or the handshake (D2) names boot
+    # A's id; B's side channel says it is another boot
     rf"KV load failed: lease expired: prefill engine '{ENGINE_ID}' request 'r\d' "
-    r"\(lease \S+\): the prefill engine restarted since it leased \(side channel "
-    r"127\.0\.0\.1:\d+ refused the request: LeaseCheck names side-channel boot '\w+' but "
-    rf"engine '{ENGINE_ID}' at this host:port is boot '\w+'"
+    r"\(lease \S+\): the prefill engine restarted since it leased \((rank 0 at \S+ failed "
+    r"after 1 attempt\(s\): )?side channel 127\.0\.0\.1:\d+ refused the request: "
+    rf"(LeaseCheck|HandshakeRequest) names side-channel boot '\w+' but engine '{ENGINE_ID}' "
+    r"at this host:port is boot '\w+'"
 )
 
 DEAD_AGENT = (

@@ -10,26 +10,36 @@ benchmarks/many_peers.py measures the same costs at several sizes.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.config import ConnectorConfig
-from connector.errors import ConnectorError, HandshakeError, PeerRestarted
+from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
 from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource
-from connector.protocol import LeaseRef, LeaseStatus
+from connector.protocol import (
+    LeaseRef,
+    LeaseStatus,
+    WorkerHandshake,
+    decode_envelope,
+    decode_request_payload,
+)
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from tests.test_worker_parts import make_spec
 from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
+from worker.handshake import HandshakeClient, HandshakeJob
 from worker.lease_proof import AFTER_READS, BEFORE_READS, LeaseProofs
 
 HOST = "127.0.0.1"
@@ -140,9 +150,22 @@ def test_a_check_abandoned_before_dispatch_is_never_asked(
 SPEC = make_spec()
 
 
+class CountingServer(SideChannelServer):
+    """A side channel that counts the requests it answers, by kind."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: list[str] = []
+
+    def answer(self, frames: list[bytes]) -> bytes:
+        envelope = decode_envelope(frames[0])
+        self.requests.append(type(decode_request_payload(envelope.payload)).__name__)
+        return super().answer(frames)
+
+
 @dataclass
 class ServedPrefill:
-    server: SideChannelServer
+    server: CountingServer
     rank: WorkerConnector  # holds the registration the READs are checked against
     leases: LeaseTable
     lease_checks: list[int]  # refs per LeaseCheck message served
@@ -164,7 +187,7 @@ def serve_prefill(fabric: FakeFabric, buffers: list[np.ndarray]) -> ServedPrefil
         lease_checks.append(len(refs))
         return leases.check(refs, time.monotonic())
 
-    server = SideChannelServer(
+    server = CountingServer(
         HOST, 0, {0: handshake}, engine_id="prefill", on_heartbeat=lambda ids: 0,
         on_release=leases.release, on_lease_check=on_check,
     )  # fmt: skip
@@ -262,3 +285,126 @@ def test_expired_agrees_with_a_scan_of_every_held_lease(
             for rid in due:
                 del expiry[rid]
         assert len(table) == len(expiry)
+
+
+# --- failure at fleet scale: a dead or restarted prefill costs one timeout, or one answer -----
+
+
+@pytest.mark.parametrize(
+    ("error", "num_attempts", "restarted"),
+    [
+        pytest.param(SideChannelTimeout("did not answer within 5 s"), 1, False, id="silent"),
+        pytest.param(PeerRestarted("another boot"), 1, True, id="another-boot"),
+        pytest.param(HandshakeError("garbage reply"), 4, False, id="other-errors-retried"),
+    ],
+)
+def test_a_silent_or_restarted_side_channel_is_not_asked_again_while_requests_wait(
+    error: HandshakeError, num_attempts: int, restarted: bool
+) -> None:
+    attempts: list[str] = []
+
+    def fetch(host: str, port: int, tp_rank: int, boot_id: str) -> WorkerHandshake:
+        attempts.append(boot_id)
+        raise error
+
+    client = HandshakeClient(fetch, retries=3, wait=lambda s: None)
+    try:
+        client.submit(HandshakeJob("p", HOST, 9, (0,), boot_id="boot-a"))
+        (result,) = client.poll(wait_s=5.0)
+    finally:
+        client.close()
+    assert attempts == ["boot-a"] * num_attempts, "the params' boot is named in every fetch"
+    assert result.error is not None and f"after {num_attempts} attempt(s)" in result.error
+    assert result.restarted is restarted
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def decode_rank(fabric: FakeFabric, config: ConnectorConfig, agent: FakeNixl) -> WorkerConnector:
+    layout = build_rank_layout(SPEC, 0, 1)
+    buffers = [np.zeros(size, dtype=np.uint8) for size in layout.region_bytes]
+    rank = WorkerConnector(config, engine_id="decode", tp_rank=0, tp_size=1, spec=SPEC, agent=agent)
+    rank.register_kv_caches([buffer.ctypes.data for buffer in buffers])
+    rank._test_buffers = buffers  # type: ignore[attr-defined]  # keep the memory alive
+    return rank
+
+
+def outcomes(rank: WorkerConnector, request_ids: set[str]) -> dict[str, str | None]:
+    """Flush until every request in ``request_ids`` was reported (bounded)."""
+    found: dict[str, str | None] = {}
+    deadline = time.monotonic() + 20.0
+    while not request_ids <= set(found):
+        assert time.monotonic() < deadline, f"reported: {found}"
+        assert rank.flush()
+        report = rank.get_finished()
+        found.update(dict.fromkeys(report.finished_recving))
+        found.update(report.failed_recving)
+    return found
+
+
+def test_the_first_load_from_a_dead_prefill_fails_after_one_timeout_and_the_next_at_once() -> None:
+    """Nothing listens at the prefill's side channel; handshake_retries=3. The first load
+    fails after one attempt (one handshake_timeout, not four), the next ones without asking."""
+    config = ConnectorConfig(handshake_retries=3, handshake_timeout_s=0.3)
+    fabric = FakeFabric()
+    rank = decode_rank(fabric, config, FakeNixl("decode-r0", fabric))
+    port = free_port()
+    try:
+        dead = RemoteSource("p", HOST, port, 1, "p0", ((0,),), boot_id="b", lease_id="L")
+        rank.start_load_kv(ConnectorMetadata(loads=(LoadSpec("d0", ((0,),), 4, 0, dead),)))
+        first = outcomes(rank, {"d0"})["d0"] or ""
+        assert f"rank 0 at {HOST}:{port} failed after 1 attempt(s)" in first, first
+        assert "did not answer within 0.3 s" in first and "background probe" in first
+        later = tuple(
+            LoadSpec(
+                f"d{i}", ((i,),), 4, 0, msgspec.structs.replace(dead, remote_request_id=f"p{i}")
+            )
+            for i in range(1, 4)
+        )
+        rank.start_load_kv(ConnectorMetadata(loads=later))
+        assert rank.flush()  # the pass that takes them in fails them: no thread round trip
+        failed = rank.get_finished().failed_recving
+        assert sorted(failed) == ["d1", "d2", "d3"], failed
+        assert all("s ago" in reason for reason in failed.values()), failed
+    finally:
+        rank.shutdown()
+
+
+def test_params_naming_a_restarted_prefills_old_boot_fail_on_its_first_answer() -> None:
+    """Prefill restarted under its engine id and port: params of the old boot get one
+    refusal (the handshake names their boot) and fail `lease expired`, and the live boot's
+    peer is kept: before, the stale params' handshake succeeded (Hello learned the new boot)
+    and retired the live boot's peer, so the next good load handshaked again."""
+    fabric, buffers = FakeFabric(), []
+    prefill = serve_prefill(fabric, buffers)
+    rank = decode_rank(fabric, ConnectorConfig(handshake_retries=3), FakeNixl("decode-r0", fabric))
+    port, live_boot = prefill.server.port, prefill.server.boot_id
+
+    def load_of(name: str, boot_id: str) -> LoadSpec:
+        prefill.leases.lease(name, time.monotonic(), "L-" + name)
+        source = RemoteSource(
+            "prefill", HOST, port, 1, name, ((0,),), boot_id=boot_id, lease_id="L-" + name
+        )
+        return LoadSpec("d-" + name, ((0,),), 4, 0, source)
+
+    try:
+        for name, boot_id in (("x", live_boot), ("y", "0" * 32), ("z", live_boot)):
+            rank.start_load_kv(ConnectorMetadata(loads=(load_of(name, boot_id),)))
+            outcome = outcomes(rank, {"d-" + name})["d-" + name]
+            if name == "y":
+                assert outcome is not None and outcome.startswith("lease expired: "), outcome
+                assert "restarted since it leased" in outcome and "boot" in outcome
+            else:
+                assert outcome is None, outcome
+        handshakes = [kind for kind in prefill.server.requests if kind != "LeaseCheck"]
+        assert handshakes == ["HandshakeRequest", "HandshakeRequest"], (
+            "one for x, one refused for y, none for z: the live boot's peer was kept"
+        )
+    finally:
+        rank.shutdown()
+        prefill.server.stop()
+        prefill.rank.shutdown()

@@ -46,7 +46,7 @@ from connector.protocol import (
     WorkerHandshake,
 )
 from worker.compat import fingerprint
-from worker.handshake import Fetcher, HandshakeClient
+from worker.handshake import BootFetcher, Fetcher, HandshakeClient, any_boot
 from worker.kv_digest import check_digestible, host_regions, lease_digests, read_claims
 from worker.lease_checks import (
     LeaseCheck,
@@ -66,11 +66,12 @@ from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 logger = logging.getLogger(__name__)
 
 
-def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
-    """Fetch handshakes over ZMQ with the configured secret, timeout and size bound."""
+def side_channel_fetcher(config: ConnectorConfig) -> BootFetcher:
+    """Fetch handshakes over ZMQ with the configured secret, timeout and size bound, naming
+    the boot the params name (one exchange per rank; a restarted prefill refuses it)."""
     from connector.side_channel_client import fetch_handshake
 
-    def fetch(host: str, port: int, tp_rank: int) -> WorkerHandshake:
+    def fetch(host: str, port: int, tp_rank: int, boot_id: str) -> WorkerHandshake:
         return fetch_handshake(
             host,
             port,
@@ -78,6 +79,7 @@ def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
             secret=config.side_channel_secret,
             timeout_s=config.handshake_timeout_s,
             max_message_bytes=config.max_message_bytes,
+            boot_id=boot_id,
         )
 
     return fetch
@@ -112,7 +114,8 @@ class WorkerConnector:
         self._layout = build_rank_layout(spec, tp_rank, tp_size)
         self._fingerprint = fingerprint(spec)
         self._client = HandshakeClient(
-            fetch or side_channel_fetcher(config), retries=config.handshake_retries
+            any_boot(fetch) if fetch else side_channel_fetcher(config),
+            retries=config.handshake_retries,
         )
         self._peers = PeerTable(
             agent,

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from connector.errors import ConnectorError
+from connector.errors import ConnectorError, PeerRestarted
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
 from connector.protocol import DigestClaim, encode_free_notif, lease_key
 from connector.trace import load_ended
-from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
+from worker.lease_proof import BEFORE_READS, LeaseProofs, lease_failure, unprovable_reason
 from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
@@ -155,6 +155,14 @@ def notify_rest(agent: NixlAgent, load: Load) -> bool:
         return True
     sent = [notify(agent, load, rank) for rank in sorted(set(load.peer.duty) - load.notified)]
     return all(sent)
+
+
+def handshake_failure(remote: RemoteSource, peer: Peer) -> str:
+    """Why a load whose peer's handshake failed fails: a side channel that answered as a later
+    boot than the params name says the lease died with the boot that issued it."""
+    if peer.restarted:
+        return lease_failure(remote, PeerRestarted(peer.failure or ""), BEFORE_READS) or ""
+    return f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}"
 
 
 def _rows(link: PeerLink, remote_rank: int) -> PreparedRows | None:
@@ -311,7 +319,7 @@ class LoadTable:
         if link is not None and load.timeline.handshake_ready_s is None:
             load.timeline.handshake_ready_s = self._clock()
         if link is None:
-            load.fail(f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}")
+            load.fail(handshake_failure(load.remote, peer))
             load.end()
         elif load.aborting or load.spec is None:
             load.end()
