@@ -40,6 +40,7 @@ from tests.test_worker_parts import make_spec
 from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
 from worker.handshake import HandshakeClient, HandshakeJob
+from worker.lease_checks import SilentSideChannels, asked_again
 from worker.lease_proof import AFTER_READS, BEFORE_READS, LeaseProofs
 
 HOST = "127.0.0.1"
@@ -59,9 +60,13 @@ class RecordingBatchCheck:
     answers: dict[str, bool | ConnectorError] = field(default_factory=dict)
     fail_batch: ConnectorError | None = None
     batches: list[list[str]] = field(default_factory=list)
+    patience: list[bool] = field(default_factory=list)  # per batch: asked again while silent?
 
-    def __call__(self, remotes: Sequence[RemoteSource]) -> list[bool | ConnectorError]:
+    def __call__(
+        self, remotes: Sequence[RemoteSource], patient: bool
+    ) -> list[bool | ConnectorError]:
         self.batches.append([r.remote_request_id for r in remotes])
+        self.patience.append(patient)
         if self.fail_batch is not None:
             raise self.fail_batch
         return [self.answers.get(r.remote_request_id, True) for r in remotes]
@@ -106,6 +111,48 @@ def test_one_pass_of_checks_is_one_message_per_prefill_boot(
     assert sorted(sorted(batch) for batch in recording.batches) == [
         ["a1", "a2", "a3"], ["b1"], ["c1"]
     ]  # fmt: skip
+
+
+def test_checks_before_the_reads_go_apart_from_the_proofs_and_are_not_asked_again(
+    check: tuple[RecordingBatchCheck, LeaseProofs],
+) -> None:
+    """A silent prefill fails a load's check before its READs after one timeout; the proof
+    after the READs is asked again (a paused prefill may still prove a lease whose bytes
+    landed). So the two kinds travel in separate messages."""
+    recording, proofs = check
+    tickets = {"before": proofs.submit(remote("before"), BEFORE_READS)}
+    tickets["after"] = proofs.submit(remote("after"), AFTER_READS)
+    proofs.dispatch()
+    answers(proofs, tickets)
+    assert sorted(zip(recording.patience, recording.batches, strict=True)) == [
+        (False, ["before"]), (True, ["after"])
+    ]  # fmt: skip
+
+
+SILENT = SideChannelTimeout("side channel 127.0.0.1:7001 did not answer within 2.0 s")
+
+
+@pytest.mark.parametrize(
+    ("patient", "num_asks"),
+    [pytest.param(False, 1, id="before-the-reads-once"), pytest.param(True, 4, id="proof-retried")],
+)
+def test_a_silent_side_channel_is_asked_again_only_for_the_proof(
+    patient: bool, num_asks: int
+) -> None:
+    asks: list[int] = []
+
+    def silent() -> bool:
+        asks.append(1)
+        raise SILENT
+
+    config = ConnectorConfig(handshake_retries=3)
+    silence = SilentSideChannels(window_s=10.0, clock=lambda: 0.0)
+    with pytest.raises(SideChannelTimeout):
+        asked_again(config, silent, remote("r"), silence, patient=patient)
+    assert len(asks) == num_asks
+    with pytest.raises(HandshakeError, match="a lease check less than 10.0 s ago"):
+        asked_again(config, silent, remote("r2"), silence, patient=patient)  # the rest: at once
+    assert len(asks) == num_asks
 
 
 def test_each_load_gets_its_own_leases_answer_from_a_shared_message(

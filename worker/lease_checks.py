@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from connector.config import ConnectorConfig
-from connector.errors import ConnectorError, HandshakeError, PeerRestarted
+from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
 from connector.metadata import RemoteSource
 from connector.protocol import DIGEST_OK, DigestClaim, LeaseRef
 
@@ -29,8 +29,10 @@ _Answer = TypeVar("_Answer")
 # when prefill cannot be asked (PeerRestarted: it is another boot, so the lease is gone).
 LeaseCheck = Callable[[RemoteSource], bool]
 # The same question for many leases of one prefill engine boot (one side channel): one answer
-# per remote, in order, each held or not, or the error that kept it from being asked.
-BatchCheck = Callable[[Sequence[RemoteSource]], list[bool | ConnectorError]]
+# per remote, in order, each held or not, or the error that kept it from being asked. The flag
+# says whether a silent side channel is asked again (after the READs: a paused prefill may
+# still prove the lease) or not (before: the load fails after one timeout).
+BatchCheck = Callable[[Sequence[RemoteSource], bool], list[bool | ConnectorError]]
 # verify_kv: the same question with the reader's digest claims: (held?, DIGEST_OK, DIGEST_PENDING
 # or why the claims do not match).
 DigestCheck = Callable[[RemoteSource, tuple[DigestClaim, ...]], tuple[bool, str]]
@@ -74,13 +76,16 @@ def asked_again(
     ask: Callable[[], _Answer],
     remote: RemoteSource | None = None,
     silence: SilentSideChannels | None = None,
+    *,
+    patient: bool = True,
 ) -> _Answer:
     """``ask()``, asked up to ``handshake_retries`` more times while prefill's side channel
-    does not answer (HandshakeError), as a handshake is: a prefill paused for less than that
-    (SIGSTOP, a long GC, a busy host) still proves its lease. PeerRestarted is final at once:
-    another boot answered, and the lease died with the one that issued it. With ``silence``,
-    a side channel that stayed silent through every retry fails the next checks at once for
-    a while."""
+    does not answer (HandshakeError): a prefill paused for less than that (SIGSTOP, a long GC,
+    a busy host) still proves its lease. PeerRestarted is final at once: another boot
+    answered, and the lease died with the one that issued it. Not ``patient`` (the check
+    before any READ), a side channel silent through one timeout is not asked again: a dead
+    prefill fails the load after one timeout. With ``silence``, a side channel that stayed
+    silent through every retry fails the next checks at once for a while."""
     if silence is not None and remote is not None:
         silence.check(remote)
     for attempt in range(config.handshake_retries + 1):
@@ -89,7 +94,8 @@ def asked_again(
         except PeerRestarted:
             raise
         except HandshakeError as error:
-            if attempt == config.handshake_retries:
+            silent_once = not patient and isinstance(error, SideChannelTimeout)
+            if silent_once or attempt == config.handshake_retries:
                 if silence is not None and remote is not None:
                     silence.silent(remote, error)
                 raise
@@ -147,12 +153,13 @@ def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannel
             max_message_bytes=config.max_message_bytes,
         )
 
-    def check(remotes: Sequence[RemoteSource]) -> list[bool | ConnectorError]:
+    def check(remotes: Sequence[RemoteSource], patient: bool) -> list[bool | ConnectorError]:
         answers: list[bool | ConnectorError] = []
         for start in range(0, len(remotes), MAX_REFS_PER_MESSAGE):
             part = remotes[start : start + MAX_REFS_PER_MESSAGE]
+            asking = functools.partial(ask, part)
             try:
-                answers.extend(asked_again(config, functools.partial(ask, part), part[0], silence))
+                answers.extend(asked_again(config, asking, part[0], silence, patient=patient))
             except ConnectorError as error:
                 answers.extend([error] * len(part))
         return answers
@@ -163,7 +170,7 @@ def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannel
 def one_by_one(check: LeaseCheck) -> BatchCheck:
     """A BatchCheck that asks ``check`` once per remote (an injected single check: tests)."""
 
-    def batch(remotes: Sequence[RemoteSource]) -> list[bool | ConnectorError]:
+    def batch(remotes: Sequence[RemoteSource], patient: bool) -> list[bool | ConnectorError]:
         answers: list[bool | ConnectorError] = []
         for remote in remotes:
             try:

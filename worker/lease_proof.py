@@ -37,8 +37,9 @@ from worker.lease_checks import BatchCheck, DigestCheck
 
 logger = logging.getLogger(__name__)
 
-# One side channel and the boot it is asked about: the checks one LeaseCheck carries.
-Destination = tuple[str, int, str, str]  # (host, port, engine id, boot id)
+# One side channel, the boot it is asked about, and whether the checks come after the READs
+# (asked again while silent) or before (not): the checks one LeaseCheck carries.
+Destination = tuple[str, int, str, str, bool]  # (host, port, engine id, boot id, patient)
 
 DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
 DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without verify_kv)
@@ -134,7 +135,8 @@ class LeaseProofs:
         if claims:
             self._pool.submit(self._run_digests, ticket, remote, when, claims)
             return ticket
-        destination = (remote.host, remote.port, remote.engine_id, remote.boot_id)
+        patient = when != BEFORE_READS
+        destination = (remote.host, remote.port, remote.engine_id, remote.boot_id, patient)
         self._batches.setdefault(destination, []).append((ticket, remote, when))
         return ticket
 
@@ -142,12 +144,12 @@ class LeaseProofs:
         """Send the queued checks, one batch per destination; checks whose load stopped
         waiting (abandoned) are answered at once without asking."""
         batches, self._batches = self._batches, {}
-        for batch in batches.values():
+        for destination, batch in batches.items():
             wanted = [item for item in batch if item[0] not in self._abandoned]
             self._abandoned.difference_update(item[0] for item in batch)
             if wanted:
                 self.num_batches += 1
-                self._pool.submit(self._run_batch, wanted)
+                self._pool.submit(self._run_batch, wanted, destination[-1])
 
     def take(self, ticket: int) -> tuple[bool, str | None]:
         """(answered?, failure reason or None if the lease held) for ``ticket``."""
@@ -177,10 +179,10 @@ class LeaseProofs:
             else:
                 self._arrived[ticket] = reason
 
-    def _run_batch(self, batch: list[tuple[int, RemoteSource, str]]) -> None:
+    def _run_batch(self, batch: list[tuple[int, RemoteSource, str]], patient: bool) -> None:
         answers: list[bool | ConnectorError]
         try:
-            answers = self._check([remote for _, remote, _ in batch])
+            answers = self._check([remote for _, remote, _ in batch], patient)
             if len(answers) != len(batch):
                 raise ConnectorError(f"{len(answers)} answers to {len(batch)} lease checks")
         except ConnectorError as error:
