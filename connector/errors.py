@@ -33,6 +33,10 @@ class PeerRestarted(HandshakeError):
     """The remote side channel is a later boot than the one a message was meant for."""
 
 
+class SideChannelTimeout(HandshakeError):
+    """The remote side channel did not answer within the timeout (down, paused or unreachable)."""
+
+
 class TransferFailed(ConnectorError):
     """A NIXL transfer or notification failed (peer gone, bad descriptor, backend error)."""
 

@@ -6,7 +6,8 @@ sends one request and waits for one reply, then closes the socket. Every request
 names the server's boot id (see connector/protocol.py): ``fetch_boot_id`` asks for it, and a
 call given no boot id asks first (one more round trip). Every failure (timeout, refused
 authentication, error reply, garbage, zmq error) raises HandshakeError with the reason;
-a server that restarted since ``boot_id`` was learned raises its subclass PeerRestarted.
+a server that restarted since ``boot_id`` was learned raises its subclass PeerRestarted, and
+one that did not answer in time its subclass SideChannelTimeout.
 Calls are safe from any thread.
 """
 
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from connector.errors import HandshakeError, PeerRestarted, ProtocolError
+from connector.errors import HandshakeError, PeerRestarted, ProtocolError, SideChannelTimeout
 from connector.protocol import (
     NONCE_BYTES,
     STALE_BOOT,
@@ -85,19 +86,23 @@ def fetch_handshake(
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    boot_id: str = "",
 ) -> WorkerHandshake:
     """The WorkerHandshake of ``tp_rank`` of the engine whose side channel is host:port.
 
-    Two exchanges: Hello for the boot id, then the handshake request naming it.
+    With ``boot_id`` (the boot the request's params name), one exchange: a server that is
+    another boot raises PeerRestarted at once (the KV the params name died with that boot).
+    Without, two: Hello for the boot id, then the handshake request naming it.
     """
-    boot_id = fetch_boot_id(
-        host,
-        port,
-        engine_id=None,
-        secret=secret,
-        timeout_s=timeout_s,
-        max_message_bytes=max_message_bytes,
-    )
+    if not boot_id:
+        boot_id = fetch_boot_id(
+            host,
+            port,
+            engine_id=None,
+            secret=secret,
+            timeout_s=timeout_s,
+            max_message_bytes=max_message_bytes,
+        )
     request = HandshakeRequest(tp_rank)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
     if not isinstance(reply, HandshakeReply):
@@ -273,7 +278,7 @@ def _exchange(
         socket.send(frame)
         return socket.recv()
     except zmq.Again:
-        raise HandshakeError(
+        raise SideChannelTimeout(
             f"side channel {host}:{port} did not answer within {timeout_s} s (is the remote "
             "engine up, is host:port its VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, or was the reply "
             f"larger than max_message_bytes={max_message_bytes}?)"

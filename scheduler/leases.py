@@ -22,6 +22,7 @@ request id never vouches for an earlier one's blocks.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -50,6 +51,10 @@ class LeaseTable:
         # Guards _expiry_s, _released, _ended and stats: every method uses them under it.
         self._lock = threading.Lock()
         self._expiry_s: dict[str, float] = {}  # held leases: request id -> expiry time
+        # (expiry time, request id, lease id), earliest first: ``expired`` looks only at the
+        # leases that are due, not at every held one. An extension pushes a new entry and
+        # leaves the old one, skipped when it comes up (no longer that lease's expiry).
+        self._due: list[tuple[float, str, str]] = []
         self._lease_ids: dict[str, str] = {}  # held leases: request id -> lease id
         # held leases taken for another duration than the table's (decode's multi-turn holds)
         self._own_duration_s: dict[str, float] = {}
@@ -80,7 +85,10 @@ class LeaseTable:
             self._expiry_s[request_id] = now + duration_s
             if duration_s != self._duration_s:
                 self._own_duration_s[request_id] = duration_s
+            else:
+                self._own_duration_s.pop(request_id, None)
             self._lease_ids[request_id] = lease_id
+            heapq.heappush(self._due, (now + duration_s, request_id, lease_id))
             name = lease_key(request_id, lease_id)
             self._by_name[name] = request_id
             self._ended.pop(name, None)
@@ -133,7 +141,10 @@ class LeaseTable:
             held = self._split_stray(names)
             for request_id in held:
                 duration_s = self._own_duration_s.get(request_id, self._duration_s)
-                self._expiry_s[request_id] = max(self._expiry_s[request_id], now + duration_s)
+                expiry_s = now + duration_s
+                if expiry_s > self._expiry_s[request_id]:
+                    self._expiry_s[request_id] = expiry_s
+                    heapq.heappush(self._due, (expiry_s, request_id, self._lease_ids[request_id]))
         return len(held)
 
     def release(self, names: Iterable[str]) -> int:
@@ -157,12 +168,22 @@ class LeaseTable:
             return True
 
     def expired(self, now: float) -> tuple[str, ...]:
-        """Remove and return the leases whose expiry time is at or before ``now``."""
+        """Remove and return the leases whose expiry time is at or before ``now``.
+
+        O(due entries), not O(held leases): the engine thread calls it every step.
+        """
+        ended: list[str] = []
         with self._lock:
-            ended = tuple(rid for rid, expiry_s in self._expiry_s.items() if expiry_s <= now)
-            for request_id in ended:
-                self._end(request_id)
-        return ended
+            due = self._due
+            while due and due[0][0] <= now:
+                expiry_s, request_id, lease_id = heapq.heappop(due)
+                if (
+                    self._expiry_s.get(request_id) == expiry_s
+                    and self._lease_ids[request_id] == lease_id
+                ):  # else extended, ended, or an earlier lease of a repeated id: stale entry
+                    self._end(request_id)
+                    ended.append(request_id)
+        return tuple(ended)
 
     def take_released(self) -> tuple[str, ...]:
         """Ids released over the side channel since the last call."""

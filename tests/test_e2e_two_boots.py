@@ -7,13 +7,15 @@ Boot A leases r0..r3 and returns params; D1 serves a request from A (its handsha
 NIXL agent is cached); A is SIGKILLed; boot B starts with the same engine id and ports and
 leases r0..r3 again, for other prompts; D2 starts after the restart (it never knew A). Both
 decodes replay boot A's params; then D2, once it has read a request from B, replays them again
-(so its free notifications surely reach B). Then:
+(so its free notifications would reach B). Then:
 
-- every replayed load fails with a reason (the lease check names A's boot; B refuses it): no
-  output with tokens, right or wrong, comes back;
+- every replayed load fails with a reason (its lease check or handshake names A's boot; B
+  refuses it): no output with tokens, right or wrong, comes back;
 - boot B's leases are not ended by what those loads notified (`request@lease` of A's leases):
-  B holds exactly the blocks of r0..r3 after the replays, counts none of their notifications,
-  and one lease duration later counts each (lease key, sender) once as stray;
+  B holds exactly the blocks of r0..r3 after the replays and receives none of their
+  notifications: decode's handshake names the boot its params name, and B refuses A's
+  (before issue 21 the handshake learned B's boot, linked the replays to B's agent, and B
+  counted each (lease key, sender) once as stray a lease duration later);
 - loads with boot B's params then succeed on both decodes with a single engine's tokens; D1
   needs no second failure for that: its notification to A's dead agent retired its handshake
   with A (before that fix its first loads of B's params READ from A's dead agent and failed);
@@ -246,11 +248,13 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-STALE_REASON = (  # the lease check names boot A's id; B's side channel says it is another boot
+STALE_REASON = (  # the lease check (D1: A's peer is cached) or the handshake (D2) names boot
+    # A's id; B's side channel says it is another boot
     rf"KV load failed: lease expired: prefill engine '{ENGINE_ID}' request 'r\d' "
-    r"\(lease \S+\): the prefill engine restarted since it leased \(side channel "
-    r"127\.0\.0\.1:\d+ refused the request: LeaseCheck names side-channel boot '\w+' but "
-    rf"engine '{ENGINE_ID}' at this host:port is boot '\w+'"
+    r"\(lease \S+\): the prefill engine restarted since it leased \((rank 0 at \S+ failed "
+    r"after 1 attempt\(s\): )?side channel 127\.0\.0\.1:\d+ refused the request: "
+    rf"(LeaseCheck|HandshakeRequest) names side-channel boot '\w+' but engine '{ENGINE_ID}' "
+    r"at this host:port is boot '\w+'"
 )
 
 DEAD_AGENT = (
@@ -317,8 +321,8 @@ def test_a_prefill_restarted_under_its_engine_id_and_ports_serves_no_stale_kv(
     out = load(d2, {"warm-b-d2": (WARM["warm-b"], warm_b)})["warm-b-d2"]
     assert out.error is None and tokens(warm_b, out) == expected["warm-b"], out
     warm_b_freed = wait_for(lambda: boot_b.held_blocks() <= leased, timeout_s=5.0)
-    # Round 2: D2, now linked to B's agent, replays boot A's params again: whatever its loads
-    # notify surely reaches B, naming r0..r3 (with boot A's lease ids).
+    # Round 2: D2, now linked to B's agent for B's params, replays boot A's params again:
+    # whatever its loads notified would reach B, naming r0..r3 (with boot A's lease ids).
     round_2 = replay(d2, "stale2-d2", params_a)
     replays_ended_s = time.monotonic()
     held_seen = held_during(boot_b, QUIET_S)
@@ -355,17 +359,18 @@ def test_a_prefill_restarted_under_its_engine_id_and_ports_serves_no_stale_kv(
              for name, server in (("B", boot_b), ("D1", d1), ("D2", d2))}  # fmt: skip
     assert leaks == {"B": 0, "D1": 0, "D2": 0}, leaks
     phases.done("drained")
-    # Round 2's notifications (and round 1's from D2, if its handshake with B beat its lease
-    # checks) wait one lease duration at B for a lease of their key, then count as stray.
-    is_stray = wait_for(
-        lambda: boot_b.notifications().get("stray", 0) >= NUM_REQUESTS,
+    # The replays notified B of nothing: a decode handshakes with the boot its params name,
+    # and B refused the handshakes naming A's boot, so no replay ever had B's agent to notify.
+    # A notification that did reach B would wait one lease duration for a lease of its key,
+    # then count as stray: none does in that time.
+    any_stray = wait_for(
+        lambda: boot_b.notifications().get("stray", 0) > 0,
         timeout_s=max(0.0, replays_ended_s + LEASE_S + 5.0 - time.monotonic()),
     )
     notifications = boot_b.notifications()
-    phases.done("replays' notifications stray at B")
-    # One stray per (lease key, sender); round 1's, if any reached B, make round 2's duplicates.
-    assert is_stray and notifications["stray"] == NUM_REQUESTS, notifications
-    assert notifications["duplicate"] <= NUM_REQUESTS, notifications
+    phases.done("no replay's notification reached B")
+    assert not any_stray and notifications["stray"] == 0, notifications
+    assert notifications["duplicate"] == 0, notifications
     assert notifications["counted"] == 1 + NUM_REQUESTS, notifications
     assert all(server.process.poll() is None for server in (boot_b, d1, d2)), "a server died"
     print(f"\ntwo boots: {phases.elapsed_s:.1f} s {phases.times}; B's notifications "

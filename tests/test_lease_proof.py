@@ -44,13 +44,9 @@ from tests.test_lifecycle import (
     run_until,
 )
 from tests.test_worker_connector import Rig
-from worker.connector import (
-    SilentSideChannels,
-    WorkerConnector,
-    asked_again,
-    side_channel_checks,
-)
+from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
+from worker.lease_checks import SilentSideChannels, asked_again, side_channel_checks
 from worker.nixl_api import TransferState
 
 DURATION_S = 30.0

@@ -358,7 +358,7 @@ def test_abort_during_load_waits_for_the_load(
 
     def gated_fetch(host: str, port: int, tp_rank: int) -> WorkerHandshake:
         gate.wait(5.0)
-        return fetch_over_zmq(host, port, tp_rank)
+        return fetch_over_zmq(host, port, tp_rank, "")
 
     if stall_polls:
         gate.set()

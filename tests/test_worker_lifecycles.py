@@ -69,6 +69,9 @@ class ScriptedProofs:
         self.pending.pop(ticket, None)
         self.answers.pop(ticket, None)
 
+    def dispatch(self) -> None:
+        pass  # the test answers what is pending when it chooses (answer_all)
+
     def close(self) -> None:
         pass
 

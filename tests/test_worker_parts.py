@@ -13,7 +13,7 @@ from connector.errors import HandshakeError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from worker.compat import Fingerprint, check_compatible, digest_of, fingerprint
-from worker.handshake import HandshakeClient, HandshakeJob
+from worker.handshake import HandshakeClient, HandshakeJob, any_boot
 from worker.notifications import NotificationCounter
 from worker.planner import TransferPlanner
 from worker.topology import expected_notifications, head_shapes, notification_duty
@@ -238,7 +238,7 @@ def test_handshake_client_retries_with_exponential_backoff() -> None:
             raise HandshakeError("timeout")
         return f"handshake-{tp_rank}"
 
-    client = HandshakeClient(flaky, retries=3, backoff_s=0.5, wait=waits.append)
+    client = HandshakeClient(any_boot(flaky), retries=3, backoff_s=0.5, wait=waits.append)
     try:
         client.submit(HandshakeJob("e", "127.0.0.1", 1, (0,)))
         (result,) = client.poll(wait_s=5.0)
@@ -255,7 +255,7 @@ def test_a_probe_job_makes_one_attempt_whatever_the_client_retries() -> None:
         attempts.append(port)
         raise HandshakeError("did not answer")
 
-    client = HandshakeClient(down, retries=3, wait=lambda s: None)
+    client = HandshakeClient(any_boot(down), retries=3, wait=lambda s: None)
     try:
         client.submit(HandshakeJob("e", "127.0.0.1", 5, (0,), job_id=1, retries=0))
         client.submit(HandshakeJob("e", "127.0.0.1", 5, (0,), job_id=2))
@@ -286,7 +286,7 @@ def test_handshake_client_reports_failures(fetch_error: Exception, match: str) -
     def failing(host: str, port: int, tp_rank: int) -> Any:
         raise fetch_error
 
-    client = HandshakeClient(failing, retries=2, wait=lambda s: None)
+    client = HandshakeClient(any_boot(failing), retries=2, wait=lambda s: None)
     try:
         client.submit(HandshakeJob("e", "127.0.0.1", 9, (1,)))
         (result,) = client.poll(wait_s=5.0)

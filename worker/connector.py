@@ -23,13 +23,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.errors import (
     ConnectorError,
-    HandshakeError,
-    PeerRestarted,
     UnsupportedConfiguration,
 )
 from connector.geometry import build_rank_layout
@@ -40,20 +38,24 @@ from connector.metadata import (
     DigestSpec,
     GroupDigests,
     LoadSpec,
-    RemoteSource,
     WorkerReport,
 )
 from connector.protocol import (
-    DIGEST_OK,
     PROTOCOL_VERSION,
     DigestClaim,
-    LeaseRef,
     WorkerHandshake,
 )
 from worker.compat import fingerprint
-from worker.handshake import Fetcher, HandshakeClient
+from worker.handshake import BootFetcher, Fetcher, HandshakeClient, any_boot
 from worker.kv_digest import check_digestible, host_regions, lease_digests, read_claims
-from worker.lease_proof import DigestCheck, LeaseCheck, LeaseProofs
+from worker.lease_checks import (
+    LeaseCheck,
+    SilentSideChannels,
+    one_by_one,
+    side_channel_batch_check,
+    side_channel_checks,
+)
+from worker.lease_proof import LeaseProofs
 from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
@@ -62,14 +64,14 @@ from worker.prepped import PreparedLists
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
 logger = logging.getLogger(__name__)
-_Answer = TypeVar("_Answer")
 
 
-def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
-    """Fetch handshakes over ZMQ with the configured secret, timeout and size bound."""
+def side_channel_fetcher(config: ConnectorConfig) -> BootFetcher:
+    """Fetch handshakes over ZMQ with the configured secret, timeout and size bound, naming
+    the boot the params name (one exchange per rank; a restarted prefill refuses it)."""
     from connector.side_channel_client import fetch_handshake
 
-    def fetch(host: str, port: int, tp_rank: int) -> WorkerHandshake:
+    def fetch(host: str, port: int, tp_rank: int, boot_id: str) -> WorkerHandshake:
         return fetch_handshake(
             host,
             port,
@@ -77,98 +79,10 @@ def side_channel_fetcher(config: ConnectorConfig) -> Fetcher:
             secret=config.side_channel_secret,
             timeout_s=config.handshake_timeout_s,
             max_message_bytes=config.max_message_bytes,
+            boot_id=boot_id,
         )
 
     return fetch
-
-
-class SilentSideChannels:
-    """Side channels whose lease checks went unanswered through every retry, for a while.
-
-    Without it, every load to a dead prefill would wait out all its retries, each holding one
-    of the few check threads that loads to healthy prefills share. Thread-safe (check threads).
-    """
-
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._window_s = window_s
-        self._clock = clock
-        self._lock = threading.Lock()  # guards _until
-        self._until: dict[tuple[str, int, str], tuple[float, str]] = {}  # -> (until, why)
-
-    def check(self, remote: RemoteSource) -> None:
-        """Raise HandshakeError at once for a side channel that was just found silent."""
-        key = (remote.host, remote.port, remote.boot_id)
-        with self._lock:
-            until_s, why = self._until.get(key, (0.0, ""))
-            if self._clock() >= until_s:
-                self._until.pop(key, None)
-                return
-        raise HandshakeError(f"{why} (a lease check less than {self._window_s} s ago)")
-
-    def silent(self, remote: RemoteSource, error: HandshakeError) -> None:
-        with self._lock:
-            self._until[(remote.host, remote.port, remote.boot_id)] = (
-                self._clock() + self._window_s,
-                str(error),
-            )
-
-
-def asked_again(
-    config: ConnectorConfig,
-    ask: Callable[[], _Answer],
-    remote: RemoteSource | None = None,
-    silence: SilentSideChannels | None = None,
-) -> _Answer:
-    """``ask()``, asked up to ``handshake_retries`` more times while prefill's side channel
-    does not answer (HandshakeError), as a handshake is: a prefill paused for less than that
-    (SIGSTOP, a long GC, a busy host) still proves its lease. PeerRestarted is final at once:
-    another boot answered, and the lease died with the one that issued it. With ``silence``,
-    a side channel that stayed silent through every retry fails the next checks at once for
-    a while."""
-    if silence is not None and remote is not None:
-        silence.check(remote)
-    for attempt in range(config.handshake_retries + 1):
-        try:
-            return ask()
-        except PeerRestarted:
-            raise
-        except HandshakeError as error:
-            if attempt == config.handshake_retries:
-                if silence is not None and remote is not None:
-                    silence.silent(remote, error)
-                raise
-            logger.info("lease check failed (attempt %d), asking again: %s", attempt + 1, error)
-    raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-def side_channel_checks(config: ConnectorConfig) -> tuple[LeaseCheck, DigestCheck]:
-    """The lease check and verify_kv's digest check over the side channel the params name
-    (naming their boot: no Hello), retried while unanswered (``asked_again``), sharing what
-    they learn of silent side channels."""
-    from connector.side_channel_client import check_leases_status
-
-    silence = SilentSideChannels(config.handshake_timeout_s)
-
-    def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
-        status = check_leases_status(
-            remote.host,
-            remote.port,
-            [LeaseRef(remote.remote_request_id, remote.lease_id, claims)],
-            engine_id=remote.engine_id,
-            boot_id=remote.boot_id,
-            secret=config.side_channel_secret,
-            timeout_s=config.handshake_timeout_s,
-            max_message_bytes=config.max_message_bytes,
-        )
-        return status.held[0], status.digests[0] if claims else DIGEST_OK
-
-    def check_digests(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
-        return asked_again(config, lambda: ask(remote, claims), remote, silence)
-
-    def check(remote: RemoteSource) -> bool:
-        return check_digests(remote, ())[0]
-
-    return check, check_digests
 
 
 def handshake_wait_s(config: ConnectorConfig) -> float:
@@ -200,7 +114,8 @@ class WorkerConnector:
         self._layout = build_rank_layout(spec, tp_rank, tp_size)
         self._fingerprint = fingerprint(spec)
         self._client = HandshakeClient(
-            fetch or side_channel_fetcher(config), retries=config.handshake_retries
+            any_boot(fetch) if fetch else side_channel_fetcher(config),
+            retries=config.handshake_retries,
         )
         self._peers = PeerTable(
             agent,
@@ -215,9 +130,11 @@ class WorkerConnector:
         )
         if config.verify_kv:
             check_digestible(self._layout)
-        check, check_digests = side_channel_checks(config)
+        silence = SilentSideChannels(config.handshake_timeout_s)
+        _, check_digests = side_channel_checks(config, silence)
         self._proofs = LeaseProofs(
-            lease_check or check, check_digests=check_digests if config.verify_kv else None
+            one_by_one(lease_check) if lease_check else side_channel_batch_check(config, silence),
+            check_digests=check_digests if config.verify_kv else None,
         )
         self._digest_views: list[Any] = []  # verify_kv: byte views of this rank's regions
         self._digests: dict[str, tuple[GroupDigests, ...]] = {}  # computed, not yet reported

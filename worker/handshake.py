@@ -5,10 +5,14 @@ Threading contract: handshake threads only talk ZMQ (through the injected ``fetc
 state. The engine thread submits jobs and drains results with ``poll()``; everything done with
 a result (validation, add_remote_agent, planning) happens there.
 
-Each job fetches the handshake of every remote rank this rank needs. A failed fetch is retried
-``retries`` times with exponential backoff (``backoff_s``, doubled per attempt); the per-attempt
-timeout belongs to ``fetch``. A job always ends in exactly one result, success or error: an
-unexpected exception in a thread is logged and reported, never lost.
+Each job fetches the handshake of every remote rank this rank needs, naming the boot the
+requests' params name: a prefill restarted since is refused by its first answer (PeerRestarted,
+never retried). A failed fetch is retried ``retries`` times with exponential backoff
+(``backoff_s``, doubled per attempt), except a side channel that did not answer within the
+per-attempt timeout (``fetch``'s): that fails the job at once, so the loads waiting on a dead
+prefill fail after one timeout instead of every retry's, and the peer table's background
+probes (worker/peers.py) find it again when it is back. A job always ends in exactly one
+result, success or error: an unexpected exception in a thread is logged and reported, never lost.
 """
 
 from __future__ import annotations
@@ -20,13 +24,25 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from connector.errors import ConnectorError, HandshakeError
+from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
 from connector.protocol import WorkerHandshake
 
 logger = logging.getLogger(__name__)
 
+_NOT_RETRIED = (
+    " (a silent side channel is not asked again while requests wait: they fail now, and a "
+    "background probe finds the engine when it answers again)"
+)
+
 # (host, port, remote tp_rank) -> that rank's handshake; raises HandshakeError.
 Fetcher = Callable[[str, int, int], WorkerHandshake]
+# The same, for the side channel's boot ``boot_id`` ("": any boot); PeerRestarted if another.
+BootFetcher = Callable[[str, int, int, str], WorkerHandshake]
+
+
+def any_boot(fetch: Fetcher) -> BootFetcher:
+    """A BootFetcher that does not check the boot (injected fetchers: tests)."""
+    return lambda host, port, tp_rank, boot_id: fetch(host, port, tp_rank)
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,7 @@ class HandshakeJob:
     remote_ranks: tuple[int, ...]
     job_id: int = 0  # unique per submitted job: two jobs to one address never collide
     retries: int | None = None  # None: the client's setting; probes of a dead peer use 0
+    boot_id: str = ""  # the boot the requests' params name ("": any)
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,7 @@ class HandshakeResult:
     job: HandshakeJob
     handshakes: dict[int, WorkerHandshake] = field(default_factory=dict)
     error: str | None = None
+    restarted: bool = False  # the side channel is another boot than the params name
 
 
 class HandshakeClient:
@@ -55,7 +73,7 @@ class HandshakeClient:
 
     def __init__(
         self,
-        fetch: Fetcher,
+        fetch: BootFetcher,
         *,
         retries: int,
         backoff_s: float = 0.05,
@@ -106,7 +124,8 @@ class HandshakeClient:
             handshakes = {rank: self._fetch_with_retries(job, rank) for rank in job.remote_ranks}
             result = HandshakeResult(job, handshakes)
         except ConnectorError as error:
-            result = HandshakeResult(job, error=str(error))
+            restarted = isinstance(error.__cause__, PeerRestarted)
+            result = HandshakeResult(job, error=str(error), restarted=restarted)
         except Exception as error:  # a bug in a fetcher must not vanish with its thread
             logger.exception("handshake with %s:%d crashed", job.host, job.port)
             result = HandshakeResult(job, error=f"handshake crashed: {error!r}")
@@ -117,12 +136,14 @@ class HandshakeClient:
         retries = self._retries if job.retries is None else job.retries
         while True:
             try:
-                return self._fetch(job.host, job.port, remote_rank)
+                return self._fetch(job.host, job.port, remote_rank, job.boot_id)
             except ConnectorError as error:
-                if attempt >= retries or self._stop.is_set():
+                final = isinstance(error, (PeerRestarted, SideChannelTimeout))
+                if final or attempt >= retries or self._stop.is_set():
+                    note = _NOT_RETRIED if isinstance(error, SideChannelTimeout) else ""
                     raise HandshakeError(
                         f"rank {remote_rank} at {job.host}:{job.port} failed after "
-                        f"{attempt + 1} attempt(s): {error}"
+                        f"{attempt + 1} attempt(s): {error}{note}"
                     ) from error
                 delay_s = self._backoff_s * 2**attempt
                 logger.info(

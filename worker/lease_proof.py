@@ -12,9 +12,14 @@ so a later lease of a repeated request id cannot answer for an earlier one. The 
 notifications go out only after the answer, so this rank's own notification cannot end the
 lease before it is checked.
 
-Threading contract: check threads only talk to side channels (through the injected ``check``)
-and put answers on a queue; the transfer thread submits and collects. Each check is bounded
-by its own timeout, and every submitted check ends in exactly one answer.
+Checks are batched: the transfer thread collects the checks one pass submits and
+``dispatch`` sends them as one LeaseCheck per prefill engine boot (worker/lease_checks.py), so
+a burst of loads from one prefill costs it one message per pass, not one per load. Each load
+still gets prefill's answer for its own lease, asked after its own READs landed.
+
+Threading contract: check threads only talk to side channels (through the injected checks)
+and put answers on a queue; the transfer thread submits, dispatches and collects. Each check
+is bounded by its own timeout, and every submitted check ends in exactly one answer.
 """
 
 from __future__ import annotations
@@ -23,21 +28,18 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from connector.errors import ConnectorError, PeerRestarted
 from connector.metadata import RemoteSource
 from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
+from worker.lease_checks import BatchCheck, DigestCheck
 
 logger = logging.getLogger(__name__)
 
-# Is the lease ``remote`` names held by its prefill engine right now? Raises ConnectorError
-# when prefill cannot be asked (PeerRestarted: it is another boot, so the lease is gone).
-LeaseCheck = Callable[[RemoteSource], bool]
-# verify_kv: the same question with the reader's digest claims: (held?, DIGEST_OK, DIGEST_PENDING
-# or why the claims do not match).
-DigestCheck = Callable[[RemoteSource, tuple[DigestClaim, ...]], tuple[bool, str]]
+# One side channel, the boot it is asked about, and whether the checks come after the READs
+# (asked again while silent) or before (not): the checks one LeaseCheck carries.
+Destination = tuple[str, int, str, str, bool]  # (host, port, engine id, boot id, patient)
 
 DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
 DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without verify_kv)
@@ -103,7 +105,7 @@ class LeaseProofs:
 
     def __init__(
         self,
-        check: LeaseCheck,
+        check: BatchCheck,
         *,
         check_digests: DigestCheck | None = None,
         max_threads: int = 4,
@@ -116,18 +118,38 @@ class LeaseProofs:
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
         self._answers: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()
-        # The transfer thread only: answers arrived, and tickets whose load no longer waits.
+        # The transfer thread only: checks not yet dispatched, answers arrived, and tickets
+        # whose load no longer waits.
+        self._batches: dict[Destination, list[tuple[int, RemoteSource, str]]] = {}
         self._arrived: dict[int, str | None] = {}
         self._abandoned: set[int] = set()
+        self.num_batches = 0  # LeaseCheck batches dispatched (tests, benchmarks)
 
     def submit(
         self, remote: RemoteSource, when: str = AFTER_READS, claims: tuple[DigestClaim, ...] = ()
     ) -> int:
-        """Start checking ``remote``'s lease (and, with ``claims``, the digests of what was
-        read); the answer comes back from ``take(ticket)``."""
+        """Queue a check of ``remote``'s lease (and, with ``claims``, of the digests of what
+        was read: asked alone, at once); ``dispatch`` sends the queued ones, and the answer
+        comes back from ``take(ticket)``."""
         ticket = next(self._tickets)
-        self._pool.submit(self._run, ticket, remote, when, claims)
+        if claims:
+            self._pool.submit(self._run_digests, ticket, remote, when, claims)
+            return ticket
+        patient = when != BEFORE_READS
+        destination = (remote.host, remote.port, remote.engine_id, remote.boot_id, patient)
+        self._batches.setdefault(destination, []).append((ticket, remote, when))
         return ticket
+
+    def dispatch(self) -> None:
+        """Send the queued checks, one batch per destination; checks whose load stopped
+        waiting (abandoned) are answered at once without asking."""
+        batches, self._batches = self._batches, {}
+        for destination, batch in batches.items():
+            wanted = [item for item in batch if item[0] not in self._abandoned]
+            self._abandoned.difference_update(item[0] for item in batch)
+            if wanted:
+                self.num_batches += 1
+                self._pool.submit(self._run_batch, wanted, destination[-1])
 
     def take(self, ticket: int) -> tuple[bool, str | None]:
         """(answered?, failure reason or None if the lease held) for ``ticket``."""
@@ -157,16 +179,27 @@ class LeaseProofs:
             else:
                 self._arrived[ticket] = reason
 
-    def _run(
+    def _run_batch(self, batch: list[tuple[int, RemoteSource, str]], patient: bool) -> None:
+        answers: list[bool | ConnectorError]
+        try:
+            answers = self._check([remote for _, remote, _ in batch], patient)
+            if len(answers) != len(batch):
+                raise ConnectorError(f"{len(answers)} answers to {len(batch)} lease checks")
+        except ConnectorError as error:
+            answers = [error] * len(batch)
+        except Exception as error:  # a bug must still answer, never leave a load waiting
+            logger.exception("a lease check of %d lease(s) crashed", len(batch))
+            answers = [ConnectorError(f"lease check crashed: {error!r}")] * len(batch)
+        for (ticket, remote, when), held in zip(batch, answers, strict=True):
+            self._answers.put((ticket, lease_failure(remote, held, when)))
+
+    def _run_digests(
         self, ticket: int, remote: RemoteSource, when: str, claims: tuple[DigestClaim, ...]
     ) -> None:
         held: bool | ConnectorError
         verdict = DIGEST_OK
         try:
-            if claims:
-                held, verdict = self._held_and_digests(remote, claims)
-            else:
-                held = self._check(remote)
+            held, verdict = self._held_and_digests(remote, claims)
         except ConnectorError as error:
             held = error
         except Exception as error:  # a bug must still answer, never leave a load waiting

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from connector.errors import ConnectorError
+from connector.errors import ConnectorError, PeerRestarted
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
 from connector.protocol import DigestClaim, encode_free_notif, lease_key
 from connector.trace import load_ended
-from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
+from worker.lease_proof import BEFORE_READS, LeaseProofs, lease_failure, unprovable_reason
 from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
@@ -157,6 +157,14 @@ def notify_rest(agent: NixlAgent, load: Load) -> bool:
     return all(sent)
 
 
+def handshake_failure(remote: RemoteSource, peer: Peer) -> str:
+    """Why a load whose peer's handshake failed fails: a side channel that answered as a later
+    boot than the params name says the lease died with the boot that issued it."""
+    if peer.restarted:
+        return lease_failure(remote, PeerRestarted(peer.failure or ""), BEFORE_READS) or ""
+    return f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}"
+
+
 def _rows(link: PeerLink, remote_rank: int) -> PreparedRows | None:
     prepared = link.prepared.get(remote_rank)
     return None if prepared is None else prepared.rows
@@ -246,6 +254,7 @@ class LoadTable:
                     load.end()
             if load.ended:
                 outcomes.append(self._finish(load))
+        self._proofs.dispatch()  # this pass's lease checks: one message per prefill boot
         return outcomes
 
     def abandon_all(self) -> None:
@@ -285,6 +294,7 @@ class LoadTable:
             if self._claims is not None and load.spec is not None:
                 claims = self._claims(load.spec)
             load.proof_ticket = self._proofs.submit(load.remote, claims=claims)
+            return  # asked at the end of this pass, with the other checks for that prefill
         answered, reason = self._proofs.take(load.proof_ticket)
         if not answered:
             return
@@ -309,7 +319,7 @@ class LoadTable:
         if link is not None and load.timeline.handshake_ready_s is None:
             load.timeline.handshake_ready_s = self._clock()
         if link is None:
-            load.fail(f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}")
+            load.fail(handshake_failure(load.remote, peer))
             load.end()
         elif load.aborting or load.spec is None:
             load.end()

@@ -77,6 +77,7 @@ class Peer:
     duty: dict[int, int]
     state: PeerState = PeerState.HANDSHAKING
     failure: str | None = None  # why the handshake failed (FAILED only)
+    restarted: bool = False  # FAILED because the side channel is a later boot than the params'
     link: PeerLink | None = None  # set with READY, kept while RETIRED
     stale_reason: str = "a newer handshake superseded it"  # why it retired, for waiting loads
     num_live_transfers: int = 0  # posted READs not yet released (transfer_started/ended)
@@ -124,9 +125,10 @@ class Peer:
         self.state = PEER_LIFECYCLE.move(self._subject, self.state, _S.READY)
         self.link = link
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, *, restarted: bool = False) -> None:
         self.state = PEER_LIFECYCLE.move(self._subject, self.state, _S.FAILED)
         self.failure = reason
+        self.restarted = restarted
 
     def retire(self, reason: str | None) -> None:
         target = _S.RETIRED if self.state is _S.READY else _S.RETIRED_HANDSHAKING

@@ -69,6 +69,7 @@ class _Failure:
     failed_s: float
     probe_after_s: float
     probing: bool = False
+    restarted: bool = False  # the side channel answered as a later boot than the params name
 
 
 def validate_handshakes(
@@ -209,8 +210,9 @@ class PeerTable:
         self._pending[job_id] = peer
         peer.submitted_s = self._clock()
         job = HandshakeJob(
-            peer.engine_id, peer.host, peer.port, tuple(peer.duty), job_id=job_id, retries=retries
-        )
+            peer.engine_id, peer.host, peer.port, tuple(peer.duty), job_id=job_id,
+            retries=retries, boot_id=peer.boot_id,
+        )  # fmt: skip
         self._client.submit(job)
 
     def _take_results(self) -> None:
@@ -242,11 +244,12 @@ class PeerTable:
             f"{failure.reason} (that was {now_s - failure.failed_s:.1f} s ago; until a "
             f"background probe, at most one per {self._probe_interval_s} s, reaches it, "
             "requests for it fail at once)",
+            restarted=failure.restarted,
         )
 
     def _complete(self, peer: Peer, result: HandshakeResult) -> None:
         if result.error is not None:
-            self._fail(peer, result.error)
+            self._fail(peer, result.error, restarted=result.restarted)
             return
         if peer.state is PeerState.RETIRED_HANDSHAKING:
             self._fail(peer, f"engine {peer.engine_id} at {peer.address}: {peer.stale_reason}")
@@ -330,24 +333,25 @@ class PeerTable:
         self._agent_refs[name] = 1
         return name
 
-    def _fail(self, peer: Peer, reason: str) -> None:
+    def _fail(self, peer: Peer, reason: str, *, restarted: bool = False) -> None:
         logger.warning(
             "handshake with engine %s at %s failed: %s", peer.engine_id, peer.address, reason
         )
         retired = peer.retired
-        peer.fail(reason)
+        peer.fail(reason, restarted=restarted)
         self._metrics.inc(HANDSHAKE_FAILURES, handshake_failure_kind(reason))
         if self._current.get(peer.key) is peer:
             del self._current[peer.key]
         if not retired:
-            self._remember_failure(peer.key, reason)
+            self._remember_failure(peer.key, reason, restarted)
 
-    def _remember_failure(self, key: PeerKey, reason: str) -> None:
+    def _remember_failure(self, key: PeerKey, reason: str, restarted: bool) -> None:
         now_s = self._clock()
         self._failures.pop(key, None)  # re-insert: the dict stays ordered oldest first
         while len(self._failures) >= MAX_FAILED_KEYS:
             del self._failures[next(iter(self._failures))]
-        self._failures[key] = _Failure(reason, now_s, now_s + self._probe_interval_s)
+        failure = _Failure(reason, now_s, now_s + self._probe_interval_s, restarted=restarted)
+        self._failures[key] = failure
 
     def _retire_replaced(self, ready: Peer) -> None:
         """Another engine id, or another boot of the same one, at the same address is gone:
@@ -400,10 +404,11 @@ class PeerTable:
             logger.warning("removing remote agent %s failed: %s", name, error)
 
 
-def _failed_peer(source: RemoteSource, reason: str) -> Peer:
+def _failed_peer(source: RemoteSource, reason: str, *, restarted: bool = False) -> Peer:
     """A FAILED record no table keeps: its loads end at once with ``reason``."""
     peer = Peer(
         source.engine_id, source.host, source.port, source.tp_size, {}, PeerState.FAILED, reason
     )
     peer.boot_id = source.boot_id
+    peer.restarted = restarted
     return peer

@@ -1,0 +1,182 @@
+"""Lease checks over prefill's side channel: one LeaseCheck per prefill engine boot per batch,
+asked again while unanswered, and silent side channels remembered for a while.
+
+The transfer thread batches the checks of one pass by the side channel and boot they go to
+(worker/lease_proof.py); this module turns a batch into one message (split past
+MAX_REFS_PER_MESSAGE) and its answer into one result per load. Whether a ref is held is
+prefill's answer for that very ref: batching never lends one lease's answer to another.
+Runs on the check threads; ``SilentSideChannels`` is thread-safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from connector.config import ConnectorConfig
+from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
+from connector.metadata import RemoteSource
+from connector.protocol import DIGEST_OK, DigestClaim, LeaseRef
+
+logger = logging.getLogger(__name__)
+_Answer = TypeVar("_Answer")
+
+# Is the lease ``remote`` names held by its prefill engine right now? Raises ConnectorError
+# when prefill cannot be asked (PeerRestarted: it is another boot, so the lease is gone).
+LeaseCheck = Callable[[RemoteSource], bool]
+# The same question for many leases of one prefill engine boot (one side channel): one answer
+# per remote, in order, each held or not, or the error that kept it from being asked. The flag
+# says whether a silent side channel is asked again (after the READs: a paused prefill may
+# still prove the lease) or not (before: the load fails after one timeout).
+BatchCheck = Callable[[Sequence[RemoteSource], bool], list[bool | ConnectorError]]
+# verify_kv: the same question with the reader's digest claims: (held?, DIGEST_OK, DIGEST_PENDING
+# or why the claims do not match).
+DigestCheck = Callable[[RemoteSource, tuple[DigestClaim, ...]], tuple[bool, str]]
+
+MAX_REFS_PER_MESSAGE = 4096  # ~100 bytes per ref: well under max_message_bytes' 64 KiB floor x 8
+
+
+class SilentSideChannels:
+    """Side channels whose lease checks went unanswered through every retry, for a while.
+
+    Without it, every load to a dead prefill would wait out all its retries, each holding one
+    of the few check threads that loads to healthy prefills share. Thread-safe (check threads).
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _until
+        self._until: dict[tuple[str, int, str], tuple[float, str]] = {}  # -> (until, why)
+
+    def check(self, remote: RemoteSource) -> None:
+        """Raise HandshakeError at once for a side channel that was just found silent."""
+        key = (remote.host, remote.port, remote.boot_id)
+        with self._lock:
+            until_s, why = self._until.get(key, (0.0, ""))
+            if self._clock() >= until_s:
+                self._until.pop(key, None)
+                return
+        raise HandshakeError(f"{why} (a lease check less than {self._window_s} s ago)")
+
+    def silent(self, remote: RemoteSource, error: HandshakeError) -> None:
+        with self._lock:
+            self._until[(remote.host, remote.port, remote.boot_id)] = (
+                self._clock() + self._window_s,
+                str(error),
+            )
+
+
+def asked_again(
+    config: ConnectorConfig,
+    ask: Callable[[], _Answer],
+    remote: RemoteSource | None = None,
+    silence: SilentSideChannels | None = None,
+    *,
+    patient: bool = True,
+) -> _Answer:
+    """``ask()``, asked up to ``handshake_retries`` more times while prefill's side channel
+    does not answer (HandshakeError): a prefill paused for less than that (SIGSTOP, a long GC,
+    a busy host) still proves its lease. PeerRestarted is final at once: another boot
+    answered, and the lease died with the one that issued it. Not ``patient`` (the check
+    before any READ), a side channel silent through one timeout is not asked again: a dead
+    prefill fails the load after one timeout. With ``silence``, a side channel that stayed
+    silent through every retry fails the next checks at once for a while."""
+    if silence is not None and remote is not None:
+        silence.check(remote)
+    for attempt in range(config.handshake_retries + 1):
+        try:
+            return ask()
+        except PeerRestarted:
+            raise
+        except HandshakeError as error:
+            silent_once = not patient and isinstance(error, SideChannelTimeout)
+            if silent_once or attempt == config.handshake_retries:
+                if silence is not None and remote is not None:
+                    silence.silent(remote, error)
+                raise
+            logger.info("lease check failed (attempt %d), asking again: %s", attempt + 1, error)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def side_channel_checks(
+    config: ConnectorConfig, silence: SilentSideChannels | None = None
+) -> tuple[LeaseCheck, DigestCheck]:
+    """The lease check and verify_kv's digest check over the side channel the params name
+    (naming their boot: no Hello), retried while unanswered (``asked_again``), sharing what
+    they learn of silent side channels."""
+    from connector.side_channel_client import check_leases_status
+
+    silence = silence or SilentSideChannels(config.handshake_timeout_s)
+
+    def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
+        status = check_leases_status(
+            remote.host,
+            remote.port,
+            [LeaseRef(remote.remote_request_id, remote.lease_id, claims)],
+            engine_id=remote.engine_id,
+            boot_id=remote.boot_id,
+            secret=config.side_channel_secret,
+            timeout_s=config.handshake_timeout_s,
+            max_message_bytes=config.max_message_bytes,
+        )
+        return status.held[0], status.digests[0] if claims else DIGEST_OK
+
+    def check_digests(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
+        return asked_again(config, lambda: ask(remote, claims), remote, silence)
+
+    def check(remote: RemoteSource) -> bool:
+        return check_digests(remote, ())[0]
+
+    return check, check_digests
+
+
+def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannels) -> BatchCheck:
+    """Check many leases of one prefill engine boot in one LeaseCheck (per
+    MAX_REFS_PER_MESSAGE), asked again while unanswered, as ``side_channel_checks`` does."""
+    from connector.side_channel_client import check_leases
+
+    def ask(remotes: Sequence[RemoteSource]) -> tuple[bool, ...]:
+        first = remotes[0]
+        return check_leases(
+            first.host,
+            first.port,
+            [LeaseRef(remote.remote_request_id, remote.lease_id) for remote in remotes],
+            engine_id=first.engine_id,
+            boot_id=first.boot_id,
+            secret=config.side_channel_secret,
+            timeout_s=config.handshake_timeout_s,
+            max_message_bytes=config.max_message_bytes,
+        )
+
+    def check(remotes: Sequence[RemoteSource], patient: bool) -> list[bool | ConnectorError]:
+        answers: list[bool | ConnectorError] = []
+        for start in range(0, len(remotes), MAX_REFS_PER_MESSAGE):
+            part = remotes[start : start + MAX_REFS_PER_MESSAGE]
+            asking = functools.partial(ask, part)
+            try:
+                answers.extend(asked_again(config, asking, part[0], silence, patient=patient))
+            except ConnectorError as error:
+                answers.extend([error] * len(part))
+        return answers
+
+    return check
+
+
+def one_by_one(check: LeaseCheck) -> BatchCheck:
+    """A BatchCheck that asks ``check`` once per remote (an injected single check: tests)."""
+
+    def batch(remotes: Sequence[RemoteSource], patient: bool) -> list[bool | ConnectorError]:
+        answers: list[bool | ConnectorError] = []
+        for remote in remotes:
+            try:
+                answers.append(check(remote))
+            except ConnectorError as error:
+                answers.append(error)
+        return answers
+
+    return batch
