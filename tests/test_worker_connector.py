@@ -449,11 +449,14 @@ def test_agent_bug_fails_only_that_request_once(rig: Rig) -> None:
     rig.until(lambda: bool(rig.agent.reads))
     rig.agent.reads[0].error = None
     rig.agent.check = None  # type: ignore[assignment, method-assign]  # calling it: TypeError
-    rig.collect()
+    # the failure is reported once the lease check posted alongside the READ has answered (a
+    # thread of its own: under load, after more than one pass); collect() asserts "once"
+    rig.until(lambda: rig.reported("a"))
     rig.collect()
     assert list(rig.failed) == ["a"] and rig.failed["a"].startswith("internal error: TypeError")
     del rig.agent.check  # the engine keeps serving the next request
     rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)  # posted once its lease check answered
     rig.finish_reads()
     rig.until(lambda: rig.reported("b"))
     assert rig.finished == ["b"]
