@@ -56,6 +56,8 @@ FORMATS = [TOKEN_ADDRESSABLE, MAMBA_STATE]  # attention group, Mamba group
 NUM_TOKENS = 2 * BLOCK_SIZE + 1  # prefill computes 32; decode's prefix cache hit caps at 32
 FULL_HIT = NUM_TOKENS - 1  # everything a load would bring
 MAX_TOKENS = 24  # still running when prefill has freed its blocks
+# in a roomy pool: still running while the release settles, even on a loaded machine
+ROOMY_MAX_TOKENS = 200
 ROOMY = 32  # blocks (block 0 is vLLM's null block)
 # Tight: after the hog's first chunk (4 attention + 1 state block) only the three blocks of
 # the cached prefix are free, too few for the remote request (3 touched + 2 new).
@@ -229,9 +231,9 @@ def prefill_remotely(prefill: h.Engine) -> tuple[dict[str, Any], list[bytes]]:
     return params, h.block_bytes(prefill, 0, 0, attention_blocks)
 
 
-def remote_request(params: dict[str, Any]) -> Any:
+def remote_request(params: dict[str, Any], max_tokens: int = MAX_TOKENS) -> Any:
     return h.make_request(
-        "r", NUM_TOKENS, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=MAX_TOKENS
+        "r", NUM_TOKENS, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=max_tokens
     )
 
 
@@ -259,7 +261,7 @@ def test_preempted_after_a_full_local_hit_then_evicted_computes_locally(engines:
     cache_the_prompt_on_decode(decode)
     params, _ = prefill_remotely(prefill)
     watch = Watch(prefill, decode, "p")
-    request = remote_request(params)
+    request = remote_request(params, ROOMY_MAX_TOKENS)
     decode.add(request)
     step_both(prefill, decode, watch)
     assert request.status == RequestStatus.RUNNING and request.num_computed_tokens == NUM_TOKENS
@@ -289,7 +291,7 @@ def test_a_prefix_cache_reset_after_a_full_local_hit_computes_locally(engines: A
     cache_the_prompt_on_decode(decode)
     params, _ = prefill_remotely(prefill)
     watch = Watch(prefill, decode, "p")
-    request = remote_request(params)
+    request = remote_request(params, ROOMY_MAX_TOKENS)
     decode.add(request)
     step_both(prefill, decode, watch)
     assert request.status == RequestStatus.RUNNING and request.num_computed_tokens == NUM_TOKENS
