@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -124,10 +125,32 @@ def kv_transfer_config(
     return config
 
 
+# Ports we hand out lie below Linux's ephemeral range (32768-60999 by default): a port the OS
+# picked (bind to 0) is free only until someone else binds it, and engines starting at once
+# pick their own internal ports from that range, so one of them took a side-channel port
+# handed out moments before. Below it only explicit binds compete.
+PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A loopback port that binds now, outside the ephemeral range, never handed out twice
+    by this process."""
+    rng = random.Random()
+    with _ports_lock:
+        for _ in range(1000):
+            port = rng.randrange(*PORT_RANGE)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((HOST, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port in {PORT_RANGE} after 1000 tries")
 
 
 def build_model(out_dir: Path, timeout_s: float = 300.0, kind: str = "llama") -> Path:
