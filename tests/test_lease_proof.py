@@ -388,12 +388,18 @@ def test_prefills_word_on_the_lease_decides_the_load_and_prefill_always_hears(
     remote = remote_of(**changes)
     pair.start(remote)
     key = lease_key("p-1", remote.lease_id)
-    pair.until(lambda: bool(pair.outcomes) and bool(pair.finished_sending))
+    # A restarted prefill's old boot is gone with its agent: nothing to notify there (a
+    # notification to a dead agent blocks the transfer thread until UCX gives up on it).
+    notified = reason is None or "restarted since it leased" not in reason
+    pair.until(lambda: bool(pair.outcomes) and (bool(pair.finished_sending) or not notified))
     [(request_id, outcome)] = pair.outcomes
     assert request_id == "d-1" and len(pair.check.calls) == num_checks
     assert all(called == remote for called in pair.check.calls)
-    assert pair.finished_sending == [key]  # success or not, prefill may free: once
-    assert pair.prefill.notification_stats.counted == 1
+    if notified:  # success or not, prefill may free: once
+        assert pair.finished_sending == [key]
+        assert pair.prefill.notification_stats.counted == 1
+    else:
+        assert pair.finished_sending == [] and pair.prefill.notification_stats.counted == 0
     landed = oracle.first_difference(
         pair.decode_buffers, oracle.expected_decode(pair.layout, REQUEST)
     )

@@ -47,6 +47,8 @@ DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without ve
 # Failure reasons start with these (connector/metrics.py maps them to bounded kinds).
 LEASE_EXPIRED = "lease expired"
 LEASE_UNPROVEN = "lease not proven"
+# A failure reason with this in it: the boot that leased is gone, and its agent with it
+PREFILL_RESTARTED = "the prefill engine restarted since it leased"
 DIGEST_FAILED = "digest"
 
 
@@ -83,7 +85,7 @@ def lease_failure(
             "read from them is used"
         )
     if isinstance(held, PeerRestarted):
-        return f"{LEASE_EXPIRED}: {what}: the prefill engine restarted since it leased ({held})"
+        return f"{LEASE_EXPIRED}: {what}: {PREFILL_RESTARTED} ({held})"
     return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
 
 

@@ -11,7 +11,8 @@ and only when no posted READ is live: decode blocks are never handed back under 
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
 A failed load notifies the covered ranks too (best effort), so prefill does not hold its
-blocks until the lease expires.
+blocks until the lease expires; except when prefill restarted since it leased: that boot's
+agent is gone, and a notification to it would block this thread until UCX gives up.
 
 Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
@@ -33,7 +34,13 @@ from connector.metadata import LoadSpec, RemoteSource
 from connector.metrics import MetricsRecorder, default_recorder
 from connector.protocol import DigestClaim, encode_free_notif, lease_key
 from connector.trace import load_ended
-from worker.lease_proof import BEFORE_READS, LeaseProofs, lease_failure, unprovable_reason
+from worker.lease_proof import (
+    BEFORE_READS,
+    PREFILL_RESTARTED,
+    LeaseProofs,
+    lease_failure,
+    unprovable_reason,
+)
 from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
@@ -455,7 +462,11 @@ class LoadTable:
         if load.proof_ticket is not None:  # aborted while prefill was being asked
             self._proofs.abandon(load.proof_ticket)
         reason = load.reason
-        if not notify_rest(self._agent, load):
+        if reason is not None and PREFILL_RESTARTED in reason:
+            # The boot that leased is gone: nothing to free there, and a notification to its
+            # dead agent would block this thread until UCX gives up on it (~20 s measured).
+            self._on_peer_failure(load.peer)
+        elif not notify_rest(self._agent, load):
             # Like a failed READ: the peer's agent is gone (a prefill restarted under the same
             # engine id, whose lease check failed before any READ): handshake anew next time.
             self._on_peer_failure(load.peer)
