@@ -1,8 +1,9 @@
 """Blocking side-channel client calls: fetch a rank's handshake, send heartbeats, releases and
 lease checks.
 
-Each exchange opens a fresh ZMQ REQ socket (linger 0, receive timeout, bounded reply size),
-sends one request and waits for one reply, then closes the socket. Every request but Hello
+Each exchange opens a fresh ZMQ REQ socket (linger 0, bounded reply size), sends one request,
+waits for one reply (time this process spent stopped does not count against the timeout), then
+closes the socket. Every request but Hello
 names the server's boot id (see connector/protocol.py): ``fetch_boot_id`` asks for it, and a
 call given no boot id asks first (one more round trip). Every failure (timeout, refused
 authentication, error reply, garbage, zmq error) raises HandshakeError with the reason;
@@ -42,6 +43,7 @@ from connector.protocol import (
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
+_SLICE_S = 0.25  # a reply wait polls in slices this long (see _receive)
 
 
 def zmq_endpoint(host: str, port: int | str) -> str:
@@ -270,13 +272,14 @@ def _exchange(
     socket: zmq.Socket = zmq.Context.instance().socket(zmq.REQ)
     try:
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         socket.setsockopt(zmq.IPV6, 1)
         socket.connect(zmq_endpoint(host, port))
         socket.send(frame)
-        return socket.recv()
+        if (reply := _receive(socket, timeout_s)) is not None:
+            return reply
+        raise zmq.Again()
     except zmq.Again:
         raise SideChannelTimeout(
             f"side channel {host}:{port} did not answer within {timeout_s} s (is the remote "
@@ -287,6 +290,26 @@ def _exchange(
         raise HandshakeError(f"side channel {host}:{port}: zmq error: {exc}") from None
     finally:
         socket.close(linger=0)
+
+
+def _receive(socket: zmq.Socket, timeout_s: float) -> bytes | None:
+    """The reply, or None once ``timeout_s`` of waiting passed without one.
+
+    Waits in slices and counts each at most ``_SLICE_S`` twice over: time this process spent
+    stopped (SIGSTOP, a long pause of the whole host) is not time the peer kept us waiting, so
+    a reader paused past the timeout still reads the reply that arrived meanwhile instead of
+    failing a load on a silence that was its own.
+    """
+    waited_s = 0.0
+    for _ in range(int(4 * timeout_s / _SLICE_S) + 8):  # bounded: each slice counts >= 1/4
+        slice_s = max(0.001, min(_SLICE_S, timeout_s - waited_s))
+        started = time.monotonic()
+        if socket.poll(max(1, round(slice_s * 1000)), zmq.POLLIN):
+            return socket.recv(zmq.NOBLOCK)
+        waited_s += max(slice_s / 4, min(time.monotonic() - started, 2 * _SLICE_S))
+        if waited_s >= timeout_s:
+            return None
+    return None
 
 
 def _short(text: str) -> str:

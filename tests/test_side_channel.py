@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -499,3 +502,48 @@ def test_refusals_are_logged_once_per_kind_per_interval(
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert "side channel refused a request (malformed)" in lines[0].getMessage()
     assert not any(r.exc_info for r in lines)
+
+
+PAUSED_CLIENT = """
+import sys
+from connector.side_channel_client import send_heartbeat
+known = send_heartbeat(
+    "127.0.0.1", int(sys.argv[1]), ["a"], engine_id=sys.argv[2], secret=None, timeout_s=1.0
+)
+print("known", known, flush=True)
+"""
+
+
+def test_a_client_stopped_past_its_timeout_still_reads_the_reply_that_came_meanwhile(
+    leases: Leases,
+) -> None:
+    # Drill b in CI: decode was SIGSTOPped while its lease check waited; prefill answered
+    # during the pause, and the woken check reported a 10 s silence that was its own.
+    entered, answer = threading.Event(), threading.Event()
+
+    def on_heartbeat(ids: tuple[str, ...]) -> int:
+        entered.set()  # the client has sent and now waits for the reply
+        answer.wait(10.0)
+        return len(ids)
+
+    leases.on_heartbeat = on_heartbeat  # type: ignore[method-assign]
+    server = start_server(leases, secret=None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_CLIENT, str(server.port), ENGINE_ID],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        assert entered.wait(20.0), "the client never sent its heartbeat"
+        child.send_signal(signal.SIGSTOP)
+        answer.set()  # the reply arrives while the client is stopped
+        time.sleep(2.0)  # twice the client's timeout
+        child.send_signal(signal.SIGCONT)
+        out, err = child.communicate(timeout=20.0)
+    finally:
+        child.kill()
+        server.stop()
+    assert child.returncode == 0, err
+    assert out.strip() == "known 1"
