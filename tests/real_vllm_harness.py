@@ -320,10 +320,23 @@ class Engine:
             return "(no log)"
         return "\n".join(lines[-num_lines:])
 
+    def notable_lines(self, num_lines: int = 30) -> str:
+        """The log's last warnings, errors and tracebacks: what a failed test shows of an
+        engine whose log stays on the machine that ran it (CI)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        notable = [line for line in lines if _NOTABLE.search(line)]
+        return "\n".join(notable[-num_lines:]) or "(no warning or error logged)"
+
     def _explain(self, what: str) -> str:
         return (
             f"engine {self.spec.name} at {self.url} {what}; log {self.log_path}:\n{self.log_tail()}"
         )
+
+
+_NOTABLE = re.compile(r"WARNING|ERROR|Error|Traceback|KV load failed")
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

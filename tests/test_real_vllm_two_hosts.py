@@ -43,6 +43,7 @@ from tests.real_vllm_harness import (
     Completion,
     Engine,
     EngineSpec,
+    RequestFailed,
     build_model,
     complete,
     connector_under_test,
@@ -160,7 +161,15 @@ def test_prefill_and_decode_on_two_hosts_match_a_single_engine_over_tcp(
     on_decode = two_hosts.on_decode_host
     loaded_before = on_decode.submit(two_hosts.decode.prompt_tokens_by_source).result()
 
-    routed = list(on_decode.map(lambda p: complete(two_hosts.proxy_url, p, MAX_TOKENS), prompts))
+    try:
+        routed = list(
+            on_decode.map(lambda p: complete(two_hosts.proxy_url, p, MAX_TOKENS), prompts)
+        )
+    except RequestFailed as exc:
+        pytest.fail(
+            f"{exc}\ndecode's log:\n{two_hosts.decode.notable_lines()}"
+            f"\nprefill's log:\n{two_hosts.prefill.notable_lines()}"
+        )
     expected = [complete(two_hosts.reference.url, p, MAX_TOKENS) for p in prompts]
 
     problems = [
