@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from connector.side_channel_client import check_leases, fetch_boot_id
+from connector.net.side_channel_client import check_leases, fetch_boot_id
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake

@@ -37,9 +37,9 @@ import numpy as np
 from connector.config import ConnectorConfig
 from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource, WorkerReport
+from connector.net.side_channel_client import check_leases, fetch_boot_id, fetch_handshake
 from connector.params import parse_kv_transfer_params
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
-from connector.side_channel_client import check_leases, fetch_boot_id, fetch_handshake
 from scheduler.connector import SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.nixl_bandwidth import read_seconds, serve  # noqa: E402
-from connector.doctor_ucx import all_read_lanes, parse_proto_tables  # noqa: E402
+from connector.tools.doctor_ucx import all_read_lanes, parse_proto_tables  # noqa: E402
 from tests.netns import host_pair  # noqa: E402
 
 CEILING_BYTES = 64 << 20

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from connector.side_channel_client import zmq_endpoint
+from connector.net.side_channel_client import zmq_endpoint
 from examples.engine import EngineRequest, RequestOutput
 from examples.engine_loop import (
     Command,

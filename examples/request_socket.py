@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from connector.errors import UnsupportedConfiguration
-from connector.side_channel_client import zmq_endpoint
+from connector.net.side_channel_client import zmq_endpoint
 from examples.engine import RequestOutput
 from examples.engine_loop import (
     BadCommand,

@@ -8,7 +8,7 @@ server busy with a long engine step still shows it is alive. Messages are size-b
 oversized one drops that peer's connection) and decoded only through typed msgspec decoders;
 nothing a client sends stops the server. It runs ``EngineLoop``, the loop the demo's child
 processes run, until SIGINT or SIGTERM. With ``metrics_port`` set it also serves the
-connector's metrics (connector.metrics) on ``http://host:port/metrics``.
+connector's metrics (connector.observability.metrics) on ``http://host:port/metrics``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import msgspec
 
 from connector.config import ENV_SIDE_CHANNEL_SECRET, ConnectorConfig
 from connector.errors import UnsupportedConfiguration
-from connector.metrics import default_recorder
+from connector.observability.metrics import default_recorder
 from examples.engine import Engine, EngineConfig
 from examples.engine_loop import EngineLoop
 from examples.request_socket import SocketTransport
@@ -176,7 +176,7 @@ def run_server(
     metrics = None
     try:
         if options.metrics_port is not None:
-            from connector.metrics_prometheus import MetricsServer
+            from connector.observability.metrics_prometheus import MetricsServer
 
             metrics = MetricsServer(default_recorder(), options.host, options.metrics_port)
         engine = Engine(

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from connector.errors import TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
-from connector.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
+from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
 from connector.protocol import lease_key
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import LOAD_LIFECYCLE, Book, LoadState, OnMove

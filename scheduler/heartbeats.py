@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from connector.errors import ConnectorError, PeerRestarted
-from connector.side_channel_client import fetch_boot_id, send_heartbeat, send_release
+from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class HeartbeatSender:
         return True
 
     def _over_network(self, client_send: Callable[..., int]) -> SendFn:
-        """A SendFn that sends with ``client_send`` (connector/side_channel_client.py)."""
+        """A SendFn that sends with ``client_send`` (connector/net/side_channel_client.py)."""
 
         def send(
             host: str,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from connector.metadata import BlockIds, DigestSpec, WorkerReport
-from connector.metrics import (
+from connector.observability.metrics import (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
     LEASES_RELEASED,

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Mapping
 import zmq
 
 from connector.errors import ProtocolError, UnsupportedConfiguration
+from connector.net.side_channel_client import zmq_endpoint
+from connector.observability.ratelimit import DEFAULT_INTERVAL_S, RateLimitedLog
 from connector.protocol import (
     STALE_BOOT,
     Ack,
@@ -45,8 +47,6 @@ from connector.protocol import (
     decode_request_payload,
     encode_reply,
 )
-from connector.ratelimit import DEFAULT_INTERVAL_S, RateLimitedLog
-from connector.side_channel_client import zmq_endpoint
 from scheduler.auth import DEFAULT_REPLAY_WINDOW_S, RequestAuthenticator
 
 logger = logging.getLogger(__name__)

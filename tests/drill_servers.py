@@ -39,7 +39,7 @@ class Served:
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "connector.cli", "serve", "--role", role, "--port", "0",
+            [sys.executable, "-m", "connector.tools.cli", "serve", "--role", role, "--port", "0",
              *TIMEOUT_FLAGS],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env=dict(os.environ, UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1"),

@@ -12,13 +12,13 @@ import inspect
 
 import pytest
 
-from connector.cli import main
 from connector.errors import (
     InvalidNotification,
     InvalidTransferParams,
     TransferPlanError,
     UnsupportedConfiguration,
 )
+from connector.tools.cli import main
 
 P = inspect.Parameter
 POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.doctor import DoctorReport, parse_address, render
-from connector.doctor_checks import (
+from connector.errors import UnsupportedConfiguration
+from connector.tools.doctor import DoctorReport, parse_address, render
+from connector.tools.doctor_checks import (
     Check,
     Loopback,
     NixlProbe,
@@ -18,7 +19,7 @@ from connector.doctor_checks import (
     check_side_channel,
     exit_code,
 )
-from connector.doctor_ucx import (
+from connector.tools.doctor_ucx import (
     lanes,
     message_lanes,
     parse_proto_tables,
@@ -26,7 +27,6 @@ from connector.doctor_ucx import (
     slowest_class,
     transport_class,
 )
-from connector.errors import UnsupportedConfiguration
 from worker.compat import digest_of
 
 MIB = 2**20

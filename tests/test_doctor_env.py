@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.doctor_env import EnvFacts, check_env
+from connector.tools.doctor_env import EnvFacts, check_env
 
 
 def facts(env: dict[str, str], **fields: object) -> EnvFacts:

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from connector.doctor import DoctorOptions, run_doctor
-from connector.doctor_hosts import (
+from connector.errors import UnsupportedConfiguration
+from connector.tools.doctor import DoctorOptions, run_doctor
+from connector.tools.doctor_hosts import (
     MESSAGE_DECODER,
     Offer,
     RemoteRead,
     check_remote_read,
     check_tls_across_hosts,
 )
-from connector.doctor_ucx import all_read_lanes, parse_proto_tables, read_scopes
-from connector.errors import UnsupportedConfiguration
+from connector.tools.doctor_ucx import all_read_lanes, parse_proto_tables, read_scopes
 
 
 def remote(**changes: object) -> RemoteRead:

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 
 from connector.config import ENV_SIDE_CHANNEL_SECRET
-from connector.doctor import DoctorOptions, probe_side_channel, run_doctor
-from connector.doctor_loopback import run_loopback
 from connector.protocol import WorkerHandshake
+from connector.tools.doctor import DoctorOptions, probe_side_channel, run_doctor
+from connector.tools.doctor_loopback import run_loopback
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
 from worker.compat import digest_of
@@ -33,7 +33,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, fl
     """(exit code, stdout, seconds) of `nixl-pd doctor ARGS` in its own process."""
     start_s = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "connector.cli", "doctor", *args],
+        [sys.executable, "-m", "connector.tools.cli", "doctor", *args],
         env=env or ENV,
         capture_output=True,
         timeout=240,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from connector.side_channel_client import fetch_handshake
+from connector.net.side_channel_client import fetch_handshake
 from examples.engine_client import EngineClient
 from examples.router import ToyRouter
 from tests.drill_servers import Served, collect, decode_request, prefill_all, prompts

@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from connector.cli import main
 from connector.config import ConnectorConfig
+from connector.tools.cli import main
 from examples.demo import DemoOptions, run_demo
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from worker.fake import FakeFabric, FakeNixl

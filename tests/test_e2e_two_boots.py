@@ -95,7 +95,7 @@ class Server(Served):
         argv += ["--side-channel-port", str(side_channel_port), *FLAGS]
         argv += ["--engine-id", engine_id] if engine_id else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "connector.cli", *argv],
+            [sys.executable, "-m", "connector.tools.cli", *argv],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.cli import main
+from connector.tools.cli import main
 from examples.serve import ServeOptions, serve_connector_config
 
 

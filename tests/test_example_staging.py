@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from connector.cli import main
 from connector.layout import MemoryLayout
+from connector.tools.cli import main
 from examples.demo import DemoOptions, engine_configs
 from examples.engine import Engine, EngineConfig
 from examples.kv_cache import RankBuffers, build_spec, copy_kernel_blocks

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import zmq
 
+from connector.net.side_channel_client import fetch_handshake
 from connector.protocol import (
     PROTOCOL_VERSION,
     Envelope,
@@ -28,7 +29,6 @@ from connector.protocol import (
     decode_reply,
     encode_request,
 )
-from connector.side_channel_client import fetch_handshake
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
 

@@ -13,8 +13,8 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.errors import HandshakeError
 from connector.metadata import ConnectorMetadata
+from connector.net.side_channel_client import send_heartbeat, send_release
 from connector.protocol import lease_key
-from connector.side_channel_client import send_heartbeat, send_release
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import (
     MAX_BACKOFF_S,

@@ -1,13 +1,19 @@
-"""The import layers of docs/architecture.md, read from the source with ast (nothing imported).
+"""The import layers of docs/architecture.md, per folder, read from the source with ast.
 
-    top        connector/vllm/ (the adapter)   connector/cli.py   connector/doctor*.py   examples/
-    middle     scheduler/ (control plane)              worker/ (data plane)
-    bottom     the contracts: CONTRACTS below, importable by every layer
+    tools          connector/tools/   nixl-pd, its source-tree finder, the doctor: may import
+                                      anything; nothing imports it
+    top            connector/vllm/    the adapter (the only importer of vllm and torch)
+                   examples/          the example engine, toy router, demo
+    planes         scheduler/         control plane    }  never import each other
+                   worker/            data plane       }
+    shared I/O     connector/net/     the side-channel client both planes call
+    observability  connector/observability/  metrics, Prometheus exposition, traces, rate-limited log
+    contracts      connector/*.py     config, params, protocol, layout, errors ...: import only
+                                      each other
 
-An arrow may only point down (or sideways inside one package of the middle or top). The
-CLI wires products together (the example engine, the doctor), so it sits on top; it lives in
-connector/ only because the `nixl-pd` entry point is `connector.cli:main`, and it imports the
-example engine inside the commands that run it, never at module level.
+A module's folder is the longest prefix of its dotted name in FOLDERS; what a folder may import
+is MAY_IMPORT. Nothing here lists files: a new module obeys its folder's rule, and a new
+subpackage of connector/ fails until it is given a folder and a rule.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,34 +30,33 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_PACKAGES = ("connector", "scheduler", "worker", "examples")
 
-# The contract modules: shared by every layer, so they import nothing above themselves.
-# A new connector/*.py must be added here or to TOP_IN_CONNECTOR (a conscious choice).
-CONTRACTS = frozenset(
-    f"connector.{name}"
-    for name in (
-        "config",
-        "errors",
-        "geometry",
-        "layout",
-        "lifecycle",
-        "memory",
-        "metadata",
-        "metrics",
-        "metrics_prometheus",
-        "params",
-        "protocol",
-        "ratelimit",
-        "side_channel_client",
-        "staging",
-        "trace",
-    )
-) | {"connector"}
-TOP_IN_CONNECTOR = frozenset(
-    {"connector.cli", "connector.source_tree"}
-    | {f"connector.{name}" for name in ("doctor", "doctor_checks", "doctor_env")}
-    | {f"connector.{name}" for name in ("doctor_loopback", "doctor_peer", "doctor_ucx")}
-    | {f"connector.{name}" for name in ("doctor_hosts", "doctor_remote")}
-)
+# Dotted-name prefix -> folder. connector/ itself is the contracts: every subpackage is named.
+FOLDERS = {
+    "connector": "contracts",
+    "connector.observability": "observability",
+    "connector.net": "net",
+    "scheduler": "scheduler",
+    "worker": "worker",
+    "connector.vllm": "adapter",
+    "examples": "examples",
+    "connector.tools": "tools",
+}
+# Libraries only some folders may import: heavy ones (torch, vllm, nixl) and network edges.
+LIBRARIES = ("vllm", "torch", "nixl", "zmq", "prometheus_client")
+
+_BELOW_PLANES = {"contracts", "observability", "net"}
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "contracts": frozenset({"contracts"}),
+    "observability": frozenset({"contracts", "observability", "prometheus_client"}),
+    "net": frozenset({"contracts", "observability", "net", "zmq"}),
+    "scheduler": frozenset(_BELOW_PLANES | {"scheduler", "zmq"}),
+    "worker": frozenset(_BELOW_PLANES | {"worker", "nixl"}),
+    "adapter": frozenset(
+        _BELOW_PLANES | {"scheduler", "worker", "adapter", "vllm", "torch", "prometheus_client"}
+    ),
+    "examples": frozenset(_BELOW_PLANES | {"scheduler", "worker", "examples", "zmq"}),
+    "tools": frozenset(set(FOLDERS.values()) | set(LIBRARIES)),
+}
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,6 @@ class Import:
     importer: str  # dotted module name of the file
     target: str  # dotted name it imports (a package, module or module attribute path)
     line: int
-    module_level: bool  # outside every function body
 
 
 def _module_name(path: Path) -> str:
@@ -80,16 +85,7 @@ class _Collector(ast.NodeVisitor):
     def __init__(self, importer: str, is_package: bool) -> None:
         self.importer = importer
         self.is_package = is_package
-        self.depth = 0  # function nesting: imports inside a function run only when it is called
         self.found: list[Import] = []
-
-    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
-        self.depth += 1
-        self.generic_visit(node)
-        self.depth -= 1
-
-    visit_FunctionDef = _function
-    visit_AsyncFunctionDef = _function
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -101,7 +97,7 @@ class _Collector(ast.NodeVisitor):
             self._add(f"{module}.{alias.name}" if module else alias.name, node.lineno)
 
     def _add(self, target: str, line: int) -> None:
-        self.found.append(Import(self.importer, target, line, self.depth == 0))
+        self.found.append(Import(self.importer, target, line))
 
 
 def _imports_of(path: Path) -> list[Import]:
@@ -110,143 +106,150 @@ def _imports_of(path: Path) -> list[Import]:
     return collector.found
 
 
+def _product_files() -> list[Path]:
+    return sorted(p for package in PRODUCT_PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
 def all_imports() -> list[Import]:
-    files = sorted(p for package in PRODUCT_PACKAGES for p in (ROOT / package).rglob("*.py"))
-    return [found for path in files for found in _imports_of(path)]
+    return [found for path in _product_files() for found in _imports_of(path)]
 
 
 def _within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def _is_contract(target: str) -> bool:
-    """Whether ``target`` names a contract module or something inside one."""
-    return target == "connector" or any(
-        _within(target, module) for module in CONTRACTS if module != "connector"
-    )
+def folder_of(name: str) -> str | None:
+    """The folder (or restricted library) ``name`` belongs to; None for anything unrestricted."""
+    top = name.split(".")[0]
+    if top in LIBRARIES:
+        return top
+    owners = [prefix for prefix in FOLDERS if _within(name, prefix)]
+    return FOLDERS[max(owners, key=len)] if owners else None
 
 
-def _describe(found: list[Import]) -> str:
-    return "; ".join(f"{i.importer} line {i.line} imports {i.target}" for i in found)
+def violations(imports: Iterable[Import]) -> list[str]:
+    """Every import whose target's folder the importer's folder may not import, described."""
+    found = []
+    for i in imports:
+        importer, target = folder_of(i.importer), folder_of(i.target)
+        if importer is None or importer in LIBRARIES:
+            found.append(f"{i.importer} is in no folder of FOLDERS")
+        elif target is not None and target not in MAY_IMPORT[importer]:
+            found.append(f"{i.importer} ({importer}) line {i.line} imports {i.target} ({target})")
+    return found
 
 
 IMPORTS = all_imports()
-CONNECTOR_MODULES = {
-    _module_name(path) for path in (ROOT / "connector").glob("*.py") if path.name != "__init__.py"
-}
 
 
-def test_every_connector_module_has_a_layer() -> None:
-    """A new connector/*.py is either a contract or a top-layer tool; the test makes you say."""
-    unplaced = CONNECTOR_MODULES - CONTRACTS - TOP_IN_CONNECTOR
-    assert not unplaced, (
-        f"add to CONTRACTS or TOP_IN_CONNECTOR in {Path(__file__).name}: {unplaced}"
-    )
-    gone = (CONTRACTS | TOP_IN_CONNECTOR) - CONNECTOR_MODULES - {"connector"}
-    assert not gone, f"listed but no longer in connector/: {gone}"
+def test_every_import_follows_its_folders_rule() -> None:
+    bad = violations(IMPORTS)
+    assert bad == [], "an import the layers do not allow:\n" + "\n".join(bad)
 
 
-def test_contracts_import_only_contracts() -> None:
-    upward = [
-        i
-        for i in IMPORTS
-        if i.importer in CONTRACTS
-        and i.target.split(".")[0] in PRODUCT_PACKAGES + ("vllm",)
-        and not _is_contract(i.target)
-    ]
-    assert not upward, f"a contract module imports from above the contracts: {_describe(upward)}"
+def test_every_subpackage_of_connector_has_a_folder() -> None:
+    """A new connector/<pkg>/ must be placed in FOLDERS and MAY_IMPORT: a conscious choice."""
+    subpackages = {_module_name(init) for init in (ROOT / "connector").glob("*/__init__.py")}
+    named = {prefix for prefix in FOLDERS if prefix.startswith("connector.")}
+    assert subpackages == named
+    assert set(MAY_IMPORT) == set(FOLDERS.values())
+
+
+PLANTED = [  # (importer, target, allowed by the rules)
+    ("connector.params", "connector.errors", True),
+    ("connector.params", "connector.observability.metrics", False),
+    ("connector.protocol", "zmq", False),
+    ("connector.layout", "torch", False),
+    ("connector.observability.trace", "connector.metadata", True),
+    ("connector.observability.metrics", "connector.net.side_channel_client", False),
+    ("connector.net.side_channel_client", "zmq", True),
+    ("connector.net.side_channel_client", "scheduler.leases", False),
+    ("scheduler.heartbeats", "connector.net.side_channel_client", True),
+    ("scheduler.connector", "worker.blocks", False),
+    ("worker.loads", "scheduler.leases", False),
+    ("worker.peers", "connector.vllm.facade", False),
+    ("worker.planner", "torch", False),
+    ("worker.nixl_real", "nixl._api", True),
+    ("scheduler.side_channel", "connector.tools.doctor", False),
+    ("connector.vllm.facade", "worker.connector", True),
+    ("connector.vllm.facade", "vllm.config", True),
+    ("connector.vllm.facade", "connector.tools.cli", False),
+    ("connector.vllm.facade", "examples.engine", False),
+    ("examples.engine", "connector.vllm", False),
+    ("examples.engine", "vllm", False),
+    ("connector.tools.doctor", "worker.nixl_real", True),
+    ("connector.tools.cli", "examples.demo", True),
+    ("connector", "connector.vllm", False),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("package", "forbidden"),
-    [
-        pytest.param("scheduler", ("worker", "examples", "vllm"), id="scheduler-not-worker"),
-        pytest.param("worker", ("scheduler", "examples", "vllm"), id="worker-not-scheduler"),
-    ],
+    ("importer", "target", "allowed"),
+    [pytest.param(*case, id=f"{case[0]}->{case[1]}") for case in PLANTED],
 )
-def test_control_and_data_plane_stay_apart(package: str, forbidden: tuple[str, ...]) -> None:
-    """scheduler/ and worker/ import the contracts, themselves, and nothing above."""
-    bad = [
-        i
-        for i in IMPORTS
-        if _within(i.importer, package)
-        and (
-            i.target.split(".")[0] in forbidden
-            or (_within(i.target, "connector") and not _is_contract(i.target))
-        )
+def test_the_checker_catches_a_planted_violation(importer: str, target: str, allowed: bool) -> None:
+    """Run the rules on a synthetic import map: each planted import is judged as the layers say."""
+    assert (violations([Import(importer, target, 1)]) == []) is allowed
+
+
+def test_the_checker_finds_a_violation_planted_in_source() -> None:
+    """End to end on parsed source: a worker module reaching into scheduler/ is reported."""
+    collector = _Collector("worker.loads", is_package=False)
+    collector.visit(ast.parse("from connector.errors import X\nfrom ..scheduler import leases\n"))
+    assert violations(collector.found) == [
+        "worker.loads (worker) line 2 imports scheduler.leases (scheduler)"
     ]
-    assert not bad, _describe(bad)
 
 
-def test_only_the_adapter_imports_vllm() -> None:
-    bad = [
-        i
-        for i in IMPORTS
-        if _within(i.target, "vllm") and not _within(i.importer, "connector.vllm")
+def test_a_module_outside_every_folder_is_reported() -> None:
+    assert violations([Import("benchmarks.vs_vllm", "worker.blocks", 3)]) == [
+        "benchmarks.vs_vllm is in no folder of FOLDERS"
     ]
-    assert not bad, _describe(bad)
 
 
-@pytest.mark.parametrize(
-    ("importer", "forbidden"),
-    [
-        pytest.param("connector.vllm", ("examples", "connector.cli", "connector.doctor"), id="adapter"),
-        pytest.param("examples", ("connector.vllm", "connector.cli", "connector.doctor"), id="examples"),
-        pytest.param("connector.doctor", ("examples", "connector.vllm", "connector.cli"), id="doctor"),
-    ],
-)  # fmt: skip
-def test_top_layer_parts_do_not_import_each_other(
-    importer: str, forbidden: tuple[str, ...]
-) -> None:
-    """The adapter, the example engine and the doctor each stand on the layers below only."""
-    bad = [
-        i
-        for i in IMPORTS
-        if i.importer.startswith(importer)
-        and any(i.target.startswith(name) for name in forbidden)
-        and not i.target.startswith(importer)
-    ]
-    assert not bad, _describe(bad)
+def _loaded_after_importing(modules: list[str], watched: set[str]) -> list[str]:
+    probe = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {watched!r}))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    return list(ast.literal_eval(loaded.stdout.strip()))
 
 
-def test_cli_imports_the_example_engine_only_inside_commands() -> None:
-    """At load the CLI and its source-tree finder import contracts only (and each other)."""
-    cli = ("connector.cli", "connector.source_tree")
-    at_load = [
-        i
-        for i in IMPORTS
-        if i.importer in cli
-        and i.module_level
-        and i.target.split(".")[0] in PRODUCT_PACKAGES
-        and not _is_contract(i.target)
-        and not any(_within(i.target, name) for name in cli)
-    ]
-    assert not at_load, _describe(at_load)
+def test_core_modules_load_without_torch_nixl_or_vllm() -> None:
+    """Contracts, observability, net, scheduler/ and every worker/ module but the NIXL edge
+    (the ones whose own imports name nixl) import without torch, nixl or vllm (DESIGN.md)."""
+    nixl_edges = {i.importer for i in IMPORTS if folder_of(i.target) == "nixl"}
+    core = {"contracts", "observability", "net", "scheduler", "worker"}
+    modules = sorted(
+        name
+        for name in map(_module_name, _product_files())
+        if folder_of(name) in core and name not in nixl_edges
+    )
+    assert "worker.blocks" in modules and "connector.params" in modules
+    assert _loaded_after_importing(modules, {"torch", "nixl", "vllm"}) == []
 
 
 def test_importing_the_cli_loads_no_engine_and_no_adapter() -> None:
     """`nixl-pd --help` and `nixl-pd doctor` must not need the example engine (or torch)."""
-    probe = (
-        "import sys, connector.cli\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & "
-        "{'examples', 'scheduler', 'worker', 'torch', 'vllm'}))\n"
-    )
-    loaded = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout.strip() == "[]"
+    watched = {"examples", "scheduler", "worker", "torch", "vllm"}
+    assert _loaded_after_importing(["connector.tools.cli"], watched) == []
 
 
 def test_the_collector_sees_relative_and_function_level_imports() -> None:
-    """The checks above are only as good as the parser: prove it on a known file."""
+    """The rules are only as good as the parser: an import inside a function counts too."""
     source = (
         "from . import sibling\nfrom ..worker import planner\ndef f():\n    import examples.demo\n"
     )
     collector = _Collector("connector.vllm.facade", is_package=False)
     collector.visit(ast.parse(source))
-    assert [(i.target, i.module_level) for i in collector.found] == [
-        ("connector.vllm.sibling", True),
-        ("connector.worker.planner", True),
-        ("examples.demo", False),
+    assert [(i.target, i.line) for i in collector.found] == [
+        ("connector.vllm.sibling", 1),
+        ("connector.worker.planner", 2),
+        ("examples.demo", 4),
     ]

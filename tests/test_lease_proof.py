@@ -24,10 +24,10 @@ from connector.config import ConnectorConfig
 from connector.errors import HandshakeError, PeerRestarted
 from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
-from connector.metrics import load_failure_kind
+from connector.net.side_channel_client import check_leases, send_release
+from connector.observability.metrics import load_failure_kind
 from connector.params import parse_kv_transfer_params
 from connector.protocol import LeaseRef, LeaseStatus, encode_free_notif, lease_key
-from connector.side_channel_client import check_leases, send_release
 from scheduler.connector import Role, SchedulerConnector
 from scheduler.leases import LeaseTable
 from scheduler.producer import Producer
@@ -239,7 +239,9 @@ def test_the_default_lease_check_asks_again_while_prefill_does_not_answer(
             raise answer
         return LeaseStatus((answer,))
 
-    monkeypatch.setattr("connector.side_channel_client.check_leases_status", check_leases_status)
+    monkeypatch.setattr(
+        "connector.net.side_channel_client.check_leases_status", check_leases_status
+    )
     check, _ = side_channel_checks(ConnectorConfig(handshake_retries=retries))
     if isinstance(result, bool):
         assert check(remote_of()) is result

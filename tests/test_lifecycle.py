@@ -21,8 +21,8 @@ from connector.config import ConnectorConfig
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from connector.metadata import BlockIds
+from connector.net.side_channel_client import send_heartbeat
 from connector.protocol import WorkerHandshake, lease_key
-from connector.side_channel_client import send_heartbeat
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.suffix import uncached_suffix_blocks

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from connector.metadata import WorkerReport
-from connector.metrics import (
+from connector.observability.metrics import (
     COUNTER,
     HANDSHAKE_FAILURES,
     HANDSHAKE_SECONDS,
@@ -278,7 +278,7 @@ def test_the_http_exporter_shows_every_metric_with_exact_buckets() -> None:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from connector.metrics_prometheus import MetricsServer
+    from connector.observability.metrics_prometheus import MetricsServer
 
     recorder = MetricsRecorder()
     recorder.inc(LOADS_FAILED, "transfer_timeout")

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from connector.metrics import LOADS_FINISHED, MetricsRecorder
-from connector.metrics_prometheus import MetricsServer
+from connector.observability.metrics import LOADS_FINISHED, MetricsRecorder
+from connector.observability.metrics_prometheus import MetricsServer
 
 HOST = "127.0.0.1"
 WAIT_S = 10.0  # the longest any test waits for the server to act

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.metrics import COUNTER, METRICS
+from connector.observability.metrics import COUNTER, METRICS
 from tests.test_serve_by_hand import READY_TIMEOUT_S, STOP_TIMEOUT_S, run_cli
 
 pytestmark = pytest.mark.real_nixl
@@ -44,7 +44,7 @@ class MeteredServer:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         argv = ["serve", "--role", role, "--port", "0", "--metrics-port", "0", "--trace"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "connector.cli", *argv],
+            [sys.executable, "-m", "connector.tools.cli", *argv],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,

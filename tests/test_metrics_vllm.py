@@ -25,7 +25,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
-from connector.metrics import (  # noqa: E402
+from connector.observability.metrics import (  # noqa: E402
     HANDSHAKE_SECONDS,
     LEASES_COMPLETED,
     LEASES_EXPIRED,

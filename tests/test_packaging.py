@@ -63,7 +63,7 @@ def test_wheel_declares_the_nixl_pd_command(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         (entry_points,) = [n for n in archive.namelist() if n.endswith("entry_points.txt")]
         text = archive.read(entry_points).decode()
-    assert "nixl-pd = connector.cli:main" in text
+    assert "nixl-pd = connector.tools.cli:main" in text
 
 
 def test_installed_wheel_leaves_a_foreign_examples_alone_and_says_what_to_do(
@@ -79,9 +79,9 @@ def test_installed_wheel_leaves_a_foreign_examples_alone_and_says_what_to_do(
     probe = (
         "import sys\n"
         f"sys.path.insert(0, {str(site)!r})\n"
-        "import connector.cli\n"
-        f"assert connector.cli.__file__.startswith({str(site)!r}), connector.cli.__file__\n"
-        "sys.exit(connector.cli.main(['demo', '--fake-nixl']))\n"
+        "from connector.tools import cli\n"
+        f"assert cli.__file__.startswith({str(site)!r}), cli.__file__\n"
+        "sys.exit(cli.main(['demo', '--fake-nixl']))\n"
     )
     ran = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60
@@ -102,8 +102,11 @@ def test_a_foreign_examples_loaded_first_is_refused_by_name(tmp_path: Path) -> N
     probe = (
         "import sys\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        # this clone's packages, last (as an editable install finds them), not the clone the
+        # venv's editable install happens to point at
+        f"sys.path.append({str(ROOT)!r})\n"
         "import examples\n"
-        "from connector.cli import main\n"
+        "from connector.tools.cli import main\n"
         "sys.exit(main(['route', '--prefill', '127.0.0.1:1', '--decode', '127.0.0.1:2']))\n"
     )
     ran = subprocess.run(

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from connector.ratelimit import RateLimitedLog
+from connector.observability.ratelimit import RateLimitedLog
 
 LOGGER = logging.getLogger("tests.ratelimit")
 

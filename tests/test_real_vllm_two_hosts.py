@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.doctor_ucx import all_read_lanes, parse_proto_tables, read_scopes
+from connector.tools.doctor_ucx import all_read_lanes, parse_proto_tables, read_scopes
 from examples.vllm.proxy import make_server
 from tests.netns import (
     Host,

@@ -12,8 +12,8 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec
+from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from connector.protocol import WorkerHandshake, lease_key
-from connector.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
     CONFIG,

@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from connector.net.side_channel_client import check_leases
 from connector.protocol import lease_key
-from connector.side_channel_client import check_leases
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
     CONFIG,

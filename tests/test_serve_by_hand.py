@@ -41,7 +41,7 @@ class ServedEngine:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "connector.cli", "serve"),
+                *(sys.executable, "-m", "connector.tools.cli", "serve"),
                 *("--role", role, "--port", "0", *extra_args),
             ],
             stdout=subprocess.PIPE,
@@ -100,7 +100,7 @@ class ServedEngine:
 
 def run_cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "connector.cli", *args],
+        [sys.executable, "-m", "connector.tools.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -19,6 +19,12 @@ import pytest
 import zmq
 
 from connector.errors import HandshakeError, PeerRestarted, UnsupportedConfiguration
+from connector.net.side_channel_client import (
+    fetch_boot_id,
+    fetch_handshake,
+    send_heartbeat,
+    send_release,
+)
 from connector.protocol import (
     PROTOCOL_VERSION,
     STALE_BOOT,
@@ -31,12 +37,6 @@ from connector.protocol import (
     Request,
     decode_reply,
     encode_request,
-)
-from connector.side_channel_client import (
-    fetch_boot_id,
-    fetch_handshake,
-    send_heartbeat,
-    send_release,
 )
 from scheduler.side_channel import (
     RECEIVE_HWM_MESSAGES,
@@ -506,7 +506,7 @@ def test_refusals_are_logged_once_per_kind_per_interval(
 
 PAUSED_CLIENT = """
 import sys
-from connector.side_channel_client import send_heartbeat
+from connector.net.side_channel_client import send_heartbeat
 known = send_heartbeat(
     "127.0.0.1", int(sys.argv[1]), ["a"], engine_id=sys.argv[2], secret=None, timeout_s=1.0
 )

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.doctor_ucx import all_read_lanes, parse_proto_tables, read_scopes
+from connector.tools.doctor_ucx import all_read_lanes, parse_proto_tables, read_scopes
 from tests.netns import (
     NETNS_DIR,
     Host,
@@ -77,7 +77,7 @@ class ServedEngine:
     def __init__(self, host: Host, role: str, log_dir: Path) -> None:
         self.ucx_log = log_dir / f"{role}-ucx.log"
         self._stderr = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115 - closed in stop()
-        argv = [sys.executable, "-m", "connector.cli", "serve", "--role", role]
+        argv = [sys.executable, "-m", "connector.tools.cli", "serve", "--role", role]
         argv += ["--host", host.address, "--port", "0"]
         env = host_env(host, UCX_PROTO_INFO="y", UCX_LOG_FILE=str(self.ucx_log))
         self.process = subprocess.Popen(
@@ -119,7 +119,7 @@ def test_example_engines_on_two_hosts_match_a_single_engine_over_tcp(
         engines.append(ServedEngine(hosts.prefill, "prefill", tmp_path))
         engines.append(ServedEngine(hosts.decode, "decode", tmp_path))
         prefill, decode = engines
-        route = [sys.executable, "-m", "connector.cli", "route", "--prefill", prefill.address]
+        route = [sys.executable, "-m", "connector.tools.cli", "route", "--prefill", prefill.address]
         route += ["--decode", decode.address, "--requests", "4", "--prompt-len", "40"]
         route += ["--max-tokens", "5", "--check", "--json"]
         routed = subprocess.run(
@@ -147,7 +147,7 @@ def run_doctor_pair(hosts: HostPair, **env_changes: str) -> tuple[dict, dict, st
     """`doctor --listen` on the prefill host, `doctor --peer` on the decode host, at once;
     both JSON reports and the peer's human-readable one."""
     listen = f"{hosts.prefill.address}:{DOCTOR_PORT}"
-    doctor = [sys.executable, "-m", "connector.cli", "doctor"]
+    doctor = [sys.executable, "-m", "connector.tools.cli", "doctor"]
     listener = subprocess.Popen(
         hosts.prefill.command([*doctor, "--listen", listen, "--json"]),
         stdout=subprocess.PIPE,

@@ -26,7 +26,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from connector.metadata import LoadSpec  # noqa: E402
-from connector.metrics import PULLED_TOKENS, default_recorder  # noqa: E402
+from connector.observability.metrics import PULLED_TOKENS, default_recorder  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 def side_channel_fetcher(config: ConnectorConfig) -> BootFetcher:
     """Fetch handshakes over ZMQ with the configured secret, timeout and size bound, naming
     the boot the params name (one exchange per rank; a restarted prefill refuses it)."""
-    from connector.side_channel_client import fetch_handshake
+    from connector.net.side_channel_client import fetch_handshake
 
     def fetch(host: str, port: int, tp_rank: int, boot_id: str) -> WorkerHandshake:
         return fetch_handshake(

@@ -109,7 +109,7 @@ def side_channel_checks(
     """The lease check and verify_kv's digest check over the side channel the params name
     (naming their boot: no Hello), retried while unanswered (``asked_again``), sharing what
     they learn of silent side channels."""
-    from connector.side_channel_client import check_leases_status
+    from connector.net.side_channel_client import check_leases_status
 
     silence = silence or SilentSideChannels(config.handshake_timeout_s)
 
@@ -138,7 +138,7 @@ def side_channel_checks(
 def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannels) -> BatchCheck:
     """Check many leases of one prefill engine boot in one LeaseCheck (per
     MAX_REFS_PER_MESSAGE), asked again while unanswered, as ``side_channel_checks`` does."""
-    from connector.side_channel_client import check_leases
+    from connector.net.side_channel_client import check_leases
 
     def ask(remotes: Sequence[RemoteSource]) -> tuple[bool, ...]:
         first = remotes[0]

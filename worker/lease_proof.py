@@ -44,7 +44,7 @@ Destination = tuple[str, int, str, str, bool]  # (host, port, engine id, boot id
 DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
 DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without verify_kv)
 
-# Failure reasons start with these (connector/metrics.py maps them to bounded kinds).
+# Failure reasons start with these (connector/observability/metrics.py maps them to bounded kinds).
 LEASE_EXPIRED = "lease expired"
 LEASE_UNPROVEN = "lease not proven"
 # A failure reason with this in it: the boot that leased is gone, and its agent with it

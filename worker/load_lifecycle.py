@@ -25,7 +25,7 @@ from typing import Any
 
 from connector.lifecycle import TransitionTable
 from connector.metadata import LoadSpec, RemoteSource
-from connector.trace import LoadTimeline
+from connector.observability.trace import LoadTimeline
 from worker.peer_lifecycle import Peer
 
 ABORTED_REASON = "aborted"

@@ -31,9 +31,9 @@ import numpy.typing as npt
 from connector.errors import ConnectorError, PeerRestarted
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
-from connector.metrics import MetricsRecorder, default_recorder
+from connector.observability.metrics import MetricsRecorder, default_recorder
+from connector.observability.trace import load_ended
 from connector.protocol import DigestClaim, encode_free_notif, lease_key
-from connector.trace import load_ended
 from worker.lease_proof import (
     BEFORE_READS,
     PREFILL_RESTARTED,
@@ -117,7 +117,7 @@ def make_range_read(
 def record_outcome(
     metrics: MetricsRecorder, agent_name: str, load: Load, reason: str | None, now_s: float
 ) -> None:
-    """The load's metrics and trace line (see connector/trace.py); never raises."""
+    """The load's metrics and trace line (see connector/observability/trace.py); never raises."""
     load.timeline.notified_ranks = set(load.notified)
     ids = (load.request_id, load.remote.remote_request_id, load.peer.engine_id, agent_name)
     try:

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from connector.errors import InvalidNotification
-from connector.metrics import NOTIFICATIONS, MetricsRecorder, default_recorder
+from connector.observability.metrics import NOTIFICATIONS, MetricsRecorder, default_recorder
+from connector.observability.ratelimit import RateLimitedLog
+from connector.observability.trace import send_ended
 from connector.protocol import decode_free_notif
-from connector.ratelimit import RateLimitedLog
-from connector.trace import send_ended
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from connector.errors import ConnectorError, HandshakeError, UnsupportedConfiguration
 from connector.layout import RankLayout
 from connector.metadata import RemoteSource
-from connector.metrics import (
+from connector.observability.metrics import (
     HANDSHAKE_FAILURES,
     HANDSHAKE_SECONDS,
     MetricsRecorder,

@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.layout import BlockFormat, KVCacheSpec
-from connector.metrics import default_recorder
+from connector.observability.metrics import default_recorder
 from connector.staging import SaveTracker
 from connector.vllm.backends import block_formats_of
 from connector.vllm.layout import (
@@ -370,7 +370,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
-        """connector.metrics on vLLM's /metrics (see connector/vllm/metrics.py)."""
+        """connector.observability.metrics on vLLM's /metrics (see connector/vllm/metrics.py)."""
         from connector.vllm.metrics import build_prom_metrics
 
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.metadata import ConnectorMetadata, WorkerReport
-from connector.metrics import MetricsInterval
+from connector.observability.metrics import MetricsInterval
 from connector.staging import StagedBlocks
 from scheduler.requests import FinishedRequests
 from worker.load_lifecycle import ABORTED_REASON as ABORTED
@@ -79,7 +79,8 @@ class NixlPDStats(KVConnectorStats):
     and hands ``data`` to NixlPDPromMetrics for its /metrics).
 
     ``STAT_KEYS`` count reports per rank: a request loaded by 2 decode ranks counts 2
-    loads_finished. ``data["metrics"]`` is what connector.metrics recorded in the interval.
+    loads_finished. ``data["metrics"]`` is what connector.observability.metrics recorded in the
+    interval.
     """
 
     def __post_init__(self) -> None:

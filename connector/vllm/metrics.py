@@ -2,8 +2,8 @@
 
 vLLM 0.33 calls ``NixlPDConnector.build_prom_metrics`` once per API server with its own
 metric classes (multiprocess-aware) and engine labels, then ``observe`` with each interval's
-aggregated ``NixlPDStats.data``. The metrics are connector.metrics' own (same names, help and
-buckets as ``nixl-pd serve --metrics-port``), with vLLM's engine labels in front.
+aggregated ``NixlPDStats.data``. The metrics are connector.observability.metrics' own (same names,
+help and buckets as ``nixl-pd serve --metrics-port``), with vLLM's engine labels in front.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from connector.metrics import COUNTER, METRICS, MetricSpec
+from connector.observability.metrics import COUNTER, METRICS, MetricSpec
 from connector.vllm.messages import interval_of
 
 
 class NixlPDPromMetrics(KVConnectorPromMetrics):
-    """One vLLM metric per connector.metrics spec; children per engine (and reason kind)."""
+    """One vLLM metric per connector.observability.metrics spec; children per engine (and reason
+    kind)."""
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.memory import HOST_MEMORY
 from connector.metadata import BlockIds, WorkerReport
-from connector.metrics import default_recorder
+from connector.observability.metrics import default_recorder
 from connector.vllm.devices import memory_of
 from connector.vllm.layout import kernel_block_sizes_of, region_addresses
 from connector.vllm.messages import (
@@ -161,7 +161,7 @@ class WorkerSide:
 
     def stats(self) -> NixlPDStats | None:
         """Counters of the reports not yet handed to the scheduler (this step's), and what
-        this process recorded into connector.metrics since the last call."""
+        this process recorded into connector.observability.metrics since the last call."""
         stats = NixlPDStats.from_interval(default_recorder().take_interval())
         for report in self._reports:
             stats = stats.aggregate(NixlPDStats.from_report(report))  # type: ignore[assignment]

@@ -1,7 +1,7 @@
 """The connector's metrics: names, types, units and help texts once, and a recorder for them.
 
 Everything here is plain data (no prometheus_client): the connector records into a
-``MetricsRecorder``; the edges export it (``connector.metrics_prometheus`` for an HTTP
+``MetricsRecorder``; the edges export it (``connector.observability.metrics_prometheus`` for an HTTP
 ``/metrics``, ``connector.vllm.metrics`` for vLLM's own endpoint). Names follow Prometheus
 conventions: the ``nixl_pd_`` prefix, the unit as a suffix, counters ending in ``_total``.
 
@@ -193,7 +193,7 @@ METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
 
 # (how the reason starts, kind) for loads and (text in the reason, kind) for handshakes: the
 # first match wins. The texts are ours (worker/loads.py, worker/peers.py,
-# connector/side_channel_client.py), so the mapping is tested against them.
+# connector/net/side_channel_client.py), so the mapping is tested against them.
 _LOAD_PATTERNS = (
     ("handshake with", "handshake"),
     ("cannot plan", "plan"),

@@ -1,4 +1,4 @@
-"""The doctor's verdicts: facts gathered by connector.doctor in, one Check per finding out.
+"""The doctor's verdicts: facts gathered by connector.tools.doctor in, one Check per finding out.
 
 Pure: no sockets, processes, clocks or NIXL. Each Check says what was found and, when it is
 not ok, the one-line fix. ``fail`` means a deployment cannot work (no NIXL, no UCX backend, an
@@ -14,8 +14,8 @@ from typing import Literal
 import msgspec
 
 from connector.config import ENV_SIDE_CHANNEL_SECRET
-from connector.doctor_ucx import TransportClass
 from connector.errors import ConnectorError
+from connector.tools.doctor_ucx import TransportClass
 from worker.compat import Fingerprint, check_compatible
 from worker.topology import tp_ratio
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from connector.metrics import (
+from connector.observability.metrics import (
     LOADS_FAILED,
     LOADS_FINISHED,
     POST_SECONDS,
@@ -66,7 +66,7 @@ class LoadTrace(
     remote_request_id: str
     remote_engine_id: str
     agent: str  # this rank's NIXL agent name: which rank the line is from
-    outcome: str  # "ok" or the failure kind (connector.metrics.LOAD_FAILURE_KINDS)
+    outcome: str  # "ok" or the failure kind (connector.observability.metrics.LOAD_FAILURE_KINDS)
     reason: str | None
     handshake_ready_ms: float | None
     planned_ms: float | None

@@ -27,7 +27,13 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from connector.errors import UnsupportedConfiguration
-from connector.metrics import COUNTER, METRICS, MetricSpec, MetricsRecorder, MetricsSnapshot
+from connector.observability.metrics import (
+    COUNTER,
+    METRICS,
+    MetricSpec,
+    MetricsRecorder,
+    MetricsSnapshot,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,7 @@ def _le(upper: float) -> str:
 
 
 class SnapshotCollector(Collector):
-    """Every metric of connector.metrics, from ``recorder``'s snapshot at scrape time."""
+    """Every metric of ``metrics.METRICS``, from ``recorder``'s snapshot at scrape time."""
 
     def __init__(self, recorder: MetricsRecorder) -> None:
         self._recorder = recorder

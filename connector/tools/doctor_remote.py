@@ -1,12 +1,12 @@
 """The doctor's two-host READ: a NIXL target on one host, a reader on the other, over the network.
 
-``--listen HOST:PORT`` starts a ``connector.doctor_peer`` target and waits (bounded) for one
+``--listen HOST:PORT`` starts a ``connector.tools.doctor_peer`` target and waits (bounded) for one
 peer on a ZMQ REP socket bound to HOST:PORT; it hands that peer the target's buffer address and
 agent metadata (Offer), then waits for the peer's Report and returns it. ``--peer HOST:PORT``
 asks for the Offer, starts a ``doctor_peer`` reader with ``UCX_PROTO_INFO=y`` into its own log,
 READs the target, names the transport from UCX's protocol tables, and sends its Report back so
 that both sides print the same verdict. Messages are msgpack, size-bounded, decoded into typed
-structs (connector.doctor_hosts); every wait has a deadline; the children are always stopped.
+structs (connector.tools.doctor_hosts); every wait has a deadline; the children are always stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from connector.doctor_hosts import (
+from connector.errors import TransferFailed
+from connector.net.side_channel_client import zmq_endpoint
+from connector.tools.doctor_hosts import (
     MAX_REMOTE_BYTES,
     MESSAGE_DECODER,
     Bye,
@@ -30,10 +32,8 @@ from connector.doctor_hosts import (
     RemoteRead,
     Report,
 )
-from connector.doctor_loopback import STOP_TIMEOUT_S, PeerProcess, ReaderResult
-from connector.doctor_ucx import parse_proto_tables, read_lanes, read_scopes, slowest_class
-from connector.errors import TransferFailed
-from connector.side_channel_client import zmq_endpoint
+from connector.tools.doctor_loopback import STOP_TIMEOUT_S, PeerProcess, ReaderResult
+from connector.tools.doctor_ucx import parse_proto_tables, read_lanes, read_scopes, slowest_class
 
 MAX_MESSAGE_BYTES = 2**20  # agent metadata is a few KiB
 _ENCODER = msgspec.msgpack.Encoder()

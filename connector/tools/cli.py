@@ -2,7 +2,7 @@
 
 The CLI sits on top of the import layers (docs/architecture.md): it wires the example engine
 and the doctor together, importing each inside the command that runs it. The example engine
-ships with the source tree, not the wheel (connector/source_tree.py finds it).
+ships with the source tree, not the wheel (connector/tools/source_tree.py finds it).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import NoReturn
 
 import msgspec
 
-from connector import source_tree
 from connector.errors import ConnectorError
+from connector.tools import source_tree
 
 MODELS = ("dense", "mla", "hybrid-swa", "hybrid-ssm")
 
@@ -267,7 +267,7 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from connector import doctor
+    from connector.tools import doctor
 
     return doctor.main(
         args.side_channel,

@@ -1,12 +1,12 @@
 """`nixl-pd doctor`: gather facts about this host and the given engines, judge them, report.
 
 The facts: NIXL loads and creates a UCX backend (in this process); a real loopback READ
-between two processes, with the transport UCX names for it (connector.doctor_loopback); a
+between two processes, with the transport UCX names for it (connector.tools.doctor_loopback); a
 real handshake with each ``--side-channel HOST:PORT``; the environment. In two-host mode
-(``--listen`` on one host, ``--peer`` on the other: connector.doctor_remote) a READ between
+(``--listen`` on one host, ``--peer`` on the other: connector.tools.doctor_remote) a READ between
 the hosts replaces the loopback READ. The verdicts live in
-connector.doctor_checks and connector.doctor_env (pure); this module only does the I/O and
-prints. Every network call and child process is bounded in time.
+connector.tools.doctor_checks and connector.tools.doctor_env (pure); this module only does the
+I/O and prints. Every network call and child process is bounded in time.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from typing import NoReturn
 import msgspec
 
 from connector.config import ENV_SIDE_CHANNEL_SECRET, ConnectorConfig
-from connector.doctor_checks import (
+from connector.errors import ConnectorError, UnsupportedConfiguration
+from connector.net.side_channel_client import fetch_handshake
+from connector.tools.doctor_checks import (
     Check,
     Loopback,
     NixlProbe,
@@ -41,12 +43,10 @@ from connector.doctor_checks import (
     check_side_channel,
     exit_code,
 )
-from connector.doctor_env import EnvFacts, check_env
-from connector.doctor_hosts import RemoteRead, check_remote_read, check_tls_across_hosts
-from connector.doctor_loopback import run_loopback
-from connector.doctor_remote import run_listener, run_peer
-from connector.errors import ConnectorError, UnsupportedConfiguration
-from connector.side_channel_client import fetch_handshake
+from connector.tools.doctor_env import EnvFacts, check_env
+from connector.tools.doctor_hosts import RemoteRead, check_remote_read, check_tls_across_hosts
+from connector.tools.doctor_loopback import run_loopback
+from connector.tools.doctor_remote import run_listener, run_peer
 
 MAX_RANKS_PROBED = 64  # an engine's TP ranks asked for their handshake, at most
 PORT_PROBE_TIMEOUT_S = 1.0

@@ -1,6 +1,6 @@
 """The doctor's loopback READ: two agent processes on this host, and what UCX says it used.
 
-Starts ``connector.doctor_peer`` twice (a target holding a pattern, a reader that READs it),
+Starts ``connector.tools.doctor_peer`` twice (a target holding a pattern, a reader that READs it),
 relays the target's agent metadata to the reader, and reads the reader's UCX protocol tables
 (``UCX_PROTO_INFO=y`` into its own ``UCX_LOG_FILE``) to name the transport that moved the
 bytes. Both processes start at once (each pays NIXL's start-up cost in parallel), every wait
@@ -21,9 +21,9 @@ from typing import IO, NamedTuple
 
 import msgspec
 
-from connector.doctor_checks import Loopback
-from connector.doctor_ucx import message_lanes, parse_proto_tables, read_lanes, slowest_class
 from connector.errors import TransferFailed
+from connector.tools.doctor_checks import Loopback
+from connector.tools.doctor_ucx import message_lanes, parse_proto_tables, read_lanes, slowest_class
 
 DEFAULT_NET_DEVICES = "lo"
 STOP_TIMEOUT_S = 5.0
@@ -37,7 +37,7 @@ class PeerProcess:
         self.role = args[0]
         self._stderr = stderr
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "connector.doctor_peer", *args],
+            [sys.executable, "-m", "connector.tools.doctor_peer", *args],
             env=dict(env),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -1,12 +1,12 @@
 """One side of the doctor's loopback READ, run as its own process: the target or the reader.
 
-``python -m connector.doctor_peer target --num-bytes N`` registers N bytes holding a known
+``python -m connector.tools.doctor_peer target --num-bytes N`` registers N bytes holding a known
 pattern with a real NIXL agent (UCX, DRAM; the same RealNixlAgent the connector uses) and
 prints ``READY <address> <agent metadata hex>``. Told ``idle <seconds>`` on stdin, it measures
 how much CPU it uses doing nothing for that long (a spinning progress thread shows here) and
 prints ``IDLE_CPU <fraction of one core>``; any other line, or stdin closing, makes it exit.
 
-``python -m connector.doctor_peer reader --num-bytes N --reads K`` creates its agent, then
+``python -m connector.tools.doctor_peer reader --num-bytes N --reads K`` creates its agent, then
 reads ``<address> <metadata hex>`` from stdin, READs the target's N bytes once to warm up
 (connection, page faults) and K more times timed, checks the bytes, and prints
 ``RESULT <bytes per READ> <timed seconds> <K> <descriptors per READ> <1 if bytes matched>``.
@@ -108,7 +108,7 @@ def run_reader(num_bytes: int, num_reads: int, lifetime_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m connector.doctor_peer")
+    parser = argparse.ArgumentParser(prog="python -m connector.tools.doctor_peer")
     parser.add_argument("role", choices=("target", "reader"))
     parser.add_argument("--num-bytes", type=int, default=32 * 2**20)
     parser.add_argument("--reads", type=int, default=4)

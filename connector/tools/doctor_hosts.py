@@ -2,7 +2,7 @@
 
 `nixl-pd doctor --listen HOST:PORT` on one host serves a NIXL target; `nixl-pd doctor --peer
 HOST:PORT` on the other READs it and names the UCX transport that moved the bytes
-(connector.doctor_remote does the I/O). Between two hosts, only a network transport can work:
+(connector.tools.doctor_remote does the I/O). Between two hosts, only a network transport can work:
 seeing CMA or shared memory means both sides share one kernel (the same machine, or network
 namespaces of one machine), so the READ says nothing about the network.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import msgspec
 
-from connector.doctor_checks import Check, Status
-from connector.doctor_ucx import TransportClass, transport_class
+from connector.tools.doctor_checks import Check, Status
+from connector.tools.doctor_ucx import TransportClass, transport_class
 
 MAX_REMOTE_BYTES = 2**30  # the largest READ a listener may offer (the peer allocates it)
 

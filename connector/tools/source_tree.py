@@ -23,7 +23,7 @@ class ExampleEngineMissing(UnsupportedConfiguration):
 
 def find_root() -> Path | None:
     """The clone this package was installed from (editable), or None for a wheel install."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the clone: <root>/connector/tools/this file
     has_engine = (root / "examples" / "__init__.py").is_file()
     return root if has_engine and (root / "pyproject.toml").is_file() else None
 

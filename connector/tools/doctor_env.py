@@ -1,6 +1,6 @@
 """The doctor's environment verdicts: UCX device and transport settings, side-channel config.
 
-Pure: facts gathered by connector.doctor in (variables, interfaces, who holds the configured
+Pure: facts gathered by connector.tools.doctor in (variables, interfaces, who holds the configured
 port), Checks out, each with its one-line fix.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from connector.doctor_checks import Check
-from connector.doctor_ucx import transport_class
+from connector.tools.doctor_checks import Check
+from connector.tools.doctor_ucx import transport_class
 
 
 class EnvFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
