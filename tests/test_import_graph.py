@@ -42,6 +42,7 @@ CONTRACTS = frozenset(
         "ratelimit",
         "side_channel_client",
         "staging",
+        "token_digest",
         "trace",
     )
 ) | {"connector"}
