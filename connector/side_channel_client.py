@@ -173,6 +173,7 @@ def check_leases(
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    reader: ReaderId | None = None,
 ) -> tuple[bool, ...]:
     """For each (remote request id, lease id): does prefill ``engine_id``, boot ``boot_id``,
     hold that very lease now?
@@ -182,7 +183,7 @@ def check_leases(
     """
     return check_leases_status(
         host, port, leases, engine_id=engine_id, boot_id=boot_id, secret=secret,
-        timeout_s=timeout_s, max_message_bytes=max_message_bytes,
+        timeout_s=timeout_s, max_message_bytes=max_message_bytes, reader=reader,
     ).held  # fmt: skip
 
 
