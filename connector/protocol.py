@@ -28,6 +28,13 @@ captured before a restart names the old boot id and is refused by the restarted 
 when it reuses the engine id and port. ``Hello`` itself is harmless to replay: it changes
 nothing and its reply says only the engine id and boot id.
 
+Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
+reading engine's id and its process's boot id, so the holder can tell a reader that
+restarted under its engine id (scheduler/readers.py). A LeaseRef may carry the digest of the
+tokens the reader expects the lease's blocks to hold (connector/token_digest.py); the holder
+refuses a held lease to a reader expecting other tokens (``LeaseStatus.refused``). Both are
+optional: an older peer's messages decode as before.
+
 Decoders never raise anything but ProtocolError (InvalidNotification for free notifications):
 msgspec also raises UnicodeDecodeError for bad UTF-8 and RecursionError for deep nesting, and
 a peer must not be able to turn either into a traceback.
@@ -98,6 +105,7 @@ class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="he
 
     ``engine_id`` names the prefill engine that holds them: request ids may repeat across a
     restart on the same host:port, so the server refuses a message meant for another engine.
+    ``reader`` names the sender; the held leases it names are claimed by that reader boot.
     """
 
     engine_id: EngineId

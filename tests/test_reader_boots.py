@@ -3,14 +3,16 @@ claimed, at the new boot's first message, instead of holding the blocks until th
 
 Unit level: the lease table's claims and retirements (scheduler/readers.py), and the side
 channel reporting who sent a message. End to end on the example engine (FakeNixl, in
-process, an injected clock that never reaches the TTL): decode boot 1 reads under a prefill
-lease and dies mid-load; decode boot 2, same engine id, serves another request, and prefill
+process, an injected clock that never reaches the TTL): decode boot 1 (TP 1, or TP 2: two
+ranks read each lease, and prefill waits for both) reads under a prefill lease and dies
+mid-load; decode boot 2, same engine id, serves another request, and prefill
 frees boot 1's lease at once, leaving a never-claimed lease and one another reader also
 claimed alone. The prefill-restart analogue is tests/test_e2e_two_boots.py.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -29,6 +31,7 @@ from connector.protocol import (
 )
 from connector.side_channel_client import check_leases
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from worker.fake import FakeFabric, FakeNixl, FakeRead
@@ -132,6 +135,35 @@ def test_the_side_channel_tells_the_holder_who_sent_a_message(
     assert seen.calls == ([] if names is None else [(NEW, names)])
 
 
+def test_heartbeats_and_releases_name_their_reader_over_the_network() -> None:
+    class Recorded(_Seen):
+        def __init__(self) -> None:
+            super().__init__()
+            self.arrived = threading.Event()
+
+        def __call__(self, reader: ReaderId, names: tuple[str, ...]) -> int:
+            super().__call__(reader, names)
+            if len(self.calls) == 2:
+                self.arrived.set()
+            return 0
+
+    seen = Recorded()
+    server = SideChannelServer(
+        "127.0.0.1", 0, {}, engine_id="p", on_heartbeat=len, on_release=len, on_reader=seen
+    )
+    server.start()
+    sender = HeartbeatSender(secret=None, timeout_s=2.0, reader=NEW)
+    try:
+        address = ("127.0.0.1", server.port)
+        sender.submit(*address, ["h@L"], engine_id="p", boot_id=server.boot_id)
+        sender.submit_release(*address, ["r@L"], engine_id="p", boot_id=server.boot_id)
+        assert seen.arrived.wait(10.0)
+    finally:
+        sender.stop()
+        server.stop()
+    assert seen.calls == [(NEW, ("h@L",)), (NEW, ("r@L",))]
+
+
 # ---- end to end: decode boot 1 dies mid-load, boot 2 serves ------------------------------
 
 
@@ -157,11 +189,16 @@ class _Clock:
 
 
 def _engine(
-    role: str, engine_id: str, fabric: FakeFabric, clock: _Clock, posted: list[str] | None = None
+    role: str,
+    engine_id: str,
+    fabric: FakeFabric,
+    clock: _Clock,
+    posted: list[str] | None = None,
+    tp_size: int = 1,
 ) -> Engine:
     config = ConnectorConfig(side_channel_port=0, kv_lease_duration_s=30.0, handshake_timeout_s=5.0)
     return Engine(
-        EngineConfig(engine_id, role=role, num_blocks=64),
+        EngineConfig(engine_id, role=role, num_blocks=64, tp_size=tp_size),
         connector_config=config,
         clock=clock,
         agent_factory=lambda name: CountingNixl(name, fabric, posted),
@@ -194,11 +231,16 @@ def _restarted() -> int:
     )
 
 
-def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed() -> None:
+@pytest.mark.parametrize(
+    "decode_tp", [1, 2], ids=["decode-tp1", "decode-tp2-two-readers-per-lease"]
+)
+def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
+    decode_tp: int,
+) -> None:
     fabric, clock = FakeFabric(), _Clock()
     prefill = _engine("prefill", "prefill-rb", fabric, clock)
     posted: list[str] = []
-    boot1 = _engine("decode", "decode-pinned", fabric, clock, posted)
+    boot1 = _engine("decode", "decode-pinned", fabric, clock, posted, decode_tp)
     boot2: Engine | None = None
     try:
         params = {name: _prefill(prefill, name, _prompt(seed)) for seed, name in enumerate("abcd")}
@@ -227,7 +269,7 @@ def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
         assert set(prefill.held) == {"a", "b", "c", "d"}
         before = _restarted()
         # Boot 2 (same engine id, a new process boot) serves "d": its first check names it.
-        boot2 = _engine("decode", "decode-pinned", fabric, clock)
+        boot2 = _engine("decode", "decode-pinned", fabric, clock, tp_size=decode_tp)
         boot2.add_request(EngineRequest("dd", [*_prompt(3), 1], 2, params["d"]))
         done = _run((prefill, boot2), "dd")
         assert done.error is None and done.num_external_tokens == 32
