@@ -25,9 +25,20 @@ from connector.protocol import (
     TokenDigest,
     decode_request_payload,
 )
+from connector.side_channel_client import check_leases_status
 from connector.token_digest import pack_tokens, token_digest, tokens_verdict
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.leases import LeaseTable
+from tests.scheduler_helpers import (
+    CONFIG,
+    DENSE,
+    FakeClock,
+    RecordingHeartbeats,
+    decode_request,
+    handshakes,
+    start_load,
+)
 from worker.fake import FakeFabric, FakeNixl, FakeRead
 from worker.nixl_api import TransferState
 
@@ -254,3 +265,59 @@ def test_a_next_turn_whose_history_was_edited_does_not_pull_it() -> None:
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+# ---- the engine-agnostic API: which ids a load and a lease are bound to ---------------------
+
+
+def _connector(engine_id: str, role: Role) -> SchedulerConnector:
+    return SchedulerConnector(
+        msgspec.structs.replace(CONFIG, side_channel_port=0),
+        engine_id=engine_id,
+        role=role,
+        spec=DENSE,
+        tp_size=2,
+        clock=FakeClock(),
+        heartbeat_sender=RecordingHeartbeats(),
+    )
+
+
+def test_a_loads_ranks_check_the_requests_first_tokens_as_this_reader() -> None:
+    decode = _connector("decode-0", Role.CONSUMER)
+    try:
+        ids = list(range(500, 545))  # 45 ids; the load covers the first 40
+        params = decode_request().kv_transfer_params
+        spec = start_load(decode, RequestInfo("d1", 40, params, token_ids=ids))
+        assert spec.remote.tokens == token_digest(ids, 40)
+        assert spec.remote.reader == decode.reader
+        assert decode.reader.engine_id == "decode-0" and len(decode.reader.boot_id) == 32
+    finally:
+        decode.shutdown()
+
+
+def test_prefill_binds_its_lease_to_the_prompt_it_leased() -> None:
+    prefill = _connector("prefill-0", Role.PRODUCER)
+    try:
+        prefill.start_side_channel(handshakes("prefill-0"))
+        prompt = list(range(7, 47))
+        info = RequestInfo("p1", 40, {"do_remote_decode": True}, token_ids=[*prompt, 3])
+        _, params = prefill.request_finished(info, ((1, 2, 3),))
+        assert params is not None
+        lease_id = params["remote_lease_id"]
+        refs = [
+            LeaseRef("p1", lease_id, (), token_digest(prompt, 40)),
+            LeaseRef("p1", lease_id, (), token_digest([*prompt[:39], 8], 40)),
+        ]
+        status = check_leases_status(
+            "127.0.0.1",
+            params["remote_port"],
+            refs,
+            engine_id="prefill-0",
+            boot_id=params["remote_boot_id"],
+            secret=None,
+            timeout_s=5.0,
+        )
+        assert status.held == (True, False)
+        assert status.refused[0] == "" and "other tokens" in status.refused[1]
+    finally:
+        prefill.shutdown()
