@@ -4,8 +4,8 @@ claimed, at the new boot's first message, instead of holding the blocks until th
 Unit level: the lease table's claims and retirements (scheduler/readers.py), and the side
 channel reporting who sent a message. End to end on the example engine (FakeNixl, in
 process, an injected clock that never reaches the TTL): decode boot 1 (TP 1, or TP 2: two
-ranks read each lease, and prefill waits for both) reads under a prefill lease and dies
-mid-load; decode boot 2, same engine id, serves another request, and prefill
+ranks read each lease, and prefill waits for both) checks its lease on every rank, as its
+scheduler side and ranks do before any READ, and dies; decode boot 2, same engine id, serves another request, and prefill
 frees boot 1's lease at once, leaving a never-claimed lease and one another reader also
 claimed alone. The prefill-restart analogue is tests/test_e2e_two_boots.py.
 """
@@ -13,6 +13,7 @@ claimed alone. The prefill-restart analogue is tests/test_e2e_two_boots.py.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -31,11 +32,12 @@ from connector.protocol import (
 )
 from connector.side_channel_client import check_leases
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
-from worker.fake import FakeFabric, FakeNixl, FakeRead
-from worker.nixl_api import TransferState
+from worker.fake import FakeFabric, FakeNixl
+from worker.lease_checks import SilentSideChannels, side_channel_batch_check
 
 OLD, NEW = ReaderId("decode-0", "a" * 32), ReaderId("decode-0", "b" * 32)
 OTHER = ReaderId("decode-1", "c" * 32)
@@ -167,20 +169,6 @@ def test_heartbeats_and_releases_name_their_reader_over_the_network() -> None:
 # ---- end to end: decode boot 1 dies mid-load, boot 2 serves ------------------------------
 
 
-class CountingNixl(FakeNixl):
-    """FakeNixl that records the READs it posts (given a list), which then never land."""
-
-    def __init__(self, name: str, fabric: FakeFabric, posted: list[str] | None) -> None:
-        super().__init__(name, fabric)
-        self._posted = [] if posted is None else posted
-        if posted is not None:
-            self.faults.stall_polls = 10**9  # its READs never land (the process dies first)
-
-    def post(self, transfer: FakeRead) -> TransferState:
-        self._posted.append(self.name)
-        return super().post(transfer)
-
-
 class _Clock:
     now_s = 1000.0
 
@@ -193,15 +181,23 @@ def _engine(
     engine_id: str,
     fabric: FakeFabric,
     clock: _Clock,
-    posted: list[str] | None = None,
+    *,
     tp_size: int = 1,
+    bidirectional: bool = False,
 ) -> Engine:
-    config = ConnectorConfig(side_channel_port=0, kv_lease_duration_s=30.0, handshake_timeout_s=5.0)
+    config = ConnectorConfig(
+        side_channel_port=0,
+        kv_lease_duration_s=30.0,
+        handshake_timeout_s=5.0,
+        bidirectional_kv_xfer=bidirectional,
+        kv_recompute_threshold=8,
+    )
+
     return Engine(
         EngineConfig(engine_id, role=role, num_blocks=64, tp_size=tp_size),
         connector_config=config,
         clock=clock,
-        agent_factory=lambda name: CountingNixl(name, fabric, posted),
+        agent_factory=lambda name: FakeNixl(name, fabric),
     )
 
 
@@ -231,6 +227,45 @@ def _restarted() -> int:
     )
 
 
+def _held_becomes(engine: Engine, expected: set[str], timeout_s: float = 10.0) -> bool:
+    """Step ``engine`` until it holds exactly ``expected`` (notifications arrive on its
+    transfer thread); bounded by ``timeout_s``."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        engine.step()
+        if set(engine.held) == expected:
+            return True
+    return False
+
+
+def _claim_as_ranks(boot: SchedulerConnector, info: RequestInfo, num_ranks: int) -> None:
+    """What a reader boot's ranks do first with a load: its LeaseCheck before any READ (the
+    scheduler names this boot in the LoadSpec; the ranks send the real check). The boot then
+    dies before reading: nothing frees the lease but its holder."""
+    num_tokens, loads = boot.get_num_new_matched_tokens(info, 0)
+    assert loads and num_tokens > 0
+    block_ids = (tuple(range(10, 10 + -(-num_tokens // 16))),)
+    boot.update_state_after_alloc(info, block_ids, num_tokens)
+    (spec,) = boot.build_connector_meta().loads
+    assert spec.remote.reader == boot.reader
+    config = ConnectorConfig(handshake_timeout_s=5.0)
+    check = side_channel_batch_check(config, SilentSideChannels(5.0))
+    for _ in range(num_ranks):
+        assert check([spec.remote], False) == [True]
+    boot.shutdown()
+
+
+def _boot(engine_id: str, like: Engine, tp_size: int, **config: Any) -> SchedulerConnector:
+    """A reader engine's scheduler side, as a restarted process starts it: a new boot."""
+    return SchedulerConnector(
+        ConnectorConfig(side_channel_port=0, **config),
+        engine_id=engine_id,
+        role=Role.BOTH,
+        spec=like.spec,
+        tp_size=tp_size,
+    )
+
+
 @pytest.mark.parametrize(
     "decode_tp", [1, 2], ids=["decode-tp1", "decode-tp2-two-readers-per-lease"]
 )
@@ -239,20 +274,12 @@ def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
 ) -> None:
     fabric, clock = FakeFabric(), _Clock()
     prefill = _engine("prefill", "prefill-rb", fabric, clock)
-    posted: list[str] = []
-    boot1 = _engine("decode", "decode-pinned", fabric, clock, posted, decode_tp)
     boot2: Engine | None = None
     try:
         params = {name: _prefill(prefill, name, _prompt(seed)) for seed, name in enumerate("abcd")}
-        # Boot 1 loads "a" and dies with its READ in flight: its lease check claimed "a".
-        boot1.add_request(EngineRequest("da", [*_prompt(0), 1], 2, params["a"]))
-        for _ in range(2000):
-            boot1.step()
-            if posted:
-                break
-        else:
-            raise AssertionError("boot 1 never posted its READ")
-        boot1.shutdown()
+        # Boot 1 checks its lease of "a" on every rank, then dies before reading.
+        boot1 = _boot("decode-pinned", prefill, decode_tp)
+        _claim_as_ranks(boot1, RequestInfo("da", 32, params["a"], token_ids=_prompt(0)), decode_tp)
         # Another reader engine claims "c" too; "b" is claimed by nobody.
         c = params["c"]
         held = check_leases(
@@ -266,6 +293,8 @@ def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
             reader=OTHER,
         )
         assert held == (True,)
+        for _ in range(20):
+            prefill.step()
         assert set(prefill.held) == {"a", "b", "c", "d"}
         before = _restarted()
         # Boot 2 (same engine id, a new process boot) serves "d": its first check names it.
@@ -273,12 +302,50 @@ def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
         boot2.add_request(EngineRequest("dd", [*_prompt(3), 1], 2, params["d"]))
         done = _run((prefill, boot2), "dd")
         assert done.error is None and done.num_external_tokens == 32
-        for _ in range(100):
-            prefill.step()
-        assert set(prefill.held) == {"b", "c"}  # "a" freed long before its 30 s lease
+        # "a" freed long before its 30 s lease ("d" once boot 2's notification arrives)
+        assert _held_becomes(prefill, {"b", "c"})
         assert _restarted() - before == 1
     finally:
         prefill.shutdown()
-        boot1.shutdown()
+        if boot2 is not None:
+            boot2.shutdown()
+
+
+def test_a_prefill_restarted_mid_pull_frees_the_decode_hold_its_old_boot_claimed() -> None:
+    """Multi-turn: decode holds two conversations' turn 1 for prefill; prefill boot 1 checks
+    its pull of the first and dies; boot 2 (same engine id) pulls the second, and decode ends
+    the first hold at once instead of at decoder_kv_blocks_ttl."""
+    fabric, clock = FakeFabric(), _Clock()
+    prefill = _engine("prefill", "prefill-mt", fabric, clock, bidirectional=True)
+    decode = _engine("decode", "decode-mt", fabric, clock, bidirectional=True)
+    boot2: Engine | None = None
+    try:
+        held = {}
+        for seed, name in enumerate(("c1", "c2")):
+            params = _prefill(prefill, f"{name}-t1p", _prompt(seed))
+            decode.add_request(EngineRequest(name, [*_prompt(seed), 1], 20, params))
+            turn1 = _run((prefill, decode), name)
+            assert turn1.error is None and turn1.kv_transfer_params is not None
+            held[name] = ([*_prompt(seed), 1, *turn1.token_ids], turn1.kv_transfer_params)
+        prefill.shutdown()  # turn 1's prefill is done; the next turns meet new boots
+        for _ in range(50):
+            decode.step()
+        assert set(decode.held) == {"c1", "c2"}
+        history, params = held["c1"]
+        boot1 = _boot("prefill-mt", decode, 1, bidirectional_kv_xfer=True, kv_recompute_threshold=8)
+        prompt = [*history, 9, 9]
+        _claim_as_ranks(boot1, RequestInfo("c1-t2p", len(prompt), params, token_ids=prompt), 1)
+        before = _restarted()
+        boot2 = _engine("prefill", "prefill-mt", fabric, clock, bidirectional=True)
+        history, params = held["c2"]
+        boot2.add_request(EngineRequest("c2-t2p", [*history, 9, 9], 1, params))
+        pulled = _run((boot2, decode), "c2-t2p")
+        assert pulled.error is None and pulled.num_external_tokens > 0
+        # c1: its reader restarted; c2: pulled and notified
+        assert _held_becomes(decode, set())
+        assert _restarted() - before == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
         if boot2 is not None:
             boot2.shutdown()
