@@ -37,6 +37,11 @@ class SideChannelTimeout(HandshakeError):
     """The remote side channel did not answer within the timeout (down, paused or unreachable)."""
 
 
+class TokensMismatch(ConnectorError):
+    """A lease's holder says its blocks hold other tokens than the reader's prompt: the
+    params were paired with another prompt. The message carries the holder's verdict."""
+
+
 class TransferFailed(ConnectorError):
     """A NIXL transfer or notification failed (peer gone, bad descriptor, backend error)."""
 

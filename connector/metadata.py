@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from connector.protocol import ReaderId, TokenDigest
+
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 
 
@@ -27,6 +29,11 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     # blocks also hold the answer): the load then reads from the leading blocks only. None:
     # the blocks cover exactly the load's tokens (prefill's lease).
     num_tokens: int | None = None
+    # Set by the reader's scheduler for its ranks, never taken from params: the tokens this
+    # load expects the blocks to hold (its prompt's first ones), and who reads (this engine
+    # and boot). Lease checks send both (connector/token_digest.py, scheduler/readers.py).
+    tokens: TokenDigest | None = None
+    reader: ReaderId | None = None
 
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

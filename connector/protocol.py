@@ -28,6 +28,13 @@ captured before a restart names the old boot id and is refused by the restarted 
 when it reuses the engine id and port. ``Hello`` itself is harmless to replay: it changes
 nothing and its reply says only the engine id and boot id.
 
+Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
+reading engine's id and its process's boot id, so the holder can tell a reader that
+restarted under its engine id (scheduler/readers.py). A LeaseRef may carry the digest of the
+tokens the reader expects the lease's blocks to hold (connector/token_digest.py); the holder
+refuses a held lease to a reader expecting other tokens (``LeaseStatus.refused``). Both are
+optional: an older peer's messages decode as before.
+
 Decoders never raise anything but ProtocolError (InvalidNotification for free notifications):
 msgspec also raises UnicodeDecodeError for bad UTF-8 and RecursionError for deep nesting, and
 a peer must not be able to turn either into a traceback.
@@ -56,6 +63,7 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 RequestIds = Annotated[tuple[RequestId, ...], msgspec.Meta(max_length=100_000)]
 LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+BootId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class WorkerHandshake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -97,10 +105,12 @@ class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="he
 
     ``engine_id`` names the prefill engine that holds them: request ids may repeat across a
     restart on the same host:port, so the server refuses a message meant for another engine.
+    ``reader`` names the sender; the held leases it names are claimed by that reader boot.
     """
 
     engine_id: EngineId
     remote_request_ids: RequestIds
+    reader: ReaderId | None = None  # None: an older reader that does not name itself
 
 
 class Release(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="release"):
@@ -108,6 +118,7 @@ class Release(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="rele
 
     engine_id: EngineId
     remote_request_ids: RequestIds
+    reader: ReaderId | None = None
 
 
 class DigestClaim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -126,13 +137,31 @@ class DigestClaim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     value: Annotated[int, msgspec.Meta(ge=0)]  # uint64 (msgspec bounds stop at int64)
 
 
+class TokenDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """The token ids a reader expects a lease's blocks to hold: their first ``num_tokens``,
+    digested (connector/token_digest.py: blake2b-64 over the count and the int32 ids)."""
+
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31)]
+    value: Annotated[int, msgspec.Meta(ge=0)]  # uint64 (msgspec bounds stop at int64)
+
+
+class ReaderId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Who sends a lease message: the reading engine's id and the boot of its process (a random
+    id drawn when its scheduler-side connector starts; its worker ranks send the same one)."""
+
+    engine_id: EngineId
+    boot_id: BootId
+
+
 class LeaseRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """One lease as prefill issued it: its request id and the lease id drawn for it, and
-    (verify_kv) what the reader claims to have read from it."""
+    """One lease as its holder issued it: its request id and the lease id drawn for it,
+    (verify_kv) what the reader claims to have read from it, and the tokens the reader
+    expects its blocks to hold (None: an older reader, or one that knows no token ids)."""
 
     remote_request_id: RequestId
     lease_id: LeaseId
     claims: Annotated[tuple[DigestClaim, ...], msgspec.Meta(max_length=4096)] = ()
+    tokens: TokenDigest | None = None
 
 
 class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_check"):
@@ -145,6 +174,7 @@ class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="l
 
     engine_id: EngineId
     leases: Annotated[tuple[LeaseRef, ...], msgspec.Meta(max_length=100_000)]
+    reader: ReaderId | None = None
 
 
 Request = Hello | HandshakeRequest | Heartbeat | Release | LeaseCheck
@@ -176,12 +206,21 @@ DIGEST_OK = "ok"
 DIGEST_PENDING = "pending"  # prefill's ranks have not reported this lease's digests yet
 
 
-class LeaseStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_status"):
+class LeaseStatus(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag="lease_status"
+):
     """Per LeaseRef of a LeaseCheck, in order: is that very lease held now, and (for refs with
-    claims) do the claims match prefill's digests: "ok", "pending", or why not."""
+    claims) do the claims match prefill's digests: "ok", "pending", or why not.
+
+    ``refused`` (empty unless some ref was refused; omitted on the wire then, so an older
+    reader decodes the reply): per ref, why a lease that is held is not held *for this
+    reader* ("" where it is): its blocks hold other tokens than the ref's ``tokens`` say.
+    Such a ref's ``held`` is False.
+    """
 
     held: tuple[bool, ...]
     digests: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
 
 
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):

@@ -171,8 +171,9 @@ class Engine:
         remote_prefill = bool(params and params.get("do_remote_prefill"))
         # A decode request carries prefill's first output token last: its KV is not remote.
         num_kv_tokens = num_tokens - 1 if remote_prefill else num_tokens
-        info = RequestInfo(request.request_id, num_kv_tokens, params)
-        self.waiting.append(_Request(request, info, list(request.prompt_token_ids)))
+        token_ids = list(request.prompt_token_ids)  # grows with the output: leases bind to it
+        info = RequestInfo(request.request_id, num_kv_tokens, params, token_ids=token_ids)
+        self.waiting.append(_Request(request, info, token_ids))
         return None
 
     def has_work(self) -> bool:

@@ -9,6 +9,7 @@ Every method runs on the engine thread; the side-channel thread touches only the
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
 from connector.metadata import ConnectorMetadata, RemoteSource, WorkerReport
 from connector.params import KVTransferParams, parse_kv_transfer_params, validate_block_groups
-from connector.protocol import WorkerHandshake
+from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
 from scheduler.consumer import Consumer
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
@@ -80,6 +81,10 @@ class SchedulerConnector:
         self._pull_kinds_ok = all(group.kind in PULLABLE_KINDS for group in spec.groups)
         self._tp_size = tp_size
         self._clock = clock
+        # This process's boot: its side channel's boot id, and (with the engine id) how it
+        # names itself as a reader, so a holder can tell its restart (scheduler/readers.py).
+        self._boot_id = secrets.token_hex(BOOT_ID_CHARS // 2)
+        self._reader = ReaderId(engine_id, self._boot_id)
         self._leases = LeaseTable(config.kv_lease_duration_s, num_ranks=tp_size)
         # request id -> its parsed params: parsed once, however often vLLM asks
         # get_num_new_matched_tokens, and reused at the request's end. Insertion-ordered, so
@@ -87,7 +92,10 @@ class SchedulerConnector:
         self._parsed: dict[str, _Parsed] = {}
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
-            secret=config.side_channel_secret, timeout_s=config.handshake_timeout_s, clock=clock
+            secret=config.side_channel_secret,
+            timeout_s=config.handshake_timeout_s,
+            clock=clock,
+            reader=self._reader,
         )
         # vLLM treats kv_role as advisory: an engine serves either direction when a request's
         # params ask for it, so both halves always exist; the role only names the usual one.
@@ -106,7 +114,13 @@ class SchedulerConnector:
             heartbeats=self._heartbeats,
             heartbeat_interval_s=config.heartbeat_interval_s,
             clock=clock,
+            reader=self._reader,
         )
+
+    @property
+    def reader(self) -> ReaderId:
+        """How this engine names itself in lease messages: its engine id and this boot."""
+        return self._reader
 
     @property
     def side_channel_port(self) -> int:
@@ -136,8 +150,10 @@ class SchedulerConnector:
             on_heartbeat=lambda ids: self._leases.extend(ids, self._clock()),
             on_release=self._leases.release,
             on_lease_check=lambda refs: self._leases.check(refs, self._clock()),
+            on_reader=self._leases.seen,
             secret=self._config.side_channel_secret,
             max_message_bytes=self._config.max_message_bytes,
+            boot_id=self._boot_id,
         )
         server.start()
         self._side_channel = server
@@ -162,7 +178,7 @@ class SchedulerConnector:
         else:
             validate_block_groups(source.remote_block_ids, self._num_groups)
         return self._consumer.get_num_new_matched_tokens(
-            request.request_id, source, num_tokens, num_computed_tokens
+            request.request_id, source, num_tokens, num_computed_tokens, request.token_ids
         )
 
     def _worth_pulling(self, num_tokens: int) -> bool:
@@ -205,7 +221,7 @@ class SchedulerConnector:
         if params is None or request.aborted or not params.do_remote_decode:
             return False, None
         return self._producer.request_finished(
-            request.request_id, block_ids, request.num_prompt_tokens
+            request.request_id, block_ids, request.num_prompt_tokens, token_ids=request.token_ids
         )
 
     def _hold_for_next_turn(
@@ -223,7 +239,11 @@ class SchedulerConnector:
             logger.debug("request %s: its blocks cannot be held for a pull", request.request_id)
             return False, None
         return self._producer.request_finished(
-            request.request_id, held, num_tokens, hold_s=self._config.decoder_kv_blocks_ttl_s
+            request.request_id,
+            held,
+            num_tokens,
+            hold_s=self._config.decoder_kv_blocks_ttl_s,
+            token_ids=request.token_ids,
         )
 
     def update_connector_output(self, reports: Sequence[WorkerReport]) -> None:

@@ -25,11 +25,14 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+import msgspec
+
 from connector.errors import TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
-from connector.protocol import lease_key
+from connector.protocol import ReaderId, lease_key
+from connector.token_digest import token_digest
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import LOAD_LIFECYCLE, Book, LoadState, OnMove
 from scheduler.suffix import uncached_suffix_blocks
@@ -62,6 +65,7 @@ class _Load:
     ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
     failures: dict[int, str] = dataclasses.field(default_factory=dict)  # tp_rank -> reason
     finished: bool = False  # request_finished was called: forget the record once it is quiet
+    token_ids: Sequence[int] | None = None  # the request's ids, digested once, at its LoadSpec
 
 
 class Consumer:
@@ -75,8 +79,10 @@ class Consumer:
         clock: Callable[[], float],
         on_move: OnMove | None = None,  # sees every state change (tests)
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
+        reader: ReaderId | None = None,  # this engine and boot, named in the ranks' checks
     ) -> None:
         self._metrics = metrics or default_recorder()
+        self._reader = reader
         self._groups = groups
         self._tp_size = tp_size
         self._heartbeats = heartbeats
@@ -90,16 +96,22 @@ class Consumer:
         self._failed: dict[str, str] = {}
 
     def get_num_new_matched_tokens(
-        self, request_id: str, source: RemoteSource, num_tokens: int, num_cached_tokens: int
+        self,
+        request_id: str,
+        source: RemoteSource,
+        num_tokens: int,
+        num_cached_tokens: int,
+        token_ids: Sequence[int] | None = None,  # the request's; its first num_tokens are loaded
     ) -> tuple[int, bool]:
         load = self._loads.get(request_id)
         num_new_tokens = num_tokens - num_cached_tokens
         if load is None:
-            self._loads.start(request_id, _Load(source, num_tokens, num_cached_tokens), MATCHED)
+            load = _Load(source, num_tokens, num_cached_tokens, token_ids=token_ids)
+            self._loads.start(request_id, load, MATCHED)
         elif load.state is MATCHED:
             # Scheduled again before allocation: the local prefix hit may have changed.
             load.source, load.num_tokens = source, num_tokens
-            load.num_cached_tokens = num_cached_tokens
+            load.num_cached_tokens, load.token_ids = num_cached_tokens, token_ids
         else:
             return 0, False  # allocated, loading, reported or released: never a new load
         # Nothing to load (a full local prefix hit): prefill is released at allocation, once
@@ -180,8 +192,17 @@ class Consumer:
             return None
         self._loads.move(request_id, LOADING)
         return LoadSpec(
-            request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, load.source
+            request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, self._bound(load)
         )
+
+    def _bound(self, load: _Load) -> RemoteSource:
+        """The load's source as its ranks check it: naming this reader and the tokens the
+        load expects the remote blocks to hold (its request's first ``num_tokens``)."""
+        tokens = token_digest(load.token_ids, load.num_tokens)
+        load.token_ids = None  # digested: keep no engine list past this step
+        if tokens is None and self._reader is None:
+            return load.source
+        return msgspec.structs.replace(load.source, tokens=tokens, reader=self._reader)
 
     def on_engine_outcomes(self, finished: Iterable[str], failed: Iterable[str]) -> None:
         """The engine's own word that loads ended: ``finished`` ids (``failed`` among them).

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from connector.errors import ConnectorError, PeerRestarted
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
+from connector.protocol import ReaderId
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +173,11 @@ class HeartbeatSender:
         send: SendFn | None = None,
         send_release_fn: SendFn | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reader: ReaderId | None = None,  # this engine and boot, named in every message
     ) -> None:
         message_timeout_s = min(timeout_s, MAX_MESSAGE_TIMEOUT_S)
         self._secret = secret
+        self._reader = reader
         self._message_timeout_s = message_timeout_s
         self._boot_ids = BootIds()
         self._send: SendFn = send or self._over_network(send_heartbeat)
@@ -282,6 +285,7 @@ class HeartbeatSender:
                 boot_id=boot_id,
                 secret=secret,
                 timeout_s=timeout_s,
+                reader=self._reader,
             )
         except PeerRestarted:
             self._boot_ids.forget(destination)

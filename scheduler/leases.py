@@ -17,6 +17,15 @@ from "never leased".
 Each lease also has a lease id, drawn at random when it starts and returned in the params:
 ``held`` answers decode's LeaseCheck for that very lease, so a later lease of a repeated
 request id never vouches for an earlier one's blocks.
+
+A lease may also be bound to the token ids its blocks hold (connector/token_digest.py): a
+LeaseCheck ref that says which tokens its reader expects gets "held" only when they are a
+prefix of those ids; otherwise it is refused for that reader, with the reason. A lease
+taken without ids (an older engine, a prompt without ids) answers as before.
+
+Readers that name themselves claim the held leases their messages name (scheduler/readers.py);
+a message from a new boot of a reader engine ends the leases only its earlier boot claimed,
+handed to the engine thread by ``take_reader_restarted``.
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from connector.metadata import GroupDigests
-from connector.protocol import LeaseRef, LeaseStatus, lease_key
+from connector.protocol import LeaseRef, LeaseStatus, ReaderId, lease_key
+from connector.token_digest import tokens_verdict
 from scheduler.digests import verify_claims
+from scheduler.readers import ReaderBoots
 
 MAX_ENDED_IDS = 4096  # ended lease ids remembered to classify late messages
 
@@ -61,7 +72,10 @@ class LeaseTable:
         self._by_name: dict[str, str] = {}  # held leases: lease key (or bare id) -> request id
         # verify_kv: held leases -> tp_rank -> that rank's digest tables
         self._digests: dict[str, dict[int, tuple[GroupDigests, ...]]] = {}
+        self._tokens: dict[str, bytes] = {}  # held leases bound to token ids: their int32 ids
+        self._readers = ReaderBoots()  # which reader boot claimed which held lease
         self._released: list[str] = []  # released over the side channel, not yet taken
+        self._reader_restarted: list[str] = []  # ended for their reader's restart, not yet taken
         self._ended: OrderedDict[str, None] = OrderedDict()  # recently ended ids, oldest first
         self._stats = LeaseStats()
 
@@ -76,12 +90,22 @@ class LeaseTable:
         return self._duration_s
 
     def lease(
-        self, request_id: str, now: float, lease_id: str = "", duration_s: float | None = None
+        self,
+        request_id: str,
+        now: float,
+        lease_id: str = "",
+        duration_s: float | None = None,
+        tokens: bytes | None = None,
     ) -> float:
         """Hold ``request_id``'s blocks until ``now + duration_s`` (default: the table's; or
-        until extended), as lease ``lease_id``; returns the expiry time."""
+        until extended), as lease ``lease_id``, bound to the token ids ``tokens``
+        (``pack_tokens``; None: unbound); returns the expiry time."""
         duration_s = self._duration_s if duration_s is None else duration_s
         with self._lock:
+            if tokens is not None:
+                self._tokens[request_id] = tokens
+            else:
+                self._tokens.pop(request_id, None)
             self._expiry_s[request_id] = now + duration_s
             if duration_s != self._duration_s:
                 self._own_duration_s[request_id] = duration_s
@@ -117,12 +141,18 @@ class LeaseTable:
             return True
 
     def check(self, refs: Sequence[LeaseRef], now: float) -> LeaseStatus:
-        """Answer a LeaseCheck: each lease held? and, for refs with digest claims, do they
-        match the ranks' digests (verify_kv)?"""
+        """Answer a LeaseCheck: each lease held (for a reader expecting the tokens the ref
+        names)? and, for refs with digest claims, do they match the ranks' digests
+        (verify_kv)?"""
         pairs = [(ref.remote_request_id, ref.lease_id) for ref in refs]
         held = self.held(pairs, now)
+        refused = self._refused(refs, held)
+        if any(refused):
+            held = tuple(is_held and not why for is_held, why in zip(held, refused, strict=True))
+        else:
+            refused = ()
         if not any(ref.claims for ref in refs):
-            return LeaseStatus(held)
+            return LeaseStatus(held, refused=refused)
         with self._lock:
             verdicts = tuple(
                 verify_claims(
@@ -132,7 +162,38 @@ class LeaseTable:
                 else ""
                 for ref, is_held in zip(refs, held, strict=True)
             )
-        return LeaseStatus(held, verdicts)
+        return LeaseStatus(held, verdicts, refused)
+
+    def _refused(self, refs: Sequence[LeaseRef], held: Sequence[bool]) -> tuple[str, ...]:
+        """Per ref: why its held lease's tokens are not the ones it expects, or ""."""
+        with self._lock:  # bytes are immutable: hash them after releasing the lock
+            bound = [
+                self._tokens.get(ref.remote_request_id) if is_held and ref.tokens else None
+                for ref, is_held in zip(refs, held, strict=True)
+            ]
+        return tuple(
+            "" if tokens is None or ref.tokens is None else tokens_verdict(tokens, ref.tokens)
+            for ref, tokens in zip(refs, bound, strict=True)
+        )
+
+    def seen(self, reader: ReaderId, names: Iterable[str]) -> int:
+        """A message from ``reader`` named the leases ``names`` (lease keys; only held ones
+        are claimed). End the leases only an earlier boot of that reader engine claimed;
+        returns how many it ended."""
+        with self._lock:
+            held = [name for name in names if name in self._by_name]
+            orphaned = self._readers.seen(reader, held)
+            for name in orphaned:
+                request_id = self._by_name[name]
+                self._end(request_id)
+                self._reader_restarted.append(request_id)
+        return len(orphaned)
+
+    def take_reader_restarted(self) -> tuple[str, ...]:
+        """Ids ended since the last call because their only reader restarted."""
+        with self._lock:
+            ended, self._reader_restarted = tuple(self._reader_restarted), []
+        return ended
 
     def extend(self, names: Iterable[str], now: float) -> int:
         """Push the held leases ``names`` names (lease keys) out to now plus their duration;
@@ -220,6 +281,8 @@ class LeaseTable:
         name = lease_key(request_id, self._lease_ids.pop(request_id))
         del self._by_name[name]
         self._digests.pop(request_id, None)
+        self._tokens.pop(request_id, None)
+        self._readers.forget(name)
         self._ended[name] = None
         if len(self._ended) > MAX_ENDED_IDS:
             self._ended.popitem(last=False)

@@ -30,6 +30,7 @@ from connector.metadata import BlockIds, DigestSpec, WorkerReport
 from connector.observability.metrics import (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
+    LEASES_READER_RESTARTED,
     LEASES_RELEASED,
     LEASES_STARTED,
     PREFILL_FREE_SECONDS,
@@ -38,6 +39,7 @@ from connector.observability.metrics import (
 )
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
+from connector.token_digest import pack_tokens
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
@@ -97,11 +99,14 @@ class Producer:
         num_tokens: int | None = None,
         *,
         hold_s: float | None = None,
+        token_ids: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """Lease the blocks and return the params their reader needs; (False, None) if we
         cannot.
 
         ``num_tokens``: the tokens whose KV the blocks hold, returned as remote_num_tokens.
+        ``token_ids``: the request's ids, its first ``num_tokens`` those tokens: the lease is
+        bound to them (a reader expecting others is refused); None: not bound.
         ``hold_s`` (a decode engine in bidirectional mode): hold the finished request's
         blocks that long for the next turn's prefill, and return the params it needs.
         """
@@ -119,7 +124,8 @@ class Producer:
         now_s = self._clock()
         lease_id = secrets.token_hex(8)
         key = lease_key(request_id, lease_id)
-        expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s)
+        tokens = None if token_ids is None else pack_tokens(token_ids, num_tokens or 0)
+        expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens)
         digest = None
         if self._verify_kv:
             blocks: BlockIds = tuple(tuple(group) for group in block_ids)
@@ -210,6 +216,15 @@ class Producer:
             if self._book.get(request_id) is not None:
                 logger.info("request %s released by its decode engine", request_id)
                 self._metrics.inc(LEASES_RELEASED)
+                self._end_early(request_id, RELEASED)
+        for request_id in self._leases.take_reader_restarted():
+            if self._book.get(request_id) is not None:
+                logger.info(
+                    "request %s: the only reader that claimed its lease restarted; releasing "
+                    "its blocks",
+                    request_id,
+                )
+                self._metrics.inc(LEASES_READER_RESTARTED)
                 self._end_early(request_id, RELEASED)
 
     def take_finished(self) -> tuple[str, ...]:

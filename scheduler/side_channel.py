@@ -6,6 +6,10 @@ the engine it is for; one meant for another engine (a late message to an engine 
 on this host:port, whose request ids may repeat) is refused and never reaches the callbacks.
 Every request but Hello also names this server's boot id, drawn at random when it is made:
 a frame captured before a restart (same engine id, same port) is refused as stale.
+A reader that names itself in a message (``reader``: its engine id and boot) is reported to
+``on_reader`` with the leases the message named (for a lease check, those found held): the
+holder remembers which reader boot claimed which lease, and ends the leases of a reader's
+earlier boot (scheduler/readers.py). Messages without a reader (older peers) skip it.
 It is a network service: inbound messages are size-bounded (zmq.MAXMSGSIZE drops the peer's
 connection), decoded only through typed msgspec decoders, optionally authenticated, and any bad
 input is answered with an ErrorReply. Refusals are logged through a rate-limited log (one line
@@ -39,6 +43,7 @@ from connector.protocol import (
     LeaseCheck,
     LeaseRef,
     LeaseStatus,
+    ReaderId,
     Release,
     Reply,
     Request,
@@ -46,6 +51,7 @@ from connector.protocol import (
     decode_envelope,
     decode_request_payload,
     encode_reply,
+    lease_key,
 )
 from scheduler.auth import DEFAULT_REPLAY_WINDOW_S, RequestAuthenticator
 
@@ -55,10 +61,16 @@ POLL_INTERVAL_MS = 50
 LeaseCallback = Callable[[tuple[str, ...]], int]  # request ids -> how many were held
 # The leases a LeaseCheck names -> whether each very lease is held now (and its digests match)
 LeaseCheckCallback = Callable[[tuple[LeaseRef, ...]], LeaseStatus]
+# A reader named itself in a message naming these leases (lease keys) -> leases it ended
+ReaderCallback = Callable[[ReaderId, tuple[str, ...]], int]
 
 
 def _no_leases(refs: tuple[LeaseRef, ...]) -> LeaseStatus:
     return LeaseStatus((False,) * len(refs))
+
+
+def _ignore_reader(reader: ReaderId, names: tuple[str, ...]) -> int:
+    return 0
 
 
 class SideChannelServer:
@@ -82,6 +94,7 @@ class SideChannelServer:
         on_heartbeat: LeaseCallback,
         on_release: LeaseCallback,
         on_lease_check: LeaseCheckCallback = _no_leases,
+        on_reader: ReaderCallback = _ignore_reader,
         secret: str | None = None,
         max_message_bytes: int = 16 * 2**20,
         clock: Callable[[], float] = time.time,
@@ -101,6 +114,7 @@ class SideChannelServer:
         self._on_heartbeat = on_heartbeat
         self._on_release = on_release
         self._on_lease_check = on_lease_check
+        self._on_reader = on_reader
         self._secret = secret
         self._max_message_bytes = max_message_bytes
         self._clock = clock
@@ -227,11 +241,27 @@ class SideChannelServer:
             return self._handshake(request.tp_rank)
         if request.engine_id != self._engine_id:
             return self._refuse_other_engine(request)
-        if isinstance(request, Heartbeat):
-            return self._ack(request, self._on_heartbeat(request.remote_request_ids))
+        reply: Reply
         if isinstance(request, LeaseCheck):
-            return self._on_lease_check(request.leases)
-        return self._ack(request, self._on_release(request.remote_request_ids))
+            reply = self._on_lease_check(request.leases)
+            names = _held_names(request.leases, reply)
+        else:
+            on_ids = self._on_heartbeat if isinstance(request, Heartbeat) else self._on_release
+            reply = self._ack(request, on_ids(request.remote_request_ids))
+            names = request.remote_request_ids
+        if request.reader is not None:
+            self._note_reader(request.reader, names)
+        return reply
+
+    def _note_reader(self, reader: ReaderId, names: tuple[str, ...]) -> None:
+        """Tell the holder who sent the message; log the leases its restart orphaned."""
+        num_ended = self._on_reader(reader, names)
+        if num_ended:
+            self._log.info(
+                "reader_restarted", "side channel: reader engine %r is now boot %r; ended %d lease(s) only its "
+                "earlier boot had claimed (it will never read or free them)",
+                reader.engine_id[:80], reader.boot_id, num_ended,
+            )  # fmt: skip
 
     def _ack(self, request: Heartbeat | Release, num_known: int) -> Ack:
         """Acknowledge, noting ids with no lease here (never leased, or already ended)."""
@@ -281,6 +311,17 @@ class SideChannelServer:
                 f"no tp_rank {tp_rank} here: this engine serves ranks {_ranks(self._handshakes)}"
             )
         return HandshakeReply(handshake)
+
+
+def _held_names(refs: tuple[LeaseRef, ...], status: Reply) -> tuple[str, ...]:
+    """The lease keys of the refs a LeaseStatus found held."""
+    if not isinstance(status, LeaseStatus) or len(status.held) != len(refs):
+        return ()
+    return tuple(
+        lease_key(ref.remote_request_id, ref.lease_id)
+        for ref, held in zip(refs, status.held, strict=True)
+        if held
+    )
 
 
 def _ranks(handshakes: Iterable[int]) -> str:

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from connector.config import ConnectorConfig
@@ -353,8 +354,10 @@ def test_decode_lifecycle_loads_the_uncached_suffix_then_reports_once(
     assert decode.get_num_new_matched_tokens(request, 16) == (24, True)  # retried scheduling
     decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
     assert decode.get_num_new_matched_tokens(request, 16) == (0, False)
+    # The ranks check the lease as this reader (no token ids given: no tokens to bind).
+    remote = msgspec.structs.replace(REMOTE, reader=decode.reader)
     assert decode.build_connector_meta() == ConnectorMetadata(
-        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, remote=REMOTE),)
+        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, remote=remote),)
     )
     assert decode.build_connector_meta() == ConnectorMetadata()
     decode.update_connector_output([report(0, finished_recving=("d1",)), report(1)])

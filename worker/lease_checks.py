@@ -18,9 +18,15 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from connector.config import ConnectorConfig
-from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
+from connector.errors import (
+    ConnectorError,
+    HandshakeError,
+    PeerRestarted,
+    SideChannelTimeout,
+    TokensMismatch,
+)
 from connector.metadata import RemoteSource
-from connector.protocol import DIGEST_OK, DigestClaim, LeaseRef
+from connector.protocol import DIGEST_OK, DigestClaim, LeaseRef, LeaseStatus
 
 logger = logging.getLogger(__name__)
 _Answer = TypeVar("_Answer")
@@ -117,14 +123,18 @@ def side_channel_checks(
         status = check_leases_status(
             remote.host,
             remote.port,
-            [LeaseRef(remote.remote_request_id, remote.lease_id, claims)],
+            [lease_ref(remote, claims)],
             engine_id=remote.engine_id,
             boot_id=remote.boot_id,
             secret=config.side_channel_secret,
             timeout_s=config.handshake_timeout_s,
             max_message_bytes=config.max_message_bytes,
+            reader=remote.reader,
         )
-        return status.held[0], status.digests[0] if claims else DIGEST_OK
+        held = answers(status)[0]
+        if isinstance(held, ConnectorError):  # TokensMismatch: fails the load, never retried
+            raise held
+        return held, status.digests[0] if claims else DIGEST_OK
 
     def check_digests(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
         return asked_again(config, lambda: ask(remote, claims), remote, silence)
@@ -138,33 +148,51 @@ def side_channel_checks(
 def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannels) -> BatchCheck:
     """Check many leases of one prefill engine boot in one LeaseCheck (per
     MAX_REFS_PER_MESSAGE), asked again while unanswered, as ``side_channel_checks`` does."""
-    from connector.net.side_channel_client import check_leases
+    from connector.net.side_channel_client import check_leases_status
 
-    def ask(remotes: Sequence[RemoteSource]) -> tuple[bool, ...]:
+    def ask(remotes: Sequence[RemoteSource]) -> list[bool | ConnectorError]:
         first = remotes[0]
-        return check_leases(
-            first.host,
-            first.port,
-            [LeaseRef(remote.remote_request_id, remote.lease_id) for remote in remotes],
-            engine_id=first.engine_id,
-            boot_id=first.boot_id,
-            secret=config.side_channel_secret,
-            timeout_s=config.handshake_timeout_s,
-            max_message_bytes=config.max_message_bytes,
+        return answers(
+            check_leases_status(
+                first.host,
+                first.port,
+                [lease_ref(remote) for remote in remotes],
+                engine_id=first.engine_id,
+                boot_id=first.boot_id,
+                secret=config.side_channel_secret,
+                timeout_s=config.handshake_timeout_s,
+                max_message_bytes=config.max_message_bytes,
+                reader=first.reader,
+            )
         )
 
     def check(remotes: Sequence[RemoteSource], patient: bool) -> list[bool | ConnectorError]:
-        answers: list[bool | ConnectorError] = []
+        results: list[bool | ConnectorError] = []
         for start in range(0, len(remotes), MAX_REFS_PER_MESSAGE):
             part = remotes[start : start + MAX_REFS_PER_MESSAGE]
             asking = functools.partial(ask, part)
             try:
-                answers.extend(asked_again(config, asking, part[0], silence, patient=patient))
+                results.extend(asked_again(config, asking, part[0], silence, patient=patient))
             except ConnectorError as error:
-                answers.extend([error] * len(part))
-        return answers
+                results.extend([error] * len(part))
+        return results
 
     return check
+
+
+def lease_ref(remote: RemoteSource, claims: tuple[DigestClaim, ...] = ()) -> LeaseRef:
+    """The LeaseRef a check of ``remote`` sends: the lease, the digest claims, and the tokens
+    the load expects the blocks to hold."""
+    return LeaseRef(remote.remote_request_id, remote.lease_id, claims, remote.tokens)
+
+
+def answers(status: LeaseStatus) -> list[bool | ConnectorError]:
+    """Per ref: held, not held, or TokensMismatch with the holder's reason (a lease held, but
+    not for this reader: its blocks hold other tokens)."""
+    refused = status.refused or ("",) * len(status.held)
+    return [
+        TokensMismatch(why) if why else held for held, why in zip(status.held, refused, strict=True)
+    ]
 
 
 def one_by_one(check: LeaseCheck) -> BatchCheck:

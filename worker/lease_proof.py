@@ -30,7 +30,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from connector.errors import ConnectorError, PeerRestarted
+from connector.errors import ConnectorError, PeerRestarted, TokensMismatch
 from connector.metadata import RemoteSource
 from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
 from worker.lease_checks import BatchCheck, DigestCheck
@@ -50,6 +50,7 @@ LEASE_UNPROVEN = "lease not proven"
 # A failure reason with this in it: the boot that leased is gone, and its agent with it
 PREFILL_RESTARTED = "the prefill engine restarted since it leased"
 DIGEST_FAILED = "digest"
+TOKENS_MISMATCH = "tokens mismatch"  # the holder's blocks hold other tokens than the prompt
 
 
 def unprovable_reason(remote: RemoteSource) -> str | None:
@@ -86,6 +87,13 @@ def lease_failure(
         )
     if isinstance(held, PeerRestarted):
         return f"{LEASE_EXPIRED}: {what}: {PREFILL_RESTARTED} ({held})"
+    if isinstance(held, TokensMismatch):
+        return (
+            f"{TOKENS_MISMATCH}: {what} is held for other tokens than this request's prompt "
+            f"({held}): the kv_transfer_params were paired with another prompt (a router "
+            "bug, a retried request with an edited prompt, an edited history), so nothing "
+            "is read from those blocks"
+        )
     return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
 
 

@@ -34,6 +34,7 @@ from connector.protocol import (
     LeaseCheck,
     LeaseRef,
     LeaseStatus,
+    ReaderId,
     Release,
     Reply,
     Request,
@@ -129,6 +130,7 @@ def send_heartbeat(
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     boot_id: str | None = None,
+    reader: ReaderId | None = None,
 ) -> int:
     """Extend the leases of ``remote_request_ids`` on prefill engine ``engine_id``.
 
@@ -136,7 +138,7 @@ def send_heartbeat(
     engine on the same host:port) refuses, and this raises HandshakeError; one that is not
     boot ``boot_id`` raises PeerRestarted. ``boot_id`` None: ask the server for it first.
     """
-    request = Heartbeat(engine_id, tuple(remote_request_ids))
+    request = Heartbeat(engine_id, tuple(remote_request_ids), reader)
     return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
 
 
@@ -150,13 +152,14 @@ def send_release(
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     boot_id: str | None = None,
+    reader: ReaderId | None = None,
 ) -> int:
     """Tell prefill engine ``engine_id`` decode will never read ``remote_request_ids``.
 
     Returns how many it held; refused (HandshakeError) by a server that is not ``engine_id``,
     or (PeerRestarted) not boot ``boot_id``. ``boot_id`` None: ask the server for it first.
     """
-    request = Release(engine_id, tuple(remote_request_ids))
+    request = Release(engine_id, tuple(remote_request_ids), reader)
     return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
 
 
@@ -170,6 +173,7 @@ def check_leases(
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    reader: ReaderId | None = None,
 ) -> tuple[bool, ...]:
     """For each (remote request id, lease id): does prefill ``engine_id``, boot ``boot_id``,
     hold that very lease now?
@@ -179,7 +183,7 @@ def check_leases(
     """
     return check_leases_status(
         host, port, leases, engine_id=engine_id, boot_id=boot_id, secret=secret,
-        timeout_s=timeout_s, max_message_bytes=max_message_bytes,
+        timeout_s=timeout_s, max_message_bytes=max_message_bytes, reader=reader,
     ).held  # fmt: skip
 
 
@@ -193,17 +197,21 @@ def check_leases_status(
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    reader: ReaderId | None = None,
 ) -> LeaseStatus:
     """``check_leases``' whole answer: with verify_kv claims in the refs, also the digest
-    verdict per ref (``LeaseStatus.digests``)."""
+    verdict per ref (``LeaseStatus.digests``), and why a held lease is not held for this
+    reader (``LeaseStatus.refused``: its blocks hold other tokens than a ref's ``tokens``).
+    ``reader`` names the asking engine and boot (scheduler/readers.py)."""
     refs = tuple(ref if isinstance(ref, LeaseRef) else LeaseRef(*ref) for ref in leases)
-    request = LeaseCheck(engine_id, refs)
+    request = LeaseCheck(engine_id, refs, reader)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
     claimed = any(ref.claims for ref in refs)
     if (
         not isinstance(reply, LeaseStatus)
         or len(reply.held) != len(refs)
         or (claimed and len(reply.digests) != len(refs))
+        or len(reply.refused) not in (0, len(refs))
     ):
         raise HandshakeError(
             f"side channel {host}:{port} answered a lease check of {len(refs)} lease(s) with "

@@ -94,6 +94,7 @@ LOAD_FAILURE_KINDS = (
     "lease_expired",  # prefill no longer held the lease when the READs landed
     "lease_unproven",  # prefill could not be asked, or the params name no lease
     "digest",  # verify_kv: the bytes read are not the bytes prefill saved
+    "tokens_mismatch",  # the lease's blocks hold other tokens than this request's prompt
     "other",
 )
 HANDSHAKE_FAILURE_KINDS = (
@@ -162,6 +163,14 @@ LEASES_RELEASED = MetricSpec(
     "requests",
     "Prefill: leases released over the side channel by a decode engine that will not read.",
 )
+LEASES_READER_RESTARTED = MetricSpec(
+    "nixl_pd_leases_reader_restarted_total",
+    COUNTER,
+    "requests",
+    "Leases ended because the only reader that claimed them restarted: a message from a new "
+    "boot of that reader engine said its earlier boot, which would never read or free them, "
+    "is gone.",
+)
 HANDSHAKE_FAILURES = MetricSpec(
     "nixl_pd_handshake_failures_total",
     COUNTER,
@@ -187,6 +196,7 @@ METRICS: tuple[MetricSpec, ...] = (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
     LEASES_RELEASED,
+    LEASES_READER_RESTARTED,
     HANDSHAKE_FAILURES,
 )
 METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
@@ -203,6 +213,7 @@ _LOAD_PATTERNS = (
     ("lease expired", "lease_expired"),
     ("lease not proven", "lease_unproven"),
     ("digest", "digest"),
+    ("tokens mismatch", "tokens_mismatch"),
 )
 _HANDSHAKE_PATTERNS = (
     ("did not answer", "timeout"),

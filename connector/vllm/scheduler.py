@@ -80,7 +80,14 @@ class _Tracked:
 
 
 def _request_info(request: Request, num_tokens: int, *, aborted: bool = False) -> RequestInfo:
-    return RequestInfo(request.request_id, num_tokens, request.kv_transfer_params, aborted)
+    params = request.kv_transfer_params
+    return RequestInfo(request.request_id, num_tokens, params, aborted, token_ids=_ids(request))
+
+
+def _ids(request: Request) -> Sequence[int] | None:
+    """The ids a lease is bound to (prompt first); None for prompt embeddings, whose ids
+    are placeholders that would bind nothing."""
+    return None if request.prompt_embeds is not None else request.all_token_ids
 
 
 def _num_loadable_tokens(request: Request, backoff: int) -> int:
@@ -336,7 +343,12 @@ class SchedulerSide:
                 self._tracked.move(request_id, ENDED)
         aborted = request.status not in _COMPLETE
         info = RequestInfo(
-            request_id, request.num_prompt_tokens, params, aborted, request.num_computed_tokens
+            request_id,
+            request.num_prompt_tokens,
+            params,
+            aborted,
+            request.num_computed_tokens,
+            _ids(request),
         )
         if loads and not self.connector.holds_finished_requests:
             return self.connector.request_finished(info, ())  # a decode keeps no lease
