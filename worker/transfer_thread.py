@@ -88,6 +88,11 @@ class TransferThread(Generic[Item]):
         self._inbox.put(item)
         self._wake.set()
 
+    def wake(self) -> None:
+        """Run a pass now rather than at the next poll: something the step waits on arrived
+        (a lease check's answer), so a load need not wait out a poll interval for it."""
+        self._wake.set()
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until a whole pass ran after this call (tests and shutdown paths; never the
         engine's hot path). False if it did not within ``timeout_s``."""
