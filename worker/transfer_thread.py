@@ -5,8 +5,8 @@ for an 8k-token request on the 2-core machine (benchmarks/engine_thread_bench.py
 binding releases the GIL while it copies. So posting and polling live on this thread, and
 the engine thread only hands work over (``submit``) and collects what the step function
 published. Each pass runs ``step`` with every item submitted since the last pass; a pass
-follows a submit at once, and otherwise comes every ``busy_poll_s`` while ``busy()`` says
-work is live, or every ``idle_poll_s``.
+follows a submit or a ``wake`` (a lease check answered) at once, and otherwise comes every
+``busy_poll_s`` while ``busy()`` says work is live, or every ``idle_poll_s``.
 """
 
 from __future__ import annotations
