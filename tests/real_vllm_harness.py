@@ -220,7 +220,9 @@ class Engine:
         env.update(self.spec.extra_env)
         # The checkout's code is what is under test, whatever .venv-vllm has installed: the
         # PYTHONPATH entry comes before the editable install's import hook.
-        env["PYTHONPATH"] = os.environ.get(SOURCE_ENV) or str(REPO)
+        # An engine's own SOURCE_ENV (in extra_env) wins: engines of two trees in one run.
+        source = dict(self.spec.extra_env).get(SOURCE_ENV) or os.environ.get(SOURCE_ENV)
+        env["PYTHONPATH"] = source or str(REPO)
         env.pop("VIRTUAL_ENV", None)
         if self.spec.side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)

@@ -113,6 +113,19 @@ def test_one_pass_of_checks_is_one_message_per_prefill_boot(
     ]  # fmt: skip
 
 
+def test_each_answered_batch_calls_on_answer_after_its_answers_are_ready() -> None:
+    """The transfer thread is woken by an answer instead of finding it at its next poll."""
+    woken = threading.Event()
+    proofs = LeaseProofs(RecordingBatchCheck(), on_answer=woken.set)
+    try:
+        ticket = proofs.submit(remote("a1"), AFTER_READS)
+        proofs.dispatch()
+        assert woken.wait(5.0)
+        assert proofs.take(ticket) == (True, None)  # already there when the wake came
+    finally:
+        proofs.close()
+
+
 def test_checks_before_the_reads_go_apart_from_the_proofs_and_are_not_asked_again(
     check: tuple[RecordingBatchCheck, LeaseProofs],
 ) -> None:

@@ -290,7 +290,7 @@ class Pair:
     """A prefill rank and a decode rank (TP 1 each) on one FakeFabric; decode checks leases
     with ``check`` and fetches prefill's handshake directly."""
 
-    def __init__(self, check: ScriptedCheck) -> None:
+    def __init__(self, check: ScriptedCheck, decode_agent: type[FakeNixl] = FakeNixl) -> None:
         fabric = FakeFabric()
         spec = make_spec()
         self.layout = build_rank_layout(spec, 0, 1)
@@ -300,7 +300,8 @@ class Pair:
         self.prefill = self._rank("prefill", spec, FakeNixl("prefill-r0", fabric), None)
         self.prefill.register_kv_caches([b.ctypes.data for b in self.prefill_buffers])
         handshake = self.prefill.get_handshake_metadata()
-        self.decode = self._rank("decode", spec, FakeNixl("decode-r0", fabric), handshake)
+        self.decode_agent = decode_agent("decode-r0", fabric)
+        self.decode = self._rank("decode", spec, self.decode_agent, handshake)
         self.decode.register_kv_caches([b.ctypes.data for b in self.decode_buffers])
         self.outcomes: list[tuple[str, str | None]] = []  # decode, in report order
         self.finished_sending: list[str] = []  # prefill
@@ -413,6 +414,46 @@ def test_prefills_word_on_the_lease_decides_the_load_and_prefill_always_hears(
     assert load_failure_kind(outcome) == kind
     if num_checks <= 1:  # refused before any READ: decode's blocks were never written
         assert oracle.first_difference(pair.decode_buffers, oracle.sentinel(pair.layout)) is None
+
+
+class PassCountingNixl(FakeNixl):
+    """FakeNixl that numbers the transfer thread's passes (each collects notifications once)
+    and records the pass in which each READ was posted and each check of one was made."""
+
+    def __init__(self, name: str, fabric: FakeFabric) -> None:
+        super().__init__(name, fabric)
+        self.num_passes = 0
+        self.posted_in: list[int] = []
+        self.checked_in: list[int] = []
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self.num_passes += 1
+        return super().get_new_notifs()
+
+    def post(self, transfer: Any) -> TransferState:
+        self.posted_in.append(self.num_passes)
+        return super().post(transfer)
+
+    def check(self, transfer: Any) -> TransferState:
+        self.checked_in.append(self.num_passes)
+        return super().check(transfer)
+
+
+def test_a_read_is_checked_in_the_pass_that_posted_it_and_its_proof_asked_then() -> None:
+    """A small READ lands inside post(); the load does not wait a poll interval (1 ms, more
+    on a loaded machine) to notice, so its lease proof goes out in the same pass."""
+    pair = Pair(ScriptedCheck(True, True, hold_at=1), decode_agent=PassCountingNixl)
+    try:
+        pair.start(remote_of())
+        pair.until(pair.check.holding.is_set)  # the proof is being asked
+        agent = pair.decode_agent
+        assert isinstance(agent, PassCountingNixl)
+        assert len(agent.posted_in) == 1 and agent.checked_in[:1] == agent.posted_in
+        pair.check.release.set()
+        pair.until(lambda: bool(pair.outcomes))
+        assert pair.outcomes == [("d-1", None)]
+    finally:
+        pair.close()
 
 
 def test_the_free_notification_reaches_prefill_only_after_the_proof(

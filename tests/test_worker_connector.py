@@ -624,6 +624,27 @@ def test_transfer_thread_survives_a_failing_pass_and_stops() -> None:
     assert thread.stop(5.0) and not thread.alive and not thread.flush(0.1)
 
 
+def test_wake_runs_a_pass_without_waiting_for_the_poll() -> None:
+    passes: list[list[int]] = []
+    ran = threading.Event()
+
+    def step(items: list[int]) -> None:
+        passes.append(items)
+        ran.set()
+
+    # Polls far apart: only wake() (or submit) can start the second pass within the test.
+    thread = TransferThread("nixl-pd-transfer-test", step, busy=lambda: True,
+                            busy_poll_s=60.0, idle_poll_s=60.0)  # fmt: skip
+    thread.start()
+    try:
+        assert ran.wait(5.0)  # the first pass runs at start
+        ran.clear()
+        thread.wake()
+        assert ran.wait(5.0) and passes == [[], []]
+    finally:
+        assert thread.stop(5.0)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
 def test_plan_memory_stays_mapped_on_glibc() -> None:
     assert keep_plan_memory_mapped()

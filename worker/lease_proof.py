@@ -28,6 +28,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from connector.errors import ConnectorError, PeerRestarted, TokensMismatch
@@ -120,8 +121,10 @@ class LeaseProofs:
         check_digests: DigestCheck | None = None,
         max_threads: int = 4,
         digest_wait_s: float = DIGEST_WAIT_S,
+        on_answer: Callable[[], None] | None = None,  # called (check thread) after each answer
     ) -> None:
         self._check = check
+        self._on_answer = on_answer
         self._check_digests = check_digests
         self._digest_wait_s = digest_wait_s
         self._closing = threading.Event()  # ends digest retries at shutdown
@@ -202,6 +205,7 @@ class LeaseProofs:
             answers = [ConnectorError(f"lease check crashed: {error!r}")] * len(batch)
         for (ticket, remote, when), held in zip(batch, answers, strict=True):
             self._answers.put((ticket, lease_failure(remote, held, when)))
+        self._answered()
 
     def _run_digests(
         self, ticket: int, remote: RemoteSource, when: str, claims: tuple[DigestClaim, ...]
@@ -219,6 +223,11 @@ class LeaseProofs:
         if reason is None and verdict != DIGEST_OK:
             reason = digest_failure(remote, verdict)
         self._answers.put((ticket, reason))
+        self._answered()
+
+    def _answered(self) -> None:
+        if self._on_answer is not None:
+            self._on_answer()  # e.g. wake the transfer thread: its load is waiting on this
 
     def _held_and_digests(
         self, remote: RemoteSource, claims: tuple[DigestClaim, ...]

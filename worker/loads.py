@@ -283,7 +283,7 @@ class LoadTable:
     def _step(self, load: Load) -> None:
         if load.waiting:
             self._start(load)
-        elif load.reading:
+        if load.reading:  # also right after posting: a small READ often lands inside post()
             self._poll(load)
             load.settle()
         if load.confirming:

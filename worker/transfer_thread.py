@@ -5,8 +5,8 @@ for an 8k-token request on the 2-core machine (benchmarks/engine_thread_bench.py
 binding releases the GIL while it copies. So posting and polling live on this thread, and
 the engine thread only hands work over (``submit``) and collects what the step function
 published. Each pass runs ``step`` with every item submitted since the last pass; a pass
-follows a submit at once, and otherwise comes every ``busy_poll_s`` while ``busy()`` says
-work is live, or every ``idle_poll_s``.
+follows a submit or a ``wake`` (a lease check answered) at once, and otherwise comes every
+``busy_poll_s`` while ``busy()`` says work is live, or every ``idle_poll_s``.
 """
 
 from __future__ import annotations
@@ -86,6 +86,11 @@ class TransferThread(Generic[Item]):
     def submit(self, item: Item) -> None:
         """Hand one item to the next pass (never blocks)."""
         self._inbox.put(item)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Run a pass now rather than at the next poll: something the step waits on arrived
+        (a lease check's answer), so a load need not wait out a poll interval for it."""
         self._wake.set()
 
     def flush(self, timeout_s: float) -> bool:
