@@ -45,9 +45,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from connector.errors import InvalidTransferParams
-from connector.metadata import BlockIds, RemoteSource
+from connector.metadata import MAX_BLOCK_ID, BlockIds, RemoteSource
 
-MAX_BLOCK_ID = 2**31 - 1
 MAX_DEPTH = 32  # nesting levels below the params dict; ours need 2 (remote_block_ids groups)
 TRANSFER_MODE = "pull"
 

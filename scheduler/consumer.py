@@ -1,6 +1,6 @@
 """Decode-side request state: which prompts to load from which prefill engine, and their outcome.
 
-Each request's load is one record in a Book, moved only along LOAD_LIFECYCLE
+Each request's load is one record in a Book, moved only along REQUEST_LOAD_LIFECYCLE
 (scheduler/lifecycles.py): get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
 (ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
 rank) -> every rank reports -> REPORTED once, in finished_recving or failed_recving. An abort
@@ -31,22 +31,30 @@ from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, Wo
 from connector.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
 from connector.protocol import lease_key
 from scheduler.heartbeats import HeartbeatSender
-from scheduler.lifecycles import LOAD_LIFECYCLE, Book, LoadState, OnMove
+from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
 from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 
 # The states as module names: shorter to read, and the hooks compare them on every call (a
 # global is ~3x cheaper to read than an Enum class attribute on Python 3.11).
-MATCHED, ALLOCATED, LOADING = LoadState.MATCHED, LoadState.ALLOCATED, LoadState.LOADING
-DRAINING, REPORTED, ENDED = LoadState.DRAINING, LoadState.REPORTED, LoadState.ENDED
-RELEASING, REPORTED_RELEASING = LoadState.RELEASING, LoadState.REPORTED_RELEASING
-RELEASED = LoadState.RELEASED
+MATCHED, ALLOCATED, LOADING = (
+    RequestLoadState.MATCHED,
+    RequestLoadState.ALLOCATED,
+    RequestLoadState.LOADING,
+)
+DRAINING, REPORTED, ENDED = (
+    RequestLoadState.DRAINING,
+    RequestLoadState.REPORTED,
+    RequestLoadState.ENDED,
+)
+RELEASING, REPORTED_RELEASING = RequestLoadState.RELEASING, RequestLoadState.REPORTED_RELEASING
+RELEASED = RequestLoadState.RELEASED
 _RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
 _RANKS_HOLD_BLOCKS = (ALLOCATED, LOADING, DRAINING)  # at request_finished: delay the free
 _RANKS_ANSWER_RELEASE = (RELEASING, REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
 _HEARTBEATING = (MATCHED, ALLOCATED, LOADING, DRAINING)  # prefill must keep the KV
-_PENDING = tuple(state for state in LoadState if state not in (REPORTED, RELEASED, ENDED))
+_PENDING = tuple(state for state in RequestLoadState if state not in (REPORTED, RELEASED, ENDED))
 
 
 @dataclasses.dataclass(slots=True)
@@ -56,7 +64,7 @@ class _Load:
     source: RemoteSource
     num_tokens: int
     num_cached_tokens: int
-    state: LoadState = LoadState.NEW
+    state: RequestLoadState = RequestLoadState.NEW
     local_block_ids: BlockIds | None = None  # decode's blocks for the uncached suffix
     unplannable: str = ""  # why decode's blocks cannot take the load: fails it at the next step
     ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
@@ -83,7 +91,9 @@ class Consumer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._clock = clock
         self._next_heartbeat_s = clock() + heartbeat_interval_s
-        self._loads: Book[LoadState, _Load] = Book(LOAD_LIFECYCLE, what="load", on_move=on_move)
+        self._loads: Book[RequestLoadState, _Load] = Book(
+            REQUEST_LOAD_LIFECYCLE, what="load", on_move=on_move
+        )
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
         self._finished: list[str] = []
@@ -235,7 +245,7 @@ class Consumer:
         # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
         self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)
 
-    def _release_only(self, request_id: str, load: _Load, target: LoadState) -> None:
+    def _release_only(self, request_id: str, load: _Load, target: RequestLoadState) -> None:
         """Move ``load`` to a releasing state and tell prefill to free its blocks."""
         self._loads.move(request_id, target)
         self._tell_prefill_to_free(request_id, load)

@@ -23,7 +23,7 @@ class LifecycleState(enum.Enum):
     __hash__ = object.__hash__
 
 
-class LoadState(LifecycleState):
+class RequestLoadState(LifecycleState):
     """Where one decode load stands in the scheduler."""
 
     NEW = enum.auto()  # record made; moved on before the call that made it returns
@@ -38,9 +38,9 @@ class LoadState(LifecycleState):
     ENDED = enum.auto()
 
 
-_L = LoadState
-LOAD_LIFECYCLE = TransitionTable(
-    "decode load",
+_L = RequestLoadState
+REQUEST_LOAD_LIFECYCLE = TransitionTable(
+    "request load",
     {
         _L.NEW: {_L.MATCHED},
         # asked again before allocation: no move; nothing to load at allocation: release only

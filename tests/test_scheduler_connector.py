@@ -354,7 +354,7 @@ def test_decode_lifecycle_loads_the_uncached_suffix_then_reports_once(
     decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
     assert decode.get_num_new_matched_tokens(request, 16) == (0, False)
     assert decode.build_connector_meta() == ConnectorMetadata(
-        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, remote=REMOTE),)
+        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, source=REMOTE),)
     )
     assert decode.build_connector_meta() == ConnectorMetadata()
     decode.update_connector_output([report(0, finished_recving=("d1",)), report(1)])
@@ -560,7 +560,7 @@ def test_a_hybrid_model_loads_the_ssm_state_block(
     decode.update_state_after_alloc(request, ((10, 11, 12), (0, 5)), 8)
     (load,) = decode.build_connector_meta().loads
     assert load.local_block_ids == ((12,), (5,))
-    assert load.remote.remote_block_ids == ((1, 2, 3), (9,))
+    assert load.source.remote_block_ids == ((1, 2, 3), (9,))
 
 
 def test_reports_for_unknown_or_unemitted_requests_are_ignored(decode: SchedulerConnector) -> None:

@@ -17,7 +17,12 @@ from connector.metadata import RemoteSource, WorkerReport
 from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseTable
-from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, LeaseState, LoadState
+from scheduler.lifecycles import (
+    LEASE_LIFECYCLE,
+    REQUEST_LOAD_LIFECYCLE,
+    LeaseState,
+    RequestLoadState,
+)
 from scheduler.producer import Producer
 from tests.scheduler_helpers import FULL_16, FakeClock, MoveLog, RecordingHeartbeats
 
@@ -39,7 +44,7 @@ class DecodeEngine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.log = MoveLog(LOAD_LIFECYCLE, LoadState.NEW)
+        self.log = MoveLog(REQUEST_LOAD_LIFECYCLE, RequestLoadState.NEW)
         self.consumer = Consumer(
             groups=(FULL_16,),
             tp_size=TP_SIZE,
@@ -176,7 +181,9 @@ def test_named_paths_end_cleanly(path: str) -> None:
 def test_the_named_paths_take_every_edge_of_the_load_table() -> None:
     taken = set().union(*(walk(path).log.edges for path in PATHS.values()))
     every = {
-        (current, target) for current, targets in LOAD_LIFECYCLE.moves.items() for target in targets
+        (current, target)
+        for current, targets in REQUEST_LOAD_LIFECYCLE.moves.items()
+        for target in targets
     }
     assert every - taken == set()
 

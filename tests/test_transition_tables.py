@@ -12,7 +12,13 @@ import pytest
 from connector.errors import IllegalTransition
 from connector.lifecycle import TransitionTable
 from connector.vllm.scheduler import TRACKED_LIFECYCLE, TrackedState
-from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, Book, LeaseState, LoadState
+from scheduler.lifecycles import (
+    LEASE_LIFECYCLE,
+    REQUEST_LOAD_LIFECYCLE,
+    Book,
+    LeaseState,
+    RequestLoadState,
+)
 from tests.scheduler_helpers import MoveLog
 
 
@@ -71,7 +77,7 @@ def test_terminal_states_are_those_without_a_way_out() -> None:
 # ---------------------------------------------------------------- the scheduler's tables
 
 TABLES = [
-    ("decode load", LOAD_LIFECYCLE, LoadState, {LoadState.ENDED}),
+    ("decode load", REQUEST_LOAD_LIFECYCLE, RequestLoadState, {RequestLoadState.ENDED}),
     (
         "prefill lease",
         LEASE_LIFECYCLE,
