@@ -325,6 +325,12 @@ def _check_utf8(path: str, text: str) -> None:
         ) from None
 
 
+def raw_flag(raw: object, key: Literal["do_remote_prefill", "do_remote_decode"]) -> bool:
+    """Does the unvalidated params object say ``key: true``, literally? The one reading of a
+    raw dict outside the parse: a JSON ``true`` only ("yes" or 1 is not a flag here)."""
+    return (type(raw) is dict or isinstance(raw, Mapping)) and raw.get(key) is True
+
+
 def validate_block_groups(block_ids: BlockIds | None, num_groups: int) -> None:
     """Raise InvalidTransferParams unless remote_block_ids has exactly ``num_groups`` groups."""
     if block_ids is None or len(block_ids) == num_groups:

@@ -62,7 +62,12 @@ from connector.vllm.layout import (
 )
 from connector.vllm.messages import NixlPDMetadata, NixlPDStats
 from connector.vllm.scheduler import SchedulerSide
-from connector.vllm.semantics import prefill_backoff_tokens, truncate_for_prefill
+from connector.vllm.semantics import (
+    kv_transfer_params,
+    offers_to_decode,
+    prefill_backoff_tokens,
+    truncate_for_prefill,
+)
 from connector.vllm.staging import CopyBlocksOp, scheduled_rows, staging_enabled
 from connector.vllm.worker import WorkerSide
 from scheduler.connector import SchedulerConnector
@@ -208,6 +213,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             role=role,
             spec=self.kv_cache_spec(),
             tp_size=self._tp_size,
+            bind_params_at_allocation=True,  # vLLM binds a request at allocation
         )
 
     def _create_agent(self, tp_rank: int) -> NixlAgent:
@@ -250,12 +256,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         scheduler = self._scheduler or self._require_scheduler()
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-        params = request.kv_transfer_params
-        if (
-            self._saves is not None
-            and isinstance(params, dict)
-            and params.get("do_remote_decode") is True
-        ):
+        if self._saves is not None and offers_to_decode(kv_transfer_params(request)):
             self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
