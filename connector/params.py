@@ -365,7 +365,9 @@ def _check_utf8(path: str, text: str) -> None:
 def raw_flag(raw: object, key: Literal["do_remote_prefill", "do_remote_decode"]) -> bool:
     """Does the unvalidated params object say ``key: true``, literally? The one reading of a
     raw dict outside the parse: a JSON ``true`` only ("yes" or 1 is not a flag here)."""
-    return (type(raw) is dict or isinstance(raw, Mapping)) and raw.get(key) is True
+    if type(raw) is dict:  # the usual case, without isinstance against an ABC
+        return raw.get(key) is True
+    return isinstance(raw, Mapping) and raw.get(key) is True
 
 
 def validate_block_groups(block_ids: BlockIds | None, num_groups: int) -> None:

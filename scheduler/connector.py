@@ -30,7 +30,7 @@ from connector.params import (
     validate_block_groups,
 )
 from connector.protocol import WorkerHandshake
-from scheduler.consumer import CLAIMED, UNREAD_OR_REFUSED, Consumer
+from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import OnMove
@@ -176,10 +176,13 @@ class SchedulerConnector:
         request_id = request.request_id
         record = self._consumer.record(request_id)
         num_new_tokens = request.num_prompt_tokens - num_computed_tokens
-        state = None if record is None else record.state
-        if state is not None and state in UNREAD_OR_REFUSED and state is not CLAIMED:
-            return self._consumer.ask_refused(request_id, num_new_tokens)
-        unread = state is CLAIMED or (state is None and raw_flag(raw, "do_remote_prefill"))
+        if record is None:
+            unread = raw_flag(raw, "do_remote_prefill")
+        else:
+            state = record.state
+            if state is REFUSING or state is REFUSED:
+                return self._consumer.ask_refused(request_id, num_new_tokens)
+            unread = state is CLAIMED
         if unread and num_new_tokens > 0:  # claim now, read the params at allocation
             return self._consumer.claim(request_id, num_new_tokens, num_computed_tokens)
         # else the params are read now (nothing left to load: the claim settles here)

@@ -74,13 +74,16 @@ class SchedulerSide:
         # Outcomes decided here, not yet sent to the ranks to echo.
         self._announce = FinishedRequests()
 
-    def _request_info(self, request: Request) -> RequestInfo:
-        """The request as our connector sees it: a decode load covers the prompt less the
-        tokens prefill left to decode (``backoff``, vllm_semantics)."""
-        params = kv_transfer_params(request)
+    def _request_info(self, request: Request, params: dict[str, Any] | None = None) -> RequestInfo:
+        """The request as our connector sees it (``params``: its kv_transfer_params, if read
+        already): a decode load covers the prompt less the tokens prefill left to decode
+        (``backoff``, vllm_semantics)."""
+        if params is None:
+            params = kv_transfer_params(request)
         num_tokens = int(request.num_prompt_tokens)
-        if num_tokens > self._backoff and loads_from_remote(params):
-            num_tokens -= self._backoff
+        backoff = self._backoff
+        if backoff and num_tokens > backoff and loads_from_remote(params):
+            num_tokens -= backoff
         return RequestInfo(request.request_id, num_tokens, params)
 
     def start_side_channel(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -103,10 +106,11 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        if kv_transfer_params(request) is None:
+        params = kv_transfer_params(request)
+        if params is None:
             return 0, False  # most requests: no call further
         return self.connector.get_num_new_matched_tokens(
-            self._request_info(request), num_computed_tokens
+            self._request_info(request, params), num_computed_tokens
         )
 
     def update_state_after_alloc(
