@@ -38,6 +38,7 @@ CONTRACTS = frozenset(
         "metrics",
         "metrics_prometheus",
         "params",
+        "params_json",
         "protocol",
         "ratelimit",
         "side_channel_client",

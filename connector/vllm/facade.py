@@ -20,9 +20,10 @@ Who decides what (one request's journey through vLLM):
   each step's metadata the requests whose prefill completes in it (their transfer groups'
   blocks, as the lease names them); ranks copy those blocks device->host in wait_for_save,
   and loaded blocks host->device before reporting a load.
-- Malformed kv_transfer_params fail only their request: the adapter answers "tokens will
-  arrive" and announces the request as a failed load in the same step; vLLM then fails it
-  ("fail") or recomputes it locally ("recompute").
+- Malformed kv_transfer_params fail only their request: SchedulerConnector (built with
+  ``bind_params_at_allocation``, as vLLM binds a request at allocation) answers "tokens will
+  arrive", and the adapter announces the request as a failed load in the same step; vLLM then
+  fails it ("fail") or recomputes it locally ("recompute").
 """
 
 from __future__ import annotations
