@@ -209,8 +209,9 @@ class OurLayers:
 
         spec = bench.sides["ours"].kv_cache_spec()
         self.connector = SchedulerConnector(
-            ConnectorConfig(), engine_id="layers", role=Role.BOTH, spec=spec, tp_size=1
-        )
+            ConnectorConfig(), engine_id="layers", role=Role.BOTH, spec=spec, tp_size=1,
+            bind_params_at_allocation=True,  # as the vLLM adapter builds it
+        )  # fmt: skip
         self.requests = bench.requests
 
     def decode_round(self, batch: int) -> dict[str, float]:
@@ -267,18 +268,15 @@ def layer_rows(runs: int, batch: int) -> list[str]:
         "| of which params parse µs | vLLM adapter µs (the difference) |",
         "|---|---:|---:|---:|---:|",
     ]
-    first, later, alloc, _, _ = DECODE_HOOKS
-    # The adapter claims a decode request's tokens at the first ask without calling
-    # SchedulerConnector, and hands the request over (the first get_num_new_matched_tokens,
-    # which parses the params) at allocation: those layer costs are charged where they run.
-    charged_at = {first: (), later: (), alloc: (first, alloc)}
+    alloc = DECODE_HOOKS[2]
+    # The adapter calls SchedulerConnector in each hook; with bind_params_at_allocation the
+    # first ask only claims the tokens and the params are parsed at allocation.
     for hook in DECODE_HOOKS:
         if hook not in ours_only[0]:
             continue
         whole = statistics.median(r[hook] for r in through_vllm)
-        parts = charged_at.get(hook, (hook,))
-        core = statistics.median(sum(r[part] for part in parts) for r in ours_only)
-        parse = statistics.median(r["parse"] for r in ours_only) if first in parts else 0.0
+        core = statistics.median(r[hook] for r in ours_only)
+        parse = statistics.median(r["parse"] for r in ours_only) if hook == alloc else 0.0
         lines.append(
             f"| {hook} | {whole:,.2f} | {core:,.2f} | {parse:,.2f} | {whole - core:,.2f} |"
         )

@@ -12,6 +12,10 @@ import msgspec
 from connector.protocol import ReaderId, TokenDigest
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
+# The largest block id anywhere on the path: vLLM's block tables are int32 tensors and the
+# prepared-list planner indexes NIXL descriptors in int32 (worker/planner_prepped.py), so an
+# id above this could never name a real block; params refuse it at the door.
+MAX_BLOCK_ID = 2**31 - 1
 
 
 class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -48,14 +52,14 @@ class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False
     local_block_ids: BlockIds
     num_tokens: int
     num_cached_tokens: int
-    remote: RemoteSource
+    source: RemoteSource
 
 
 class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Decode: the request will not read (aborted); tell its prefill engine to free the blocks."""
 
     request_id: str
-    remote: RemoteSource
+    source: RemoteSource
 
 
 class DigestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

@@ -38,54 +38,121 @@ naming the key and the value seen; nothing else escapes.
 
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 
 from connector.errors import InvalidTransferParams
-from connector.metadata import BlockIds, RemoteSource
+from connector.metadata import MAX_BLOCK_ID, BlockIds, RemoteSource
+from connector.params_json import check_transportable, check_utf8, short_repr
 
-MAX_BLOCK_ID = 2**31 - 1
-MAX_DEPTH = 32  # nesting levels below the params dict; ours need 2 (remote_block_ids groups)
 TRANSFER_MODE = "pull"
 
-_NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+# Each key's rule as a type; the Meta's description says what the key accepts (error messages).
+_Flag = Annotated[bool, msgspec.Meta(description="true or false")]
+_Text = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=4096, description="a non-empty string")
+]
+_Host = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=4096, description="a non-empty host name or IP address"),
+]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
-_Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-_TpSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
-_NumTokens = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
-_Token = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[0-9A-Za-z_.-]+$")]
+_BlockGroup = tuple[_BlockId, ...]
+_Groups = Annotated[
+    tuple[_BlockGroup, ...],
+    msgspec.Meta(
+        description=f"a list of block-id lists (integers in 0..{MAX_BLOCK_ID}), one per cache "
+        "group, or a flat list of ids"
+    ),
+]
+_Port = Annotated[int, msgspec.Meta(ge=1, le=65535, description="an integer TCP port in 1..65535")]
+_TpSize = Annotated[int, msgspec.Meta(ge=1, le=65536, description="an integer >= 1")]
+_NumTokens = Annotated[int, msgspec.Meta(ge=0, le=2**40, description="an integer >= 0")]
+_Mode = Annotated[
+    str, msgspec.Meta(description=f"{TRANSFER_MODE!r} (decode reads the KV from prefill)")
+]
+_BootId = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=64,
+        pattern="^[0-9A-Za-z_.-]+$",
+        description="the boot id string the prefill engine returned",
+    ),
+]
+_LeaseId = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=64,
+        pattern="^[0-9A-Za-z_.-]+$",
+        description="the lease id string the prefill engine returned",
+    ),
+]
+_Expiry = Annotated[float, msgspec.Meta(description="a number: when decode frees the held blocks")]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
-    """Validated kv_transfer_params. With do_remote_prefill, every remote_* field is set.
-
-    The field types are the rules themselves: the common dict converts into this Struct in
-    one msgspec call (see parse_kv_transfer_params).
+    """Validated kv_transfer_params: the type is the rule. Each field's type states its key's
+    rule (and, in its description, what the key accepts); ``__post_init__`` the rules that
+    join keys. With do_remote_prefill, every remote_* field but remote_num_tokens is set.
     """
 
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    remote_engine_id: _NonEmptyStr | None = None
-    remote_request_id: _NonEmptyStr | None = None
-    remote_block_ids: tuple[tuple[_BlockId, ...], ...] | None = None
-    remote_host: _NonEmptyStr | None = None
+    do_remote_decode: _Flag = False
+    do_remote_prefill: _Flag = False
+    remote_engine_id: _Text | None = None
+    remote_request_id: _Text | None = None
+    remote_block_ids: _Groups | None = None
+    remote_host: _Host | None = None
     remote_port: _Port | None = None
     tp_size: _TpSize | None = None
     remote_num_tokens: _NumTokens | None = None
-    transfer_mode: Literal["pull"] | None = None
-    remote_boot_id: _Token | None = None
-    remote_lease_id: _Token | None = None
-    remote_blocks_expiry_time: float | None = None  # decode's clock; advisory (see pull_source)
+    transfer_mode: _Mode | None = None
+    remote_boot_id: _BootId | None = None
+    remote_lease_id: _LeaseId | None = None
+    remote_blocks_expiry_time: _Expiry | None = None  # decode's clock; advisory (pull_source)
     ignored_keys: tuple[str, ...] = ()  # unknown keys seen in the dict (tolerated, for logging)
+
+    def __post_init__(self) -> None:
+        """The rules no single key states; raises InvalidTransferParams naming the keys."""
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise InvalidTransferParams(
+                "kv_transfer_params: do_remote_decode and do_remote_prefill are both true; a "
+                "request goes to a prefill engine (do_remote_decode) or a decode engine "
+                "(do_remote_prefill)"
+            )
+        if self.do_remote_prefill:
+            missing = [key for key in _REQUIRED_FOR_PREFILL if getattr(self, key) is None]
+            if missing:
+                raise InvalidTransferParams(
+                    f"kv_transfer_params: do_remote_prefill is true but {', '.join(missing)} "
+                    "missing; pass through every key the prefill engine returned"
+                )
+        if self.remote_block_ids == ():
+            raise InvalidTransferParams(
+                "kv_transfer_params['remote_block_ids']: [] holds no cache group; expected "
+                + _ACCEPTED["remote_block_ids"]
+            )
+        if self.transfer_mode is not None and self.transfer_mode != TRANSFER_MODE:
+            raise InvalidTransferParams(
+                f"kv_transfer_params['transfer_mode']: {short_repr(self.transfer_mode)} is not "
+                f"served; this connector only reads prefill's KV from decode ({TRANSFER_MODE!r}): "
+                "send the request to engines configured for that mode"
+            )
+        for key in ("remote_engine_id", "remote_request_id", "remote_host"):
+            text = getattr(self, key)
+            if text is not None and not text.isascii():
+                check_utf8(f"[{key!r}]", text)  # msgspec converts, never encodes, strings
 
     def remote_source(self) -> RemoteSource:
         """Where decode reads this request's KV from; only for do_remote_prefill params."""
         if not self.do_remote_prefill:
             raise InvalidTransferParams("kv_transfer_params: do_remote_prefill is not set")
-        # parse_kv_transfer_params guarantees these are set when do_remote_prefill is.
+        # __post_init__ guarantees these are set when do_remote_prefill is (narrowed for mypy).
         engine_id, host, port = self.remote_engine_id, self.remote_host, self.remote_port
         request_id, block_ids = self.remote_request_id, self.remote_block_ids
         if engine_id is None or host is None or port is None or request_id is None:
@@ -131,22 +198,6 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         )
 
 
-# key -> (msgspec type, accepted values for the error message)
-_KEY_RULES: dict[str, tuple[Any, str]] = {
-    "do_remote_decode": (bool, "true or false"),
-    "do_remote_prefill": (bool, "true or false"),
-    "remote_engine_id": (_NonEmptyStr, "a non-empty string"),
-    "remote_request_id": (_NonEmptyStr, "a non-empty string"),
-    "remote_block_ids": (list[Any], "a list of block-id lists, one per cache group"),
-    "remote_host": (_NonEmptyStr, "a non-empty host name or IP address"),
-    "remote_port": (_Port, "an integer TCP port in 1..65535"),
-    "tp_size": (_TpSize, "an integer >= 1"),
-    "remote_num_tokens": (_NumTokens, "an integer >= 0"),
-    "transfer_mode": (str, f"{TRANSFER_MODE!r} (decode reads the KV from prefill)"),
-    "remote_boot_id": (_Token, "the boot id string the prefill engine returned"),
-    "remote_lease_id": (_Token, "the lease id string the prefill engine returned"),
-    "remote_blocks_expiry_time": (float, "a number: when decode frees the held blocks"),
-}
 _REQUIRED_FOR_PREFILL = (
     "remote_engine_id",
     "remote_request_id",
@@ -154,6 +205,24 @@ _REQUIRED_FOR_PREFILL = (
     "remote_host",
     "remote_port",
 )
+
+
+def _without_none(hint: Any) -> Any:
+    """``X | None`` -> X (a null value counts as absent); X -> X."""
+    if get_origin(hint) in (Union, UnionType):
+        return next(arg for arg in get_args(hint) if arg is not type(None))
+    return hint
+
+
+_FIELD_HINTS = get_type_hints(KVTransferParams, include_extras=True)
+# key -> its type (None stripped: a null value counts as absent) and what it accepts
+_KEY_TYPES: dict[str, Any] = {
+    name: _without_none(hint) for name, hint in _FIELD_HINTS.items() if name != "ignored_keys"
+}
+_ACCEPTED: dict[str, str] = {
+    name: next(meta.description for meta in value_type.__metadata__ if meta.description)
+    for name, value_type in _KEY_TYPES.items()
+}
 
 
 def parse_kv_transfer_params(raw: Mapping[Any, Any] | None) -> KVTransferParams | None:
@@ -173,38 +242,16 @@ def parse_kv_transfer_params(raw: Mapping[Any, Any] | None) -> KVTransferParams 
 def _convert_whole(raw: dict[Any, Any]) -> KVTransferParams | None:
     """``raw`` as KVTransferParams in one convert, or None to leave it to the key-by-key path.
 
-    The Struct's types enforce every per-key rule except three, checked after: the rules
-    that join keys, a non-empty remote_block_ids, and UTF-8 strings (msgspec does not
-    encode what it converts; ASCII, the usual case, is always valid). Unknown keys, nulls
-    for flags, a string port and a flat block list all fail the convert and go the long way.
+    The convert applies every rule, joint ones included (``__post_init__``). Unknown keys,
+    nulls for flags, a string port and a flat block list fail it and go the long way, as
+    does any refusal: that path names what is wrong.
     """
     if "ignored_keys" in raw:  # a router's key of that name is unknown to us, not our field
         return None
     try:
-        params = msgspec.convert(raw, KVTransferParams)
+        return msgspec.convert(raw, KVTransferParams)
     except (msgspec.ValidationError, UnicodeEncodeError):  # a lone surrogate in a key
         return None
-    return params if _joint_rules_hold(params) else None
-
-
-def _joint_rules_hold(params: KVTransferParams) -> bool:
-    """The rules KVTransferParams' field types cannot state (see _convert_whole)."""
-    if params.do_remote_prefill:
-        required = (
-            params.remote_engine_id,
-            params.remote_request_id,
-            params.remote_block_ids,
-            params.remote_host,
-            params.remote_port,
-        )
-        if params.do_remote_decode or None in required:
-            return False
-    if params.remote_block_ids == ():
-        return False
-    for text in (params.remote_engine_id, params.remote_request_id, params.remote_host):
-        if text is not None and not text.isascii():
-            return False
-    return True
 
 
 def _parse_key_by_key(raw: Mapping[Any, Any] | None) -> KVTransferParams | None:
@@ -216,114 +263,23 @@ def _parse_key_by_key(raw: Mapping[Any, Any] | None) -> KVTransferParams | None:
         )
     if not raw:
         return None
-    _check_transportable(raw)
+    check_transportable(raw)
     fields: dict[str, Any] = {}
     ignored: list[str] = []
     for key, value in raw.items():
-        if key not in _KEY_RULES:
+        if key not in _KEY_TYPES:
             ignored.append(key)
         elif value is not None:
             fields[key] = _convert_key(key, value)
-    if fields.get("do_remote_decode") and fields.get("do_remote_prefill"):
-        raise InvalidTransferParams(
-            "kv_transfer_params: do_remote_decode and do_remote_prefill are both true; a request "
-            "goes to a prefill engine (do_remote_decode) or a decode engine (do_remote_prefill)"
-        )
-    if fields.get("do_remote_prefill"):
-        missing = [key for key in _REQUIRED_FOR_PREFILL if key not in fields]
-        if missing:
-            raise InvalidTransferParams(
-                f"kv_transfer_params: do_remote_prefill is true but {', '.join(missing)} "
-                "missing; pass through every key the prefill engine returned"
-            )
-    return KVTransferParams(**fields, ignored_keys=tuple(sorted(ignored)))
+    return KVTransferParams(**fields, ignored_keys=tuple(sorted(ignored)))  # the joint rules
 
 
-def _check_transportable(raw: Mapping[Any, Any]) -> None:
-    """Raise InvalidTransferParams unless ``raw`` is JSON-like data that can travel on.
-
-    One bounded walk over the whole dict: string keys only, nesting at most MAX_DEPTH, every
-    string UTF-8 encodable. Without it a deep list or a lone surrogate in any key (known or
-    not) raises RecursionError or UnicodeEncodeError later, far from the request.
-    """
-    if _is_plain(raw):  # the common case, checked without building paths
-        return
-    stack: list[tuple[str, object, int]] = [("", raw, 0)]
-    while stack:
-        path, value, depth = stack.pop()
-        if isinstance(value, str):
-            _check_utf8(path, value)
-        elif isinstance(value, Mapping | list | tuple):
-            if depth > MAX_DEPTH:
-                raise InvalidTransferParams(
-                    f"kv_transfer_params{path}: nested more than {MAX_DEPTH} levels deep; "
-                    "send flat JSON values (block ids are a list of lists of integers)"
-                )
-            stack.extend(_children(path, value, depth + 1))
-
-
-def _is_plain(raw: Mapping[Any, Any]) -> bool:
-    """True when ``raw`` passes every rule of _check_transportable; False sends the caller
-    to the slower walk that names where the problem is. Integers (block ids) cost one check."""
-    stack: list[tuple[object, int]] = [(raw, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            if not _is_utf8(value):
-                return False
-            continue
-        if isinstance(value, Mapping):
-            if depth > MAX_DEPTH or not all(type(key) is str and _is_utf8(key) for key in value):
-                return False
-            value = list(value.values())
-        elif isinstance(value, list | tuple):
-            if depth > MAX_DEPTH:
-                return False
-        else:
-            continue
-        if set(map(type, value)) - _SCALARS:  # block id lists: one C-level pass
-            stack.extend((item, depth + 1) for item in value if type(item) not in _SCALARS)
-    return True
-
-
-_SCALARS = frozenset({int, float, bool, type(None)})
-
-
-def _is_utf8(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _children(
-    path: str, value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], depth: int
-) -> list[tuple[str, object, int]]:
-    if not isinstance(value, Mapping):
-        return [(f"{path}[{index}]", item, depth) for index, item in enumerate(value)]
-    children: list[tuple[str, object, int]] = []
-    for key, item in value.items():
-        if not isinstance(key, str):
-            raise InvalidTransferParams(
-                f"kv_transfer_params{path}: key {short_repr(key)} is not a string; "
-                "kv_transfer_params must be a JSON object"
-            )
-        _check_utf8(f"{path} key", key)
-        children.append((f"{path}[{short_repr(key)}]", item, depth))
-    return children
-
-
-def _check_utf8(path: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidTransferParams(
-            f"kv_transfer_params{path}: {short_repr(text)} is not valid Unicode (a lone surrogate "
-            f"{short_repr(text[exc.start : exc.end])} at index {exc.start}); send UTF-8 text"
-        ) from None
+def raw_flag(raw: object, key: Literal["do_remote_prefill", "do_remote_decode"]) -> bool:
+    """Does the unvalidated params object say ``key: true``, literally? The one reading of a
+    raw dict outside the parse: a JSON ``true`` only ("yes" or 1 is not a flag here)."""
+    if type(raw) is dict:  # the usual case, without isinstance against an ABC
+        return raw.get(key) is True
+    return isinstance(raw, Mapping) and raw.get(key) is True
 
 
 def validate_block_groups(block_ids: BlockIds | None, num_groups: int) -> None:
@@ -414,38 +370,20 @@ def params_for_prefill(
 
 
 def _convert_key(key: str, value: object) -> Any:
-    value_type, accepted = _KEY_RULES[key]
+    """One key's value converted to its field's type; two lenient forms first: a decimal
+    string port (some routers forward it so; vLLM accepts it) and a flat block-id list (one
+    cache group)."""
+    value_type = _KEY_TYPES[key]
     if key == "remote_port" and isinstance(value, str) and value.isascii() and value.isdigit():
-        value = int(value)  # some routers forward the port as a string; vLLM accepts it
+        value = int(value)
+    flat = key == "remote_block_ids" and isinstance(value, list) and value
+    if flat and not isinstance(value[0], list):  # type: ignore[index]
+        value_type = _BlockGroup
     try:
         converted = msgspec.convert(value, value_type)
     except msgspec.ValidationError as exc:
-        raise _bad_value(key, value, exc, accepted) from None
-    if key == "remote_block_ids":
-        return _convert_block_ids(converted)
-    if key == "transfer_mode" and converted != TRANSFER_MODE:
-        raise InvalidTransferParams(
-            f"kv_transfer_params['transfer_mode']: {short_repr(converted)} is not served; this "
-            f"connector only reads prefill's KV from decode ({TRANSFER_MODE!r}): send the "
-            "request to engines configured for that mode"
-        )
-    return converted
-
-
-def _convert_block_ids(groups: list[Any]) -> BlockIds:
-    accepted = "a list of lists of block ids (integers in 0..2**31-1), or a flat list of ids"
-    if not groups:
-        raise InvalidTransferParams(
-            "kv_transfer_params['remote_block_ids']: [] holds no cache group; expected " + accepted
-        )
-    shape: Any = list[list[_BlockId]] if isinstance(groups[0], list) else list[_BlockId]
-    try:
-        converted = msgspec.convert(groups, shape)
-    except msgspec.ValidationError as exc:
-        raise _bad_value("remote_block_ids", groups, exc, accepted) from None
-    if shape == list[_BlockId]:
-        return (tuple(converted),)
-    return tuple(tuple(group) for group in converted)
+        raise _bad_value(key, value, exc, _ACCEPTED[key]) from None
+    return (converted,) if value_type is _BlockGroup else converted
 
 
 def _bad_value(key: str, value: object, exc: msgspec.ValidationError, accepted: str) -> Exception:
@@ -454,17 +392,3 @@ def _bad_value(key: str, value: object, exc: msgspec.ValidationError, accepted: 
         f"kv_transfer_params[{key!r}]: value {short_repr(value)} is not accepted ({detail}); "
         f"expected {accepted}"
     )
-
-
-def short_repr(value: object) -> str:
-    """A repr of at most 80 characters for error messages; never raises (deep lists, ints
-    of 5000 digits, lone surrogates)."""
-    try:
-        text = _SHORT.repr(value)
-    except (RecursionError, ValueError):
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 60, 60, 40

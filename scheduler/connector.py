@@ -2,8 +2,16 @@
 
 It validates kv_transfer_params, then hands prefill requests to Producer (leases, ``sends``)
 and decode requests to Consumer (loads, releases, heartbeats), builds each step's metadata and
-collects the ranks' reports. Requests are plain RequestInfo records, not engine objects.
+collects the ranks' reports. Requests are plain RequestInfo records, not engine objects; a
+decode request's one record, its parsed params included, is Consumer's.
 Every method runs on the engine thread; the side-channel thread touches only the lease table.
+
+``bind_params_at_allocation`` (vLLM): the engine may ask get_num_new_matched_tokens many times
+before it allocates, and nothing binds until then. The first ask only claims the tokens of a
+dict saying ``do_remote_prefill: true``; the params are read at allocation (or at an ask that
+finds nothing left to load). Refused params never raise then: the request is claimed so the
+engine parks it, announced as a failed load (``take_refused``), and never loads. Without it
+(the example engine) params are read at the first ask and refusals raise.
 """
 
 from __future__ import annotations
@@ -14,40 +22,27 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import msgspec
-
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
-from connector.metadata import ConnectorMetadata, RemoteSource, WorkerReport
-from connector.params import KVTransferParams, parse_kv_transfer_params, validate_block_groups
+from connector.metadata import ConnectorMetadata, WorkerReport
+from connector.params import raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
-from scheduler.consumer import Consumer
+from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
+from scheduler.lifecycles import OnMove
+from scheduler.params_reader import ParamsReader
 from scheduler.producer import Producer
-from scheduler.requests import FinishedRequests, RequestInfo, Role
+from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role
 from scheduler.side_channel import SideChannelServer
-from scheduler.suffix import PULLABLE_KINDS, held_blocks
+from scheduler.suffix import held_blocks
 
 __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]
 
 logger = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
-
-
-MAX_PARSED_REQUESTS = 65536  # parsed params kept for requests not yet finished; oldest go first
-
-
-class _Parsed(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers to no record of ours
-    """One request's params as parsed: ``source`` is set for a load, from a prefill engine or
-    (``pulls``, bidirectional mode) from a decode engine holding an earlier turn."""
-
-    raw: object  # the params object parsed: reused only while the request carries it
-    params: KVTransferParams | None
-    source: RemoteSource | None
-    pulls: bool = False
 
 
 class SchedulerConnector:
@@ -64,6 +59,8 @@ class SchedulerConnector:
         tp_size: int,
         clock: Callable[[], float] = time.monotonic,
         heartbeat_sender: HeartbeatSender | None = None,
+        bind_params_at_allocation: bool = False,
+        on_move: OnMove | None = None,  # sees every decode record's move (tests)
     ) -> None:
         if not engine_id or tp_size < 1:
             raise UnsupportedConfiguration(
@@ -72,13 +69,9 @@ class SchedulerConnector:
             )
         self._config = config
         self._engine_id = engine_id
-        self._role = role
-        self._consumes, self._produces = role.consumes, role.produces
         self._spec = spec
         self._num_groups = len(spec.groups)
-        # A pull reads a prefix of what decode holds: only full-attention and MLA groups
-        # keep every token's KV (a window or a recurrent state holds the end only).
-        self._pull_kinds_ok = all(group.kind in PULLABLE_KINDS for group in spec.groups)
+        self._params = ParamsReader(config, role, spec)
         self._tp_size = tp_size
         self._clock = clock
         # This process's boot: its side channel's boot id, and (with the engine id) how it
@@ -86,10 +79,7 @@ class SchedulerConnector:
         self._boot_id = secrets.token_hex(BOOT_ID_CHARS // 2)
         self._reader = ReaderId(engine_id, self._boot_id)
         self._leases = LeaseTable(config.kv_lease_duration_s, num_ranks=tp_size)
-        # request id -> its parsed params: parsed once, however often vLLM asks
-        # get_num_new_matched_tokens, and reused at the request's end. Insertion-ordered, so
-        # the first key is the oldest.
-        self._parsed: dict[str, _Parsed] = {}
+        self._bind_at_allocation = bind_params_at_allocation
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
             secret=config.side_channel_secret,
@@ -114,6 +104,7 @@ class SchedulerConnector:
             heartbeats=self._heartbeats,
             heartbeat_interval_s=config.heartbeat_interval_s,
             clock=clock,
+            on_move=on_move,
             reader=self._reader,
         )
 
@@ -164,33 +155,107 @@ class SchedulerConnector:
         """(tokens that will arrive asynchronously, whether a load is pending).
 
         Raises InvalidTransferParams for malformed params (the engine fails that request);
-        no state is kept for it then.
+        no state is kept for it then. With bind_params_at_allocation it never raises.
         """
-        parsed = self._parse(request)
+        if self._bind_at_allocation:
+            return self._ask_before_allocation(request, num_computed_tokens)
+        return self._match(request, self._parse(request), num_computed_tokens)
+
+    def _match(
+        self, request: RequestInfo, parsed: ParsedParams, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """The read params' answer; raises InvalidTransferParams for a wrong group count."""
         source = parsed.source
         if source is None:
             return 0, False
         num_tokens = request.num_prompt_tokens
         if parsed.pulls:
             num_tokens = min(num_tokens, source.num_tokens or 0)
-            if not self._worth_pulling(num_tokens - num_computed_tokens):
+            if not self._params.worth_pulling(num_tokens - num_computed_tokens):
                 return 0, False
         else:
             validate_block_groups(source.remote_block_ids, self._num_groups)
         return self._consumer.get_num_new_matched_tokens(
-            request.request_id, source, num_tokens, num_computed_tokens, request.token_ids
+            request.request_id,
+            source,
+            num_tokens,
+            num_computed_tokens,
+            parsed,
+            token_ids=request.token_ids,
         )
 
-    def _worth_pulling(self, num_tokens: int) -> bool:
-        """Pull ``num_tokens`` uncached tokens from decode, or compute them here?"""
-        threshold = self._config.kv_recompute_threshold
-        return num_tokens > 0 and num_tokens >= threshold
+    def _ask_before_allocation(
+        self, request: RequestInfo, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """bind_params_at_allocation: claim on the params' word, read them when it binds."""
+        raw = request.kv_transfer_params
+        if raw is None:
+            return 0, False
+        request_id = request.request_id
+        record = self._consumer.record(request_id)
+        num_new_tokens = request.num_prompt_tokens - num_computed_tokens
+        if record is None:
+            unread = raw_flag(raw, "do_remote_prefill")
+        else:
+            state = record.state
+            if state is REFUSING or state is REFUSED:
+                return self._consumer.ask_refused(request_id, num_new_tokens)
+            unread = state is CLAIMED
+        if unread and num_new_tokens > 0:  # claim now, read the params at allocation
+            return self._consumer.claim(request_id, num_new_tokens, num_computed_tokens)
+        # else the params are read now (nothing left to load: the claim settles here)
+        try:
+            return self._match(request, self._parse(request), num_computed_tokens)
+        except InvalidTransferParams as exc:
+            reason = f"invalid kv_transfer_params: {exc}"
+            return self._consumer.refuse(request_id, reason, num_new_tokens)
 
     def update_state_after_alloc(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
         """Decode's blocks for the request, per cache group (copied: the engine keeps its own)."""
-        self._consumer.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
+        request_id = request.request_id
+        record = self._consumer.record(request_id)
+        if record is not None and record.state is CLAIMED:
+            if not self._read_claim(request, num_external_tokens):
+                return
+        elif record is not None and record.state in UNREAD_OR_REFUSED:
+            self._consumer.refuse_claim(request_id, "", num_external_tokens)  # announce once
+            return
+        self._consumer.update_state_after_alloc(request_id, block_ids, num_external_tokens)
+
+    def _read_claim(self, request: RequestInfo, num_external_tokens: int) -> bool:
+        """Read a claimed request's params now that the engine allocated; True if it loads.
+
+        Refused params, or params that no longer ask for a load while the engine parked the
+        request for the claimed tokens (another connector edited them in between: nothing
+        would ever answer the wait), fail it; the engine's failure policy decides.
+        """
+        request_id = request.request_id
+        record = self._consumer.record(request_id)
+        num_cached_tokens = 0 if record is None else record.num_cached_tokens
+        try:
+            _, loads = self._match(request, self._parse(request), num_cached_tokens)
+        except InvalidTransferParams as exc:
+            reason = f"invalid kv_transfer_params: {exc}"
+            self._consumer.refuse_claim(request_id, reason, num_external_tokens)
+            return False
+        if loads:
+            return True
+        if num_external_tokens == 0:  # its params now ask for no load, and nothing is parked
+            self._consumer.drop_claim(request_id)
+            return False
+        reason = (
+            "kv_transfer_params changed between the first ask and allocation: "
+            f"{_params_summary(request.kv_transfer_params)}; nothing is loaded for this request"
+        )
+        self._consumer.refuse_claim(request_id, reason, num_external_tokens)
+        return False
+
+    def take_refused(self) -> dict[str, str]:
+        """bind_params_at_allocation: requests whose params were refused after the engine
+        parked them, since the last call (request id -> reason): announce their load failed."""
+        return self._consumer.take_refused()
 
     def build_connector_meta(self) -> ConnectorMetadata:
         sends, forgotten, digests = self._producer.take_step()
@@ -206,13 +271,20 @@ class SchedulerConnector:
 
         ``block_ids``: the request's blocks per cache group (read, not kept).
         """
+        request_id = request.request_id
+        record = self._consumer.record(request_id)
+        if record is not None and record.state in UNREAD_OR_REFUSED and record.state is not CLAIMED:
+            return self._consumer.request_finished(request_id, None)
         try:
-            parsed = self._parse(request, last_use=True)
+            parsed = self._parse(request)
         except InvalidTransferParams as exc:
-            logger.warning("request %s finished with invalid params: %s", request.request_id, exc)
+            logger.warning("request %s finished with invalid params: %s", request_id, exc)
+            self._consumer.request_finished(request_id, None)  # a claim read only now
             return False, None
+        if parsed.source is None and record is not None:
+            self._consumer.request_finished(request_id, None)  # params edited since the claim
         if parsed.source is not None:
-            delay, _ = self._consumer.request_finished(request.request_id, parsed.source)
+            delay, _ = self._consumer.request_finished(request_id, parsed.source)
             if delay or request.aborted:
                 return delay, None
             if not parsed.pulls:
@@ -267,6 +339,12 @@ class SchedulerConnector:
         finished_recving, failed_recving = self._consumer.take_finished()
         return FinishedRequests(finished_sending, finished_recving, failed_recving)
 
+    @property
+    def reported_by_ranks(self) -> frozenset[str]:
+        """Of the loads take_finished last returned, those whose LoadSpec went out: the ranks
+        ran them (an engine whose ranks report to it themselves need not be told again)."""
+        return self._consumer.reported_by_ranks
+
     def has_pending_work(self) -> bool:
         """True while loads, releases or leases still need engine steps to finish.
 
@@ -292,73 +370,15 @@ class SchedulerConnector:
             self._side_channel = None
         self._heartbeats.stop()
 
-    def _parse(self, request: RequestInfo, *, last_use: bool = False) -> _Parsed:
-        """The request's params, parsed on first use; ``last_use`` drops the kept parse.
-
-        A kept parse is reused only while the request still carries the very same params
-        object (a new dict is parsed afresh). Refusals are not kept: they raise each time.
-        """
+    def _parse(self, request: RequestInfo) -> ParsedParams:
+        """The request's params: its record's parse while the request carries the very same
+        params object, else parsed afresh (Consumer keeps what a load needs). Refusals are
+        not kept: they raise each time."""
         raw = request.kv_transfer_params
-        parsed = (
-            self._parsed.pop(request.request_id, None)
-            if last_use
-            else self._parsed.get(request.request_id)
-        )
-        if parsed is not None and parsed.raw is raw:
-            return parsed
-        parsed = self._parse_afresh(request)
-        if not last_use and raw is not None:
-            self._parsed[request.request_id] = parsed
-            if len(self._parsed) > MAX_PARSED_REQUESTS:
-                del self._parsed[next(iter(self._parsed))]
-        return parsed
-
-    def _parse_afresh(self, request: RequestInfo) -> _Parsed:
-        raw = request.kv_transfer_params
-        params = parse_kv_transfer_params(raw)
-        if params is None:
-            return _Parsed(raw, None, None)
-        if params.ignored_keys:
-            logger.debug(
-                "request %s: ignoring unknown kv_transfer_params keys %s",
-                request.request_id,
-                ", ".join(params.ignored_keys),
-            )
-        if params.do_remote_prefill:
-            if not self._consumes:
-                self._note_other_role(request, params)
-            return _Parsed(raw, params, params.remote_source())
-        if params.do_remote_decode and not self._produces:
-            self._note_other_role(request, params)
-        source = params.pull_source() if self._config.bidirectional_kv_xfer else None
-        if source is not None and not self._can_pull(request, source):
-            source = None
-        return _Parsed(raw, params, source, pulls=source is not None)
-
-    def _can_pull(self, request: RequestInfo, source: RemoteSource) -> bool:
-        """Can this engine pull an earlier turn's KV from decode's held blocks? When not, it
-        computes the prompt itself (always correct) and says why."""
-        why = ""
-        if len(source.remote_block_ids) != self._num_groups:
-            why = (
-                f"decode sent {len(source.remote_block_ids)} cache group(s), this engine has "
-                f"{self._num_groups}"
-            )
-        elif not self._pull_kinds_ok:
-            why = "a sliding-window or SSM cache group holds no KV of an arbitrary prefix"
-        if why:
-            logger.info(
-                "request %s: not pulling its history from decode: %s", request.request_id, why
-            )
-        return not why
-
-    def _note_other_role(self, request: RequestInfo, params: KVTransferParams) -> None:
-        logger.debug(
-            "request %s: %s on an engine whose role is %s; serving it (the role is advisory)",
-            request.request_id,
-            "do_remote_decode" if params.do_remote_decode else "do_remote_prefill",
-            self._role.value,
-        )
+        record = self._consumer.record(request.request_id)
+        if record is not None and record.parsed is not None and record.parsed.raw is raw:
+            return record.parsed
+        return self._params.read(request)
 
     def _side_channel_address(self) -> tuple[str, int]:
         if self._side_channel is not None:
@@ -396,3 +416,10 @@ class SchedulerConnector:
                     f"{self._tp_size}: give every rank the same engine id and TP size"
                 )
         return by_rank
+
+
+def _params_summary(raw: object) -> str:
+    """What changed params say now, for the error (read, not validated)."""
+    if not isinstance(raw, dict):
+        return f"params are now {type(raw).__name__}"
+    return f"do_remote_prefill is now {raw.get('do_remote_prefill')!r}"

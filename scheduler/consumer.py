@@ -1,7 +1,16 @@
 """Decode-side request state: which prompts to load from which prefill engine, and their outcome.
 
-Each request's load is one record in a Book, moved only along LOAD_LIFECYCLE
-(scheduler/lifecycles.py): get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
+Each decode request has one record in the scheduler process, here, from the engine's first ask
+to request_finished; nothing else keeps state for it (the vLLM adapter only translates). It
+moves only along REQUEST_LOAD_LIFECYCLE (scheduler/lifecycles.py) and also holds the request's
+parsed params (``parsed``, reused while the request carries the same params object).
+
+Params bind at allocation where the engine says so (vLLM: SchedulerConnector's
+``bind_params_at_allocation``): the first ask then only claims the tokens (CLAIMED, unread)
+and the params are read at allocation; refused ones (REFUSING, then REFUSED) are announced as
+a failed load if the engine parked the request, and never offered a load again.
+
+Read params: get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
 (ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
 rank) -> every rank reports -> REPORTED once, in finished_recving or failed_recving. An abort
 before the LoadSpec went out sends a ReleaseSpec instead so the prefill engine frees its blocks
@@ -34,32 +43,55 @@ from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, defa
 from connector.protocol import ReaderId, lease_key
 from connector.token_digest import token_digest
 from scheduler.heartbeats import HeartbeatSender
-from scheduler.lifecycles import LOAD_LIFECYCLE, Book, LoadState, OnMove
+from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
+from scheduler.requests import ParsedParams
 from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 
 # The states as module names: shorter to read, and the hooks compare them on every call (a
 # global is ~3x cheaper to read than an Enum class attribute on Python 3.11).
-MATCHED, ALLOCATED, LOADING = LoadState.MATCHED, LoadState.ALLOCATED, LoadState.LOADING
-DRAINING, REPORTED, ENDED = LoadState.DRAINING, LoadState.REPORTED, LoadState.ENDED
-RELEASING, REPORTED_RELEASING = LoadState.RELEASING, LoadState.REPORTED_RELEASING
-RELEASED = LoadState.RELEASED
+MATCHED, ALLOCATED, LOADING = (
+    RequestLoadState.MATCHED,
+    RequestLoadState.ALLOCATED,
+    RequestLoadState.LOADING,
+)
+DRAINING, REPORTED, ENDED = (
+    RequestLoadState.DRAINING,
+    RequestLoadState.REPORTED,
+    RequestLoadState.ENDED,
+)
+RELEASING, REPORTED_RELEASING = RequestLoadState.RELEASING, RequestLoadState.REPORTED_RELEASING
+RELEASED = RequestLoadState.RELEASED
+CLAIMED, REFUSING, REFUSED = (
+    RequestLoadState.CLAIMED,
+    RequestLoadState.REFUSING,
+    RequestLoadState.REFUSED,
+)
+UNREAD_OR_REFUSED = (CLAIMED, REFUSING, REFUSED)  # no parsed source: nothing to release
 _RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
 _RANKS_HOLD_BLOCKS = (ALLOCATED, LOADING, DRAINING)  # at request_finished: delay the free
 _RANKS_ANSWER_RELEASE = (RELEASING, REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
 _HEARTBEATING = (MATCHED, ALLOCATED, LOADING, DRAINING)  # prefill must keep the KV
-_PENDING = tuple(state for state in LoadState if state not in (REPORTED, RELEASED, ENDED))
+# Claims and refusals ask nothing of the ranks: the engine steps anyway until it allocates.
+_PENDING = tuple(
+    state
+    for state in RequestLoadState
+    if state not in (REPORTED, RELEASED, ENDED, *UNREAD_OR_REFUSED)
+)
 
 
 @dataclasses.dataclass(slots=True)
-class _Load:
-    """One tracked decode load; ``state`` says where it stands (Book moves it)."""
+class RequestLoad:
+    """One decode request's record; ``state`` says where it stands (Book moves it)."""
 
-    source: RemoteSource
+    source: RemoteSource | None  # None until its params are read (CLAIMED) or if refused
     num_tokens: int
     num_cached_tokens: int
-    state: LoadState = LoadState.NEW
+    state: RequestLoadState = RequestLoadState.NEW
+    parsed: ParsedParams | None = None  # the params as read (None: unread or refused)
+    refusal: str = ""  # why the params were refused (REFUSING, REFUSED)
+    load_sent: bool = False  # a LoadSpec went out: the ranks report its outcome themselves
     local_block_ids: BlockIds | None = None  # decode's blocks for the uncached suffix
     unplannable: str = ""  # why decode's blocks cannot take the load: fails it at the next step
     ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
@@ -89,11 +121,22 @@ class Consumer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._clock = clock
         self._next_heartbeat_s = clock() + heartbeat_interval_s
-        self._loads: Book[LoadState, _Load] = Book(LOAD_LIFECYCLE, what="load", on_move=on_move)
+        self._loads: Book[RequestLoadState, RequestLoad] = Book(
+            REQUEST_LOAD_LIFECYCLE, what="load", on_move=on_move
+        )
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
         self._finished: list[str] = []
         self._failed: dict[str, str] = {}
+        self._by_ranks: set[str] = set()  # of the above: loads whose LoadSpec went out
+        # Of the outcomes take_finished last returned, the loads whose LoadSpec went out: the
+        # ranks ran them and may tell the engine themselves (vLLM's do).
+        self.reported_by_ranks: frozenset[str] = frozenset()
+        self._refused: dict[str, str] = {}  # parked requests whose params were refused
+
+    def record(self, request_id: str) -> RequestLoad | None:
+        """The request's record (read it, never write it), or None."""
+        return self._loads.get(request_id)
 
     def get_num_new_matched_tokens(
         self,
@@ -101,22 +144,101 @@ class Consumer:
         source: RemoteSource,
         num_tokens: int,
         num_cached_tokens: int,
+        parsed: ParsedParams | None = None,
         token_ids: Sequence[int] | None = None,  # the request's; its first num_tokens are loaded
     ) -> tuple[int, bool]:
+        """The read params' answer: ``source`` holds tokens [0, num_tokens) of the prompt."""
         load = self._loads.get(request_id)
         num_new_tokens = num_tokens - num_cached_tokens
         if load is None:
-            load = _Load(source, num_tokens, num_cached_tokens, token_ids=token_ids)
+            load = RequestLoad(
+                source, num_tokens, num_cached_tokens, parsed=parsed, token_ids=token_ids
+            )
             self._loads.start(request_id, load, MATCHED)
-        elif load.state is MATCHED:
-            # Scheduled again before allocation: the local prefix hit may have changed.
+        elif load.state is MATCHED or load.state is CLAIMED:
+            # Scheduled again before allocation (the local prefix hit may have changed), or
+            # a claim whose params were just read.
             load.source, load.num_tokens = source, num_tokens
-            load.num_cached_tokens, load.token_ids = num_cached_tokens, token_ids
+            load.num_cached_tokens, load.parsed = num_cached_tokens, parsed
+            load.token_ids = token_ids
+            if load.state is CLAIMED:
+                self._loads.move(request_id, MATCHED)
         else:
-            return 0, False  # allocated, loading, reported or released: never a new load
+            return 0, False  # allocated, loading, reported, released, refused: never a new load
         # Nothing to load (a full local prefix hit): prefill is released at allocation, once
         # the engine decided; an ask may be repeated with a smaller hit.
         return (num_new_tokens, True) if num_new_tokens > 0 else (0, False)
+
+    def claim(
+        self, request_id: str, num_new_tokens: int, num_cached_tokens: int
+    ) -> tuple[int, bool]:
+        """Claim ``num_new_tokens`` (> 0) on the params' word, unread: they bind at allocation.
+
+        For a new request or a claimed one (asked again: the local hit may have changed).
+        """
+        load = self._loads.get(request_id)
+        if load is None:
+            load = RequestLoad(None, num_cached_tokens + num_new_tokens, num_cached_tokens)
+            self._loads.start(request_id, load, CLAIMED)
+        elif load.state is CLAIMED:
+            load.num_tokens = num_cached_tokens + num_new_tokens
+            load.num_cached_tokens = num_cached_tokens
+        else:
+            return 0, False
+        return num_new_tokens, True
+
+    def refuse(self, request_id: str, reason: str, num_new_tokens: int) -> tuple[int, bool]:
+        """The params were refused at an ask: never load. With tokens to load, claim them so
+        the engine parks the request, and announce its load failed at allocation (REFUSING):
+        the engine's failure policy then decides its fate. A record already past its claim
+        keeps its state: its load was allocated, or went out."""
+        load = self._loads.get(request_id)
+        if load is not None and load.state is not CLAIMED:
+            return self.ask_refused(request_id, num_new_tokens)
+        logger.warning("request %s: %s", request_id, reason)
+        parks = num_new_tokens > 0 and load is None
+        if load is None:
+            load = RequestLoad(None, num_new_tokens, 0, refusal=reason)
+            self._loads.start(request_id, load, REFUSING if parks else REFUSED)
+        else:
+            load.refusal = reason
+            self._loads.move(request_id, REFUSED)
+        return (num_new_tokens, True) if parks else (0, False)
+
+    def ask_refused(self, request_id: str, num_new_tokens: int) -> tuple[int, bool]:
+        """Asked again about a refused request: claim again until the engine parks it."""
+        load = self._loads.get(request_id)
+        if load is not None and load.state is REFUSING and num_new_tokens > 0:
+            return num_new_tokens, True
+        return 0, False
+
+    def refuse_claim(self, request_id: str, reason: str, num_external_tokens: int) -> None:
+        """At allocation, the claimed (or refused) request's params do not give a load.
+
+        Parked (``num_external_tokens`` > 0): announce its load failed, once; either way it
+        never loads (REFUSED).
+        """
+        load = self._loads.get(request_id)
+        if load is None or load.state not in (CLAIMED, REFUSING):
+            return
+        reason = reason or load.refusal
+        if load.state is CLAIMED:
+            logger.warning("request %s: %s", request_id, reason)
+        load.refusal = reason
+        if num_external_tokens > 0:
+            self._refused[request_id] = reason
+        self._loads.move(request_id, REFUSED)
+
+    def drop_claim(self, request_id: str) -> None:
+        """At allocation, a claim whose params now ask for no load, with nothing parked."""
+        load = self._loads.get(request_id)
+        if load is not None and load.state is CLAIMED:
+            self._loads.move(request_id, ENDED)
+
+    def take_refused(self) -> dict[str, str]:
+        """Refused requests the engine parked since the last call: request id -> reason."""
+        refused, self._refused = self._refused, {}
+        return refused
 
     def update_state_after_alloc(
         self, request_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -147,19 +269,24 @@ class Consumer:
         self._send_heartbeats_if_due()
         return tuple(loads), releases
 
-    def request_finished(self, request_id: str, source: RemoteSource) -> tuple[bool, None]:
+    def request_finished(self, request_id: str, source: RemoteSource | None) -> tuple[bool, None]:
         """(True, None) while ranks may still touch the request's blocks, else (False, None).
 
-        ``source`` is where the request's KV lives, from its params.
+        ``source`` is where the request's KV lives, from its params (None: they ask for no
+        load, or were refused).
         """
         load = self._loads.get(request_id)
-        if load is None:
-            # Aborted before the engine ever asked about it: prefill still holds the KV.
-            self._release_over_side_channel(source)
+        if load is None or load.state is CLAIMED:
+            # Aborted before the engine ever asked about it, or finished while its params were
+            # unread: prefill still holds the KV.
+            if load is not None:
+                self._loads.move(request_id, ENDED)
+            if source is not None:
+                self._release_over_side_channel(source)
             return False, None
         state = load.state
         load.finished = True
-        if state in (REPORTED, RELEASED):
+        if state is REFUSING or state is REFUSED or state is REPORTED or state is RELEASED:
             self._loads.move(request_id, ENDED)
         elif state is REPORTED_RELEASING:
             self._loads.move(request_id, RELEASING)
@@ -167,7 +294,7 @@ class Consumer:
             self._release_only(request_id, load, RELEASING)
         elif state is ALLOCATED:
             logger.info("request %s aborted before its load started; releasing prefill", request_id)
-            self._pending_releases.append(ReleaseSpec(request_id, load.source))
+            self._pending_releases.append(ReleaseSpec(request_id, _source_of(load)))
             self._loads.move(request_id, DRAINING)
         elif state is LOADING:
             self._loads.move(request_id, DRAINING)
@@ -183,26 +310,29 @@ class Consumer:
     def take_finished(self) -> tuple[tuple[str, ...], dict[str, str]]:
         finished, self._finished = tuple(self._finished), []
         failed, self._failed = self._failed, {}
+        self.reported_by_ranks, self._by_ranks = frozenset(self._by_ranks), set()
         return finished, failed
 
-    def _emit(self, request_id: str, load: _Load) -> LoadSpec | None:
+    def _emit(self, request_id: str, load: RequestLoad) -> LoadSpec | None:
         local_block_ids = load.local_block_ids
         if local_block_ids is None:  # ALLOCATED: its suffix, or why it has none
             self._fail_now(request_id, load, load.unplannable)
             return None
         self._loads.move(request_id, LOADING)
+        load.load_sent = True
         return LoadSpec(
             request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, self._bound(load)
         )
 
-    def _bound(self, load: _Load) -> RemoteSource:
+    def _bound(self, load: RequestLoad) -> RemoteSource:
         """The load's source as its ranks check it: naming this reader and the tokens the
         load expects the remote blocks to hold (its request's first ``num_tokens``)."""
+        source = _source_of(load)
         tokens = token_digest(load.token_ids, load.num_tokens)
         load.token_ids = None  # digested: keep no engine list past this step
         if tokens is None and self._reader is None:
-            return load.source
-        return msgspec.structs.replace(load.source, tokens=tokens, reader=self._reader)
+            return source
+        return msgspec.structs.replace(source, tokens=tokens, reader=self._reader)
 
     def on_engine_outcomes(self, finished: Iterable[str], failed: Iterable[str]) -> None:
         """The engine's own word that loads ended: ``finished`` ids (``failed`` among them).
@@ -244,27 +374,31 @@ class Consumer:
         if len(load.ranks_done) == self._tp_size:
             self._settle(request_id, load)
 
-    def _settle(self, request_id: str, load: _Load) -> None:
+    def _settle(self, request_id: str, load: RequestLoad) -> None:
         """Every rank is done with ``load``: report it once, as received or failed."""
+        source = _source_of(load)
+        if load.load_sent:
+            self._by_ranks.add(request_id)
         if load.failures:
             self._failed[request_id] = _failure_reason(load.failures)
-            self._release_over_side_channel(load.source)
+            self._release_over_side_channel(source)
         else:
             self._finished.append(request_id)
-            if load.source.num_tokens is not None:  # a pull of an earlier turn from decode
+            if source.num_tokens is not None:  # a pull of an earlier turn from decode
                 self._metrics.inc(PULLED_TOKENS, amount=load.num_tokens - load.num_cached_tokens)
         # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
         self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)
 
-    def _release_only(self, request_id: str, load: _Load, target: LoadState) -> None:
+    def _release_only(self, request_id: str, load: RequestLoad, target: RequestLoadState) -> None:
         """Move ``load`` to a releasing state and tell prefill to free its blocks."""
         self._loads.move(request_id, target)
         self._tell_prefill_to_free(request_id, load)
 
-    def _tell_prefill_to_free(self, request_id: str, load: _Load) -> None:
+    def _tell_prefill_to_free(self, request_id: str, load: RequestLoad) -> None:
         """Through the ranks (a ReleaseSpec) and the side channel, whichever arrives first."""
-        self._pending_releases.append(ReleaseSpec(request_id, load.source))
-        self._release_over_side_channel(load.source)
+        source = _source_of(load)
+        self._pending_releases.append(ReleaseSpec(request_id, source))
+        self._release_over_side_channel(source)
 
     def _release_over_side_channel(self, source: RemoteSource) -> None:
         # The ranks' free notifications need a NIXL handshake; when that is what failed (peer
@@ -278,7 +412,7 @@ class Consumer:
             boot_id=source.boot_id,
         )
 
-    def _fail_now(self, request_id: str, load: _Load, reason: str) -> None:
+    def _fail_now(self, request_id: str, load: RequestLoad, reason: str) -> None:
         logger.warning("request %s failed: %s", request_id, reason)
         self._release_only(request_id, load, REPORTED_RELEASING)
         self._failed[request_id] = reason
@@ -291,7 +425,7 @@ class Consumer:
         # One heartbeat per prefill engine boot; its side channel refuses ids meant for another.
         by_engine: dict[tuple[str, int, str, str], list[str]] = {}
         for _, load in self._loads.records(*_HEARTBEATING):
-            source = load.source
+            source = _source_of(load)
             engine = (source.host, source.port, source.engine_id, source.boot_id)
             by_engine.setdefault(engine, []).append(
                 lease_key(source.remote_request_id, source.lease_id)
@@ -310,6 +444,12 @@ class Consumer:
     def num_tracked(self) -> int:
         """Requests this class holds any state for (0 once every request finished and reported)."""
         return len(self._loads)
+
+
+def _source_of(load: RequestLoad) -> RemoteSource:
+    source = load.source
+    assert source is not None, "a record past MATCHED has read params"  # the table's order
+    return source
 
 
 def _failure_reason(failures: dict[int, str]) -> str:

@@ -1,7 +1,7 @@
 """Scheduler-side request lifecycles as data: each record's states and the moves between them.
 
-Two lifecycles live here: a decode load in the scheduler (Consumer) and a prefill lease
-(Producer). ``Book`` holds one lifecycle's records by request id and is the only place their
+Two lifecycles live here: a request's load in the scheduler (Consumer: the one record of a
+decode request, claim to finish) and a prefill lease (Producer). ``Book`` holds one lifecycle's records by request id and is the only place their
 ``state`` changes, always through the lifecycle's TransitionTable. A record that reaches a
 terminal state leaves the book: deleting it is the cleanup.
 """
@@ -23,11 +23,15 @@ class LifecycleState(enum.Enum):
     __hash__ = object.__hash__
 
 
-class LoadState(LifecycleState):
-    """Where one decode load stands in the scheduler."""
+class RequestLoadState(LifecycleState):
+    """Where one request's load stands in the scheduler: the request's only record there,
+    from the engine's first ask to request_finished (scheduler/consumer.py)."""
 
     NEW = enum.auto()  # record made; moved on before the call that made it returns
-    MATCHED = enum.auto()  # get_num_new_matched_tokens claimed its tokens; no blocks yet
+    CLAIMED = enum.auto()  # tokens claimed on the params' word; params unread (bind at alloc)
+    REFUSING = enum.auto()  # params refused; tokens claimed so the engine parks the request
+    REFUSED = enum.auto()  # params refused (announced as a failed load if parked): never loads
+    MATCHED = enum.auto()  # params read; get_num_new_matched_tokens claimed its tokens
     ALLOCATED = enum.auto()  # decode's blocks known; its LoadSpec goes out at the next step
     LOADING = enum.auto()  # LoadSpec sent; the engine waits for every rank's report
     DRAINING = enum.auto()  # request finished while ranks hold its blocks; report, then forget
@@ -38,11 +42,18 @@ class LoadState(LifecycleState):
     ENDED = enum.auto()
 
 
-_L = LoadState
-LOAD_LIFECYCLE = TransitionTable(
-    "decode load",
+_L = RequestLoadState
+# No way leads from RELEASING, RELEASED or REFUSED back to LOADING: once prefill was told
+# to free (or the params were refused) the request never reads a block again.
+REQUEST_LOAD_LIFECYCLE = TransitionTable(
+    "request load",
     {
-        _L.NEW: {_L.MATCHED},
+        _L.NEW: {_L.CLAIMED, _L.REFUSING, _L.REFUSED, _L.MATCHED},
+        # read at allocation (or at an ask with nothing left to load): valid, refused, or
+        # asking for no load with nothing parked (ENDED; also finished while unread)
+        _L.CLAIMED: {_L.MATCHED, _L.REFUSED, _L.ENDED},
+        _L.REFUSING: {_L.REFUSED, _L.ENDED},  # REFUSED at allocation (announced if parked)
+        _L.REFUSED: {_L.ENDED},  # at request_finished
         # asked again before allocation: no move; nothing to load at allocation: release only
         _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},
         _L.ALLOCATED: {_L.LOADING, _L.DRAINING, _L.REPORTED_RELEASING},

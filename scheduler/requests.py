@@ -8,6 +8,9 @@ from typing import Any
 
 import msgspec
 
+from connector.metadata import RemoteSource
+from connector.params import KVTransferParams
+
 
 class Role(enum.Enum):
     PRODUCER = "producer"  # prefill: keeps finished requests' KV for decode engines to read
@@ -58,3 +61,13 @@ class FinishedRequests(msgspec.Struct):
     finished_sending: tuple[str, ...] = ()
     finished_recving: tuple[str, ...] = ()
     failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ParsedParams(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers to no record
+    """One request's params as parsed: ``source`` is set for a load, from a prefill engine or
+    (``pulls``, bidirectional mode) from a decode engine holding an earlier turn."""
+
+    raw: object  # the params object parsed: the parse is reused only while the request has it
+    params: KVTransferParams | None
+    source: RemoteSource | None
+    pulls: bool = False

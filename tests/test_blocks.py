@@ -43,7 +43,7 @@ def test_seed000_remote_ratio_261_with_ssm_group_passing_through():
         (([0],), True, (), "ratio must be an integer .*, got bool True"),
         (([0],), "2", (), "ratio must be an integer .*, got str '2'"),
         (([0, -3],), 2, (), "block_ids group 0: block id -3 is negative; block ids index"),
-        (([2**41],), 2, (), r"block id 2199023255552 is above 1099511627776"),
+        (([2**31],), 2, (), r"block id 2147483648 is above 2147483647"),
         (([0, 1.5],), 2, (), "block_ids group 0: block id 1.5 is a float, not an integer"),
         (([0, True],), 2, (), "block_ids group 0: block id True is a bool, not an integer"),
         (([4, 5, 4],), 2, (), "block_ids group 0: block id 4 appears twice; .* is corrupt"),

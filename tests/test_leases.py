@@ -13,7 +13,12 @@ from connector.metadata import RemoteSource, WorkerReport
 from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseStats, LeaseTable
-from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, LeaseState, LoadState
+from scheduler.lifecycles import (
+    LEASE_LIFECYCLE,
+    REQUEST_LOAD_LIFECYCLE,
+    LeaseState,
+    RequestLoadState,
+)
 from scheduler.producer import Producer
 from scheduler.suffix import uncached_suffix_blocks
 from tests.scheduler_helpers import FULL_16, SSM_64, FakeClock, MoveLog, RecordingHeartbeats
@@ -287,7 +292,9 @@ class FakeRanks:
 def test_every_awaited_decode_request_is_reported_exactly_once(
     actions: list[tuple[str, object]],
 ) -> None:
-    log = MoveLog(LOAD_LIFECYCLE, LoadState.NEW)  # only table edges, one end per life
+    log = MoveLog(
+        REQUEST_LOAD_LIFECYCLE, RequestLoadState.NEW
+    )  # only table edges, one end per life
     consumer = Consumer(
         groups=(FULL_16,),
         tp_size=TP_SIZE,

@@ -101,3 +101,19 @@ def test_the_released_record_lives_until_request_finished_and_then_goes() -> Non
     assert decode.num_tracked_loads == 1  # the memo that forbids a reload
     decode.request_finished(decode_request(), ((10, 11, 12),))
     assert decode.num_tracked_loads == 0
+
+
+def test_a_record_whose_params_changed_before_the_finish_still_ends() -> None:
+    """The record is found by request id, not by what the params say at the end: params
+    edited to ask for no load (another connector, a plugin) still end it and release
+    prefill's blocks (the record used to outlive the request)."""
+    heartbeats = RecordingHeartbeats()
+    decode = make_decode(FakeClock(), heartbeats)
+    request = decode_request()
+    assert decode.get_num_new_matched_tokens(request, 16) == (NUM_TOKENS - 16, True)
+    request.kv_transfer_params = {"do_remote_prefill": False}
+    assert decode.request_finished(request, ((10, 11, 12),)) == (False, None)
+    assert [ids for *_, ids in heartbeats.released] == [("p1",)], "prefill was not released"
+    decode.build_connector_meta()
+    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    assert decode.num_tracked_loads == 0

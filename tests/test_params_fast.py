@@ -33,8 +33,20 @@ TOY_PROXY_TO_PREFILL = {
 
 @pytest.mark.parametrize(
     "raw",
-    [RETURNED_BY_PREFILL, PREFILL_DONE, TOY_PROXY_TO_PREFILL, {"do_remote_decode": True}],
-    ids=["prefill's reply", "two groups", "the toy proxy's request", "do_remote_decode alone"],
+    [
+        RETURNED_BY_PREFILL,
+        PREFILL_DONE,
+        TOY_PROXY_TO_PREFILL,
+        {"do_remote_decode": True},
+        {**PREFILL_DONE, "remote_host": "höst"},
+    ],
+    ids=[
+        "prefill's reply",
+        "two groups",
+        "the toy proxy's request",
+        "do_remote_decode alone",
+        "non-ASCII text",
+    ],
 )
 def test_the_usual_params_take_one_convert(raw: dict[str, Any]) -> None:
     assert _convert_whole(raw) == _parse_key_by_key(raw) != None  # noqa: E711
@@ -46,7 +58,6 @@ LONG_WAY: list[tuple[str, dict[str, Any]]] = [
     ("a string port", {**PREFILL_DONE, "remote_port": "5600"}),
     ("a flat block list", {**PREFILL_DONE, "remote_block_ids": [1, 2]}),
     ("a null flag", {"do_remote_decode": None}),
-    ("non-ASCII text", {**PREFILL_DONE, "remote_host": "höst"}),
     ("a lone surrogate", {**PREFILL_DONE, "remote_request_id": "a\ud800"}),
     ("an empty block list", {**PREFILL_DONE, "remote_block_ids": []}),
     ("both flags", {**PREFILL_DONE, "do_remote_decode": True}),

@@ -247,11 +247,11 @@ def _claim_as_ranks(boot: SchedulerConnector, info: RequestInfo, num_ranks: int)
     block_ids = (tuple(range(10, 10 + -(-num_tokens // 16))),)
     boot.update_state_after_alloc(info, block_ids, num_tokens)
     (spec,) = boot.build_connector_meta().loads
-    assert spec.remote.reader == boot.reader
+    assert spec.source.reader == boot.reader
     config = ConnectorConfig(handshake_timeout_s=5.0)
     check = side_channel_batch_check(config, SilentSideChannels(5.0))
     for _ in range(num_ranks):
-        assert check([spec.remote], False) == [True]
+        assert check([spec.source], False) == [True]
     boot.shutdown()
 
 

@@ -357,7 +357,7 @@ def test_decode_lifecycle_loads_the_uncached_suffix_then_reports_once(
     # The ranks check the lease as this reader (no token ids given: no tokens to bind).
     remote = msgspec.structs.replace(REMOTE, reader=decode.reader)
     assert decode.build_connector_meta() == ConnectorMetadata(
-        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, remote=remote),)
+        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, source=remote),)
     )
     assert decode.build_connector_meta() == ConnectorMetadata()
     decode.update_connector_output([report(0, finished_recving=("d1",)), report(1)])
@@ -563,7 +563,7 @@ def test_a_hybrid_model_loads_the_ssm_state_block(
     decode.update_state_after_alloc(request, ((10, 11, 12), (0, 5)), 8)
     (load,) = decode.build_connector_meta().loads
     assert load.local_block_ids == ((12,), (5,))
-    assert load.remote.remote_block_ids == ((1, 2, 3), (9,))
+    assert load.source.remote_block_ids == ((1, 2, 3), (9,))
 
 
 def test_reports_for_unknown_or_unemitted_requests_are_ignored(decode: SchedulerConnector) -> None:
@@ -633,7 +633,7 @@ def test_abort_at_every_stage_is_reported_at_most_once_and_leaks_nothing(
 def test_params_are_parsed_once_per_request_and_again_for_new_params(
     decode: SchedulerConnector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import scheduler.connector as module
+    import scheduler.params_reader as module
 
     calls: list[object] = []
     real_parse = module.parse_kv_transfer_params

@@ -17,7 +17,12 @@ from connector.metadata import RemoteSource, WorkerReport
 from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseTable
-from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, LeaseState, LoadState
+from scheduler.lifecycles import (
+    LEASE_LIFECYCLE,
+    REQUEST_LOAD_LIFECYCLE,
+    LeaseState,
+    RequestLoadState,
+)
 from scheduler.producer import Producer
 from tests.scheduler_helpers import FULL_16, FakeClock, MoveLog, RecordingHeartbeats
 
@@ -39,7 +44,7 @@ class DecodeEngine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.log = MoveLog(LOAD_LIFECYCLE, LoadState.NEW)
+        self.log = MoveLog(REQUEST_LOAD_LIFECYCLE, RequestLoadState.NEW)
         self.consumer = Consumer(
             groups=(FULL_16,),
             tp_size=TP_SIZE,
@@ -52,6 +57,8 @@ class DecodeEngine(RuleBasedStateMachine):
         self.waiting: set[str] = set()
         self.held: set[str] = set()
         self.reported: set[str] = set()  # reported while the engine still runs the request
+        self.refused: set[str] = set()  # params refused: never offered a load in this life
+        self.parked_refused: set[str] = set()  # parked, its failed load not yet announced
         self.instructed: collections.Counter[tuple[str, int]] = collections.Counter()
 
     @rule(request_id=IDS, num_cached=st.sampled_from([0, 16, 40]))
@@ -62,12 +69,69 @@ class DecodeEngine(RuleBasedStateMachine):
             request_id, SOURCE, NUM_TOKENS, num_cached
         )
         assert pending is (num_tokens > 0)
-        if request_id in self.waiting | self.reported:
-            assert not pending, "a parked or reported load was offered again"
+        if request_id in self.waiting | self.reported | self.refused:
+            assert not pending, "a parked, reported or refused load was offered again"
         elif pending:
             self.claimed.add(request_id)
         else:
             self.claimed.discard(request_id)
+
+    def _unread_or_new(self, request_id: str) -> bool:
+        record = self.consumer.record(request_id)
+        return record is None or record.state is RequestLoadState.CLAIMED
+
+    @rule(request_id=IDS, num_cached=st.sampled_from([0, 16]))
+    def claim(self, request_id: str, num_cached: int) -> None:
+        """Params bound at allocation: claimed on their word (SchedulerConnector claims only
+        a new request or one still unread)."""
+        if request_id in self.held or not self._unread_or_new(request_id):
+            return
+        num_tokens, pending = self.consumer.claim(request_id, NUM_TOKENS - num_cached, num_cached)
+        assert (num_tokens, pending) == (NUM_TOKENS - num_cached, True)
+        assert request_id not in self.waiting | self.reported | self.refused
+        self.claimed.add(request_id)
+
+    @rule(request_id=IDS, num_cached=st.sampled_from([0, 16, 40]))
+    def refuse(self, request_id: str, num_cached: int) -> None:
+        """Params refused at an ask (an unread claim is read at an ask only with nothing to
+        load)."""
+        record = self.consumer.record(request_id)
+        num_new = NUM_TOKENS - num_cached
+        if request_id in self.held or not self._unread_or_new(request_id):
+            return
+        if record is not None and num_new > 0:
+            return
+        _, pending = self.consumer.refuse(request_id, "bad params", num_new)
+        assert pending is (record is None and num_new > 0)
+        self.refused.add(request_id)
+        if pending:
+            self.claimed.add(request_id)
+        else:
+            self.claimed.discard(request_id)
+
+    @rule(request_id=IDS, parked=st.booleans())
+    def refuse_at_allocation(self, request_id: str, parked: bool) -> None:
+        """A claim whose params, read at allocation, give no load."""
+        record = self.consumer.record(request_id)
+        if request_id not in self.claimed or record is None:
+            return
+        if record.state is not RequestLoadState.CLAIMED:
+            return
+        self.claimed.discard(request_id)
+        self.consumer.refuse_claim(request_id, "changed", 24 if parked else 0)
+        self.refused.add(request_id)
+        if parked:
+            self.parked_refused.add(request_id)
+
+    @rule(request_id=IDS)
+    def drop(self, request_id: str) -> None:
+        """A claim whose params ask for no load at allocation, with nothing parked."""
+        record = self.consumer.record(request_id)
+        if request_id not in self.claimed or record is None:
+            return
+        if record.state is RequestLoadState.CLAIMED:
+            self.claimed.discard(request_id)
+            self.consumer.drop_claim(request_id)
 
     @precondition(lambda self: bool(self.claimed))
     @rule(request_id=IDS, load=st.booleans(), num_blocks=st.sampled_from([1, 3]))
@@ -76,6 +140,18 @@ class DecodeEngine(RuleBasedStateMachine):
         if request_id not in self.claimed:
             return  # vLLM allocates external tokens only for a claimed load
         self.claimed.discard(request_id)
+        record = self.consumer.record(request_id)
+        state = None if record is None else record.state
+        if state is RequestLoadState.CLAIMED:  # read at allocation, as SchedulerConnector does
+            assert record is not None
+            self.consumer.get_num_new_matched_tokens(
+                request_id, SOURCE, NUM_TOKENS, record.num_cached_tokens
+            )
+        elif state in (RequestLoadState.REFUSING, RequestLoadState.REFUSED):
+            self.consumer.refuse_claim(request_id, "", 24 if load else 0)
+            if load and state is RequestLoadState.REFUSING:
+                self.parked_refused.add(request_id)
+            return
         block_ids = ((10, 11, 12)[:num_blocks],)
         self.consumer.update_state_after_alloc(request_id, block_ids, 24 if load else 0)
         if load:
@@ -123,11 +199,15 @@ class DecodeEngine(RuleBasedStateMachine):
         assert delay is (request_id in self.waiting), "blocks kept iff ranks may still write"
         self.claimed.discard(request_id)
         self.reported.discard(request_id)
+        self.refused.discard(request_id)
         if delay:
             self.waiting.discard(request_id)
             self.held.add(request_id)
 
     def collect(self) -> None:
+        for request_id in self.consumer.take_refused():
+            assert request_id in self.parked_refused, f"{request_id} announced twice or unparked"
+            self.parked_refused.discard(request_id)
         done, failed = self.consumer.take_finished()
         for request_id in [*done, *failed]:
             assert request_id in self.waiting | self.held, f"{request_id} reported unawaited"
@@ -149,6 +229,7 @@ class DecodeEngine(RuleBasedStateMachine):
             for request_id in REQUEST_IDS:
                 self.answer_all(request_id, True)
         assert not self.held, f"blocks held but never reported: {self.held}"
+        assert not self.parked_refused, f"parked, refused, never announced: {self.parked_refused}"
         assert self.consumer.num_tracked == 0 and not self.log.live
         assert not self.consumer.has_pending_work
 
@@ -165,6 +246,14 @@ PATHS = {
     "unplannable, ranks ack first": "match 16, alloc 1, step, answer ok, finish",
     "unplannable, finished first": "match 16, alloc 1, step, finish, step, answer ok",
     "abort before allocation": "match 16, finish, step, answer ok",
+    "claimed, read at allocation, loaded": "claim 16, alloc 3, step, answer ok, finish",
+    "claimed, read at an ask with nothing left": "claim 16, match 40, step, finish",
+    "claimed, finished unread": "claim 16, finish",
+    "claimed, refused when read at allocation": "claim 16, refusealloc, step, finish",
+    "claimed, asking for no load at allocation": "claim 0, drop",
+    "refused, parked, announced": "refuse 16, alloc 3, step, finish",
+    "refused, finished before it was parked": "refuse 16, finish",
+    "refused with nothing to load": "refuse 40, finish",
 }
 
 
@@ -176,7 +265,9 @@ def test_named_paths_end_cleanly(path: str) -> None:
 def test_the_named_paths_take_every_edge_of_the_load_table() -> None:
     taken = set().union(*(walk(path).log.edges for path in PATHS.values()))
     every = {
-        (current, target) for current, targets in LOAD_LIFECYCLE.moves.items() for target in targets
+        (current, target)
+        for current, targets in REQUEST_LOAD_LIFECYCLE.moves.items()
+        for target in targets
     }
     assert every - taken == set()
 
@@ -193,6 +284,14 @@ def walk(path: str) -> DecodeEngine:
             engine.answer_all("r0", arg == "ok")
         elif name == "finish":
             engine.finish("r0")
+        elif name == "claim":
+            engine.claim("r0", int(arg))
+        elif name == "refuse":
+            engine.refuse("r0", int(arg))
+        elif name == "refusealloc":
+            engine.refuse_at_allocation("r0", True)
+        elif name == "drop":
+            engine.drop("r0")
         else:
             engine.step()
     engine.teardown()

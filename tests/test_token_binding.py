@@ -288,8 +288,8 @@ def test_a_loads_ranks_check_the_requests_first_tokens_as_this_reader() -> None:
         ids = list(range(500, 545))  # 45 ids; the load covers the first 40
         params = decode_request().kv_transfer_params
         spec = start_load(decode, RequestInfo("d1", 40, params, token_ids=ids))
-        assert spec.remote.tokens == token_digest(ids, 40)
-        assert spec.remote.reader == decode.reader
+        assert spec.source.tokens == token_digest(ids, 40)
+        assert spec.source.reader == decode.reader
         assert decode.reader.engine_id == "decode-0" and len(decode.reader.boot_id) == 32
     finally:
         decode.shutdown()

@@ -11,8 +11,13 @@ import pytest
 
 from connector.errors import IllegalTransition
 from connector.lifecycle import TransitionTable
-from connector.vllm.scheduler import TRACKED_LIFECYCLE, TrackedState
-from scheduler.lifecycles import LEASE_LIFECYCLE, LOAD_LIFECYCLE, Book, LeaseState, LoadState
+from scheduler.lifecycles import (
+    LEASE_LIFECYCLE,
+    REQUEST_LOAD_LIFECYCLE,
+    Book,
+    LeaseState,
+    RequestLoadState,
+)
 from tests.scheduler_helpers import MoveLog
 
 
@@ -71,14 +76,13 @@ def test_terminal_states_are_those_without_a_way_out() -> None:
 # ---------------------------------------------------------------- the scheduler's tables
 
 TABLES = [
-    ("decode load", LOAD_LIFECYCLE, LoadState, {LoadState.ENDED}),
+    ("decode load", REQUEST_LOAD_LIFECYCLE, RequestLoadState, {RequestLoadState.ENDED}),
     (
         "prefill lease",
         LEASE_LIFECYCLE,
         LeaseState,
         {LeaseState.COMPLETED, LeaseState.EXPIRED, LeaseState.RELEASED},
     ),
-    ("vLLM request tracking", TRACKED_LIFECYCLE, TrackedState, {TrackedState.ENDED}),
 ]
 TABLE_IDS = [c[0] for c in TABLES]
 
@@ -103,6 +107,26 @@ def test_every_lifecycle_starts_at_new_reaches_every_state_and_can_always_end(
     assert not any(states["NEW"] in targets for targets in table.moves.values())
     for state in states:
         assert _reachable(table, state) & terminal, f"{state.name} can never end"
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        RequestLoadState.RELEASING,
+        RequestLoadState.RELEASED,
+        RequestLoadState.REFUSING,
+        RequestLoadState.REFUSED,
+        RequestLoadState.REPORTED,
+    ],
+    ids=lambda state: state.name,
+)
+def test_a_released_refused_or_reported_request_can_never_load_again(
+    state: RequestLoadState,
+) -> None:
+    """Issue 19: prefill's blocks may be reused once it was told to free them."""
+    reachable = _reachable(REQUEST_LOAD_LIFECYCLE, state)
+    assert RequestLoadState.LOADING not in reachable
+    assert RequestLoadState.MATCHED not in reachable
 
 
 # ---------------------------------------------------------------- Book

@@ -222,8 +222,8 @@ def test_the_pull_is_a_load_in_the_step_metadata(make_pair: Any) -> None:
     assert [(load.request_id, load.num_cached_tokens, load.num_tokens) for load in loads] == [
         ("t2", 2 * BLOCK_SIZE, 3 * BLOCK_SIZE)
     ]
-    assert loads[0].remote.engine_id == held["remote_engine_id"]
-    assert loads[0].remote.lease_id == held["remote_lease_id"]
+    assert loads[0].source.engine_id == held["remote_engine_id"]
+    assert loads[0].source.lease_id == held["remote_lease_id"]
     assert prefill.scheduler.requests["t2"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 

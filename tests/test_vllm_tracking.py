@@ -1,8 +1,8 @@
-"""The vLLM adapter's request tracking walked along TRACKED_LIFECYCLE: a decode request's
-tokens are claimed on its params' word and the params read at allocation; refused params
-are announced as a failed load once vLLM parked the request, and never offered a load again;
-loads whose LoadSpec went out are reported by the ranks, never echoed; nothing stays tracked
-once each request finished."""
+"""A decode request through the vLLM adapter, walked along REQUEST_LOAD_LIFECYCLE (its one
+record, in Consumer): its tokens are claimed on its params' word and the params read at
+allocation; refused params are announced as a failed load once vLLM parked the request, and
+never offered a load again; loads whose LoadSpec went out are reported by the ranks, never
+echoed; nothing stays tracked once each request finished."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from connector.metadata import WorkerReport
 from connector.vllm.messages import NixlPDWorkerMeta
-from connector.vllm.scheduler import TRACKED_LIFECYCLE, SchedulerSide, TrackedState
+from connector.vllm.scheduler import SchedulerSide
 from scheduler.connector import Role, SchedulerConnector
+from scheduler.consumer import UNREAD_OR_REFUSED
+from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, RequestLoadState
 from tests import vllm_harness as h
 from tests.scheduler_helpers import (
     CONFIG,
@@ -43,7 +45,7 @@ class Blocks:
 
 def walk(params: dict[str, Any], path: str) -> tuple[list[Any], MoveLog]:
     """Drive request "d1" along ``path``; returns each call's result and the moves taken."""
-    log = MoveLog(TRACKED_LIFECYCLE, TrackedState.NEW)
+    log = MoveLog(REQUEST_LOAD_LIFECYCLE, RequestLoadState.NEW)
     connector = SchedulerConnector(
         CONFIG,
         engine_id="decode-0",
@@ -52,13 +54,17 @@ def walk(params: dict[str, Any], path: str) -> tuple[list[Any], MoveLog]:
         tp_size=1,
         clock=FakeClock(),
         heartbeat_sender=RecordingHeartbeats(),
+        bind_params_at_allocation=True,
+        on_move=log,
     )
-    side = SchedulerSide(connector, h.kv_cache_config(block_size=16, num_blocks=64), on_move=log)
+    side = SchedulerSide(connector, h.kv_cache_config(block_size=16, num_blocks=64))
     request = h.make_request("d1", NUM_TOKENS, block_size=16, kv_transfer_params=params)
     results: list[Any] = []
     for call in path.split(", "):
         name, _, arg = call.partition(" ")
-        if name == "match":
+        if name == "params":  # something edits the request's params (e.g. another connector)
+            request.kv_transfer_params = None if arg == "none" else {"do_remote_prefill": False}
+        elif name == "match":
             results.append(side.get_num_new_matched_tokens(request, int(arg)))
         elif name == "alloc":
             side.update_state_after_alloc(request, Blocks(3), int(arg))  # type: ignore[arg-type]
@@ -128,13 +134,13 @@ PATHS = [
     (
         "claimed, then nothing left to load (a local prefix hit grew)",
         REMOTE_PARAMS,
-        "match 16, match 40, meta, finish",
-        [(24, True), NOTHING, (), FREE],
+        "match 16, match 40, meta, finish, meta, ranks fail",
+        [(24, True), NOTHING, (), FREE, ()],
     ),
     (
         "finished after allocation, before its LoadSpec went out",
         REMOTE_PARAMS,
-        "match 16, alloc 24, finish, meta",
+        "match 16, alloc 24, finish, meta, ranks fail",
         [(24, True), (True, None), ()],
     ),
     (
@@ -142,6 +148,24 @@ PATHS = [
         REMOTE_PARAMS,
         "match 16, alloc 24, meta, ranks ok, meta, finish",
         [(24, True), (), (), FREE],
+    ),
+    (
+        "claimed, its params cleared before allocation: nothing parked, nothing loads",
+        REMOTE_PARAMS,
+        "match 16, params none, match 16, alloc 0, meta, finish",
+        [(24, True), NOTHING, (), FREE],
+    ),
+    (
+        "claimed, its params changed to ask for no load, then parked: announced failed",
+        REMOTE_PARAMS,
+        "match 16, params other, alloc 24, meta, match 16, finish",
+        [(24, True), ("d1",), NOTHING, FREE],
+    ),
+    (
+        "claimed, finished unread",
+        REMOTE_PARAMS,
+        "match 16, finish",
+        [(24, True), FREE],
     ),
     (
         "a load the ranks fail is not echoed",
@@ -158,15 +182,18 @@ PATHS = [
 def test_tracking_paths(params: dict[str, Any], path: str, expected: list[Any]) -> None:
     results, log = walk(params, path)
     assert results == expected
-    assert not log.live, "a finished request is still tracked"
+    assert not log.live, "a finished request is still tracked (its ranks answered)"
 
 
-def test_the_paths_take_every_edge_of_the_tracking_table() -> None:
+def test_the_paths_take_every_edge_out_of_a_claim_or_a_refusal() -> None:
+    """The edges only bind_params_at_allocation takes, each through the adapter (the rest of
+    the table: tests/test_scheduler_lifecycles.py)."""
     taken = set().union(*(walk(params, path)[1].edges for _, params, path, _ in PATHS))
     every = {
         (current, target)
-        for current, targets in TRACKED_LIFECYCLE.moves.items()
+        for current, targets in REQUEST_LOAD_LIFECYCLE.moves.items()
         for target in targets
+        if current in UNREAD_OR_REFUSED or target in UNREAD_OR_REFUSED
     }
     assert every - taken == set()
 
@@ -174,16 +201,16 @@ def test_the_paths_take_every_edge_of_the_tracking_table() -> None:
 def test_a_decode_requests_params_are_parsed_once_at_allocation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import scheduler.connector as scheduler_connector
+    import scheduler.params_reader as params_reader
 
     parsed: list[object] = []
-    real_parse = scheduler_connector.parse_kv_transfer_params
+    real_parse = params_reader.parse_kv_transfer_params
 
     def counting_parse(raw: Any) -> Any:
         parsed.append(raw)
         return real_parse(raw)
 
-    monkeypatch.setattr(scheduler_connector, "parse_kv_transfer_params", counting_parse)
+    monkeypatch.setattr(params_reader, "parse_kv_transfer_params", counting_parse)
     results, _ = walk(REMOTE_PARAMS, "match 16, match 16")
     assert results == [(24, True)] * 2 and parsed == [], "asking twice read no params"
     results, _ = walk(REMOTE_PARAMS, "match 16, match 16, alloc 24, meta, ranks ok, finish")

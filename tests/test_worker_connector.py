@@ -238,7 +238,7 @@ def source(
 
 
 def load(request_id: str, remote: RemoteSource, local_ids: tuple[int, ...] = (0, 1)) -> LoadSpec:
-    return LoadSpec(request_id, (local_ids,), num_tokens=8, num_cached_tokens=0, remote=remote)
+    return LoadSpec(request_id, (local_ids,), num_tokens=8, num_cached_tokens=0, source=remote)
 
 
 class Rig:

@@ -21,7 +21,7 @@ from connector.metadata import LoadSpec, RemoteSource
 from tests.test_worker_connector import RecordingAgent, remote_handshake, source
 from tests.test_worker_parts import BASE, Clock
 from worker.lease_proof import AFTER_READS, lease_failure
-from worker.load_lifecycle import LOAD_LIFECYCLE, LoadState
+from worker.load_lifecycle import RANK_LOAD_LIFECYCLE, RankLoadState
 from worker.loads import LoadTable
 from worker.nixl_api import TransferState
 from worker.peer_lifecycle import PEER_LIFECYCLE, Peer, PeerLink, PeerState
@@ -87,7 +87,7 @@ class World:
         self.clock = Clock()
         self.agent = RecordingAgent("decode-r0")
         self.proofs = ScriptedProofs()
-        self.moves: list[tuple[str, LoadState, LoadState]] = []
+        self.moves: list[tuple[str, RankLoadState, RankLoadState]] = []
         # Prefill TP2 -> decode TP1: two READs per load, so one can fail while one is live.
         self.peer = Peer("p", "127.0.0.1", 7001, 2, {0: 1, 1: 1})
         layout = build_rank_layout(BASE, 0, 1)
@@ -173,8 +173,8 @@ def test_loads_take_only_table_edges_and_end_exactly_once(events: list[tuple[str
         logging.getLogger("worker.loads").removeHandler(errors)
     assert errors.messages == []  # no unexpected error, no IllegalTransition
     for _, old, new in world.moves:
-        assert LOAD_LIFECYCLE.allows(old, new), (old, new)
-    ended = [rid for rid, _, new in world.moves if new in LOAD_LIFECYCLE.terminal]
+        assert RANK_LOAD_LIFECYCLE.allows(old, new), (old, new)
+    ended = [rid for rid, _, new in world.moves if new in RANK_LOAD_LIFECYCLE.terminal]
     assert ended == [rid for rid, _ in world.outcomes]  # each end reported, in order
     assert len(ended) == world.num_created  # every load record ended exactly once
     assert world.peer.num_live_transfers == 0 and world.peer.num_loads == 0

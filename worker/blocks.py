@@ -19,10 +19,10 @@ import numbers
 from collections.abc import Collection, Sequence
 
 from connector.errors import TransferPlanError, UnsupportedConfiguration
+from connector.metadata import MAX_BLOCK_ID
 from connector.params import short_repr
 
 MAX_RATIO = 4096  # kernel blocks per logical block; the largest seen in vLLM is 261 (seed 000)
-MAX_BLOCK_ID = 2**40  # far beyond any engine's pool, small enough to expand without overflow
 
 
 def logical_to_kernel_block_ids(

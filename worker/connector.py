@@ -337,9 +337,9 @@ class WorkerConnector:
         if metadata.forgotten:
             self._notifications.forget(metadata.forgotten)
         for spec in metadata.loads:
-            loads.add(spec, self._peers.ensure(spec.remote))
+            loads.add(spec, self._peers.ensure(spec.source))
         for release in metadata.releases:
-            loads.abort(release.request_id, release.remote, self._peers.ensure(release.remote))
+            loads.abort(release.request_id, release.source, self._peers.ensure(release.source))
 
     def _digest_leases(self, specs: tuple[DigestSpec, ...]) -> None:
         """verify_kv, prefill: digest newly leased blocks; the next report carries them."""

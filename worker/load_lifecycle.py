@@ -30,10 +30,10 @@ from worker.peer_lifecycle import Peer
 
 ABORTED_REASON = "aborted"
 ReadKey = tuple[int, int]  # (remote rank, part: BY_INDEX or BY_RANGES)
-OnMove = Callable[[str, "LoadState", "LoadState"], None]  # (request id, from, to)
+OnMove = Callable[[str, "RankLoadState", "RankLoadState"], None]  # (request id, from, to)
 
 
-class LoadState(enum.Enum):
+class RankLoadState(enum.Enum):
     WAITING = enum.auto()  # for the peer's handshake
     ABORT_WAITING = enum.auto()  # aborted before posting: waits for the handshake to notify
     READING = enum.auto()  # READs posted and live
@@ -45,9 +45,9 @@ class LoadState(enum.Enum):
     ABORTED = enum.auto()
 
 
-_L = LoadState
-LOAD_LIFECYCLE = TransitionTable(
-    "worker load",
+_L = RankLoadState
+RANK_LOAD_LIFECYCLE = TransitionTable(
+    "rank load",
     {
         _L.WAITING: {_L.READING, _L.FAILING, _L.SUCCEEDED, _L.FAILED, _L.ABORT_WAITING},
         _L.ABORT_WAITING: {_L.ABORTED},
@@ -61,7 +61,7 @@ LOAD_LIFECYCLE = TransitionTable(
     },
 )
 _ABORTING = frozenset({_L.ABORT_WAITING, _L.ABORT_READING})
-_TERMINAL = LOAD_LIFECYCLE.terminal  # a property that builds its set: once here
+_TERMINAL = RANK_LOAD_LIFECYCLE.terminal  # a property that builds its set: once here
 _POSTED = frozenset({_L.READING, _L.FAILING, _L.ABORT_READING})
 
 
@@ -69,16 +69,16 @@ _POSTED = frozenset({_L.READING, _L.FAILING, _L.ABORT_READING})
 class Load:
     """One request on this rank. ``spec`` is None for an abort of a request never loaded.
 
-    ``state`` changes only through ``move`` (and the helpers below), along LOAD_LIFECYCLE.
+    ``state`` changes only through ``move`` (and the helpers below), along RANK_LOAD_LIFECYCLE.
     """
 
     request_id: str
-    remote: RemoteSource
+    source: RemoteSource
     peer: Peer
     spec: LoadSpec | None
     created_s: float
     on_move: OnMove | None = None  # tests watch every move
-    state: LoadState = LoadState.WAITING
+    state: RankLoadState = RankLoadState.WAITING
     failure: str | None = None  # the first failure; the outcome unless aborted
     posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
     proof_ticket: int | None = None  # the lease check in flight (WAITING or CONFIRMING)
@@ -108,12 +108,12 @@ class Load:
             return ABORTED_REASON
         return self.failure if self.state is _L.FAILED else None
 
-    def move(self, target: LoadState) -> None:
+    def move(self, target: RankLoadState) -> None:
         current = self.state
         if target is current:
             return
-        if not LOAD_LIFECYCLE.allows(current, target):  # name the load only for the error
-            LOAD_LIFECYCLE.move(f"load of request {self.request_id}", current, target)
+        if not RANK_LOAD_LIFECYCLE.allows(current, target):  # name the load only for the error
+            RANK_LOAD_LIFECYCLE.move(f"load of request {self.request_id}", current, target)
         self.state = target
         if self.on_move is not None:
             self.on_move(self.request_id, current, target)

@@ -41,7 +41,7 @@ from worker.lease_proof import (
     lease_failure,
     unprovable_reason,
 )
-from worker.load_lifecycle import ABORTED_REASON, Load, LoadState, OnMove, ReadKey
+from worker.load_lifecycle import ABORTED_REASON, Load, OnMove, RankLoadState, ReadKey
 from worker.nixl_api import Descriptors, NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
 from worker.planner import RankReads
@@ -119,7 +119,7 @@ def record_outcome(
 ) -> None:
     """The load's metrics and trace line (see connector/observability/trace.py); never raises."""
     load.timeline.notified_ranks = set(load.notified)
-    ids = (load.request_id, load.remote.remote_request_id, load.peer.engine_id, agent_name)
+    ids = (load.request_id, load.source.remote_request_id, load.peer.engine_id, agent_name)
     try:
         load_ended(metrics, load.timeline, ids=ids, reason=reason, now_s=now_s)
     except Exception:  # a metrics bug must not cost the request its outcome
@@ -129,7 +129,7 @@ def record_outcome(
 def free_notif(load: Load, remote_rank: int) -> bytes:
     """The free notification for ``remote_rank``, naming the lease (``lease_key``); its count
     is the peer's duty, the one source (every rank read or notified is one this rank covers)."""
-    remote = load.remote
+    remote = load.source
     key = lease_key(remote.remote_request_id, remote.lease_id)
     return encode_free_notif(key, load.peer.duty[remote_rank])
 
@@ -222,10 +222,10 @@ class LoadTable:
             )
             return
         self._recent.pop(spec.request_id, None)
-        load = self._new_load(spec.request_id, spec.remote, peer, spec)
+        load = self._new_load(spec.request_id, spec.source, peer, spec)
         self._loads[spec.request_id] = load
-        if unprovable_reason(spec.remote) is None:  # else it fails before posting anything
-            load.proof_ticket = self._proofs.submit(spec.remote, BEFORE_READS)
+        if unprovable_reason(spec.source) is None:  # else it fails before posting anything
+            load.proof_ticket = self._proofs.submit(spec.source, BEFORE_READS)
 
     def abort(self, request_id: str, remote: RemoteSource, peer: Peer) -> None:
         """Abort a request; one never loaded here gets a record only to notify prefill.
@@ -292,7 +292,7 @@ class LoadTable:
     def _confirm(self, load: Load) -> None:
         """Every READ landed: succeed only once prefill says the lease still holds."""
         if load.proof_ticket is None:
-            reason = unprovable_reason(load.remote)
+            reason = unprovable_reason(load.source)
             if reason is not None:
                 load.fail(reason)
                 load.end()
@@ -300,7 +300,7 @@ class LoadTable:
             claims: tuple[DigestClaim, ...] = ()
             if self._claims is not None and load.spec is not None:
                 claims = self._claims(load.spec)
-            load.proof_ticket = self._proofs.submit(load.remote, claims=claims)
+            load.proof_ticket = self._proofs.submit(load.source, claims=claims)
             return  # asked at the end of this pass, with the other checks for that prefill
         answered, reason = self._proofs.take(load.proof_ticket)
         if not answered:
@@ -326,7 +326,7 @@ class LoadTable:
         if link is not None and load.timeline.handshake_ready_s is None:
             load.timeline.handshake_ready_s = self._clock()
         if link is None:
-            load.fail(handshake_failure(load.remote, peer))
+            load.fail(handshake_failure(load.source, peer))
             load.end()
         elif load.aborting or load.spec is None:
             load.end()
@@ -340,7 +340,7 @@ class LoadTable:
         the load failed for it."""
         if load.prechecked:
             return True
-        reason = unprovable_reason(load.remote)
+        reason = unprovable_reason(load.source)
         if reason is None and load.proof_ticket is not None:
             answered, reason = self._proofs.take(load.proof_ticket)
             if not answered:
@@ -355,8 +355,8 @@ class LoadTable:
 
     def _post(self, load: Load, spec: LoadSpec, link: PeerLink) -> None:
         planner = link.planner
-        remote_block_ids: Sequence[Sequence[int]] = spec.remote.remote_block_ids
-        if spec.remote.num_tokens is not None:  # a pull: decode's blocks hold more tokens
+        remote_block_ids: Sequence[Sequence[int]] = spec.source.remote_block_ids
+        if spec.source.num_tokens is not None:  # a pull: decode's blocks hold more tokens
             remote_block_ids = planner.leading_remote_blocks(remote_block_ids, spec.num_tokens)
         try:
             segments = planner.segments(
@@ -470,7 +470,7 @@ class LoadTable:
             # Like a failed READ: the peer's agent is gone (a prefill restarted under the same
             # engine id, whose lease check failed before any READ): handshake anew next time.
             self._on_peer_failure(load.peer)
-        if load.state is LoadState.FAILED:
+        if load.state is RankLoadState.FAILED:
             logger.warning("request %s failed: %s", load.request_id, reason)
         record_outcome(self._metrics, self._agent.name, load, reason, self._clock())
         return load.request_id, reason

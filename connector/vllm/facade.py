@@ -20,9 +20,10 @@ Who decides what (one request's journey through vLLM):
   each step's metadata the requests whose prefill completes in it (their transfer groups'
   blocks, as the lease names them); ranks copy those blocks device->host in wait_for_save,
   and loaded blocks host->device before reporting a load.
-- Malformed kv_transfer_params fail only their request: the adapter answers "tokens will
-  arrive" and announces the request as a failed load in the same step; vLLM then fails it
-  ("fail") or recomputes it locally ("recompute").
+- Malformed kv_transfer_params fail only their request: SchedulerConnector (built with
+  ``bind_params_at_allocation``, as vLLM binds a request at allocation) answers "tokens will
+  arrive", and the adapter announces the request as a failed load in the same step; vLLM then
+  fails it ("fail") or recomputes it locally ("recompute").
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ from connector.vllm.layout import (
 )
 from connector.vllm.messages import NixlPDMetadata, NixlPDStats
 from connector.vllm.scheduler import SchedulerSide
-from connector.vllm.semantics import prefill_backoff_tokens, truncate_for_prefill
+from connector.vllm.semantics import (
+    kv_transfer_params,
+    offers_to_decode,
+    prefill_backoff_tokens,
+    truncate_for_prefill,
+)
 from connector.vllm.staging import CopyBlocksOp, scheduled_rows, staging_enabled
 from connector.vllm.worker import WorkerSide
 from scheduler.connector import SchedulerConnector
@@ -208,6 +214,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             role=role,
             spec=self.kv_cache_spec(),
             tp_size=self._tp_size,
+            bind_params_at_allocation=True,  # vLLM binds a request at allocation
         )
 
     def _create_agent(self, tp_rank: int) -> NixlAgent:
@@ -250,12 +257,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         scheduler = self._scheduler or self._require_scheduler()
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-        params = request.kv_transfer_params
-        if (
-            self._saves is not None
-            and isinstance(params, dict)
-            and params.get("do_remote_decode") is True
-        ):
+        if self._saves is not None and offers_to_decode(kv_transfer_params(request)):
             self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

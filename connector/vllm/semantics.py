@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from connector.params import raw_flag
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -57,12 +59,21 @@ def _running_state(group: Sequence[int], num_scratch: int) -> Sequence[int]:
     return group[keep - 1 : keep]
 
 
+def kv_transfer_params(request: Request) -> dict[str, Any] | None:
+    """The request's raw kv_transfer_params: the adapter's one reading of them. Unvalidated:
+    our SchedulerConnector parses them; flags are read with ``loads_from_remote`` and
+    ``offers_to_decode`` (a literal JSON true, connector.params.raw_flag)."""
+    return request.kv_transfer_params
+
+
 def loads_from_remote(params: Mapping[str, Any] | None) -> bool:
-    """Decode side: does this request carry a remote prefill's params?"""
-    # type() first: isinstance against an ABC costs more than the rest of the check
-    return (type(params) is dict or isinstance(params, Mapping)) and params.get(
-        "do_remote_prefill"
-    ) is True
+    """Decode side: do these params say ``do_remote_prefill: true``?"""
+    return raw_flag(params, "do_remote_prefill")
+
+
+def offers_to_decode(params: Mapping[str, Any] | None) -> bool:
+    """Prefill side: do these params say ``do_remote_decode: true``?"""
+    return raw_flag(params, "do_remote_decode")
 
 
 def truncate_for_prefill(request: Request, backoff: int) -> bool:
@@ -71,11 +82,9 @@ def truncate_for_prefill(request: Request, backoff: int) -> bool:
     Returns whether it did. A request that skips the prefix cache (prompt logprobs) is left
     whole: decode recomputes its whole prompt and loads nothing.
     """
-    params = request.kv_transfer_params
     if (
         backoff <= 0
-        or not isinstance(params, Mapping)
-        or params.get("do_remote_decode") is not True
+        or not offers_to_decode(kv_transfer_params(request))
         or request.num_prompt_tokens <= backoff
         or request.prompt_token_ids is None
         or request.get_skip_reading_prefix_cache()
