@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout, RankLayout
 from worker.plan import PeerPlan, ReadPath, TransferRequest, peer_plan, plan_request
+from worker.transfer_thread import keep_plan_memory_mapped
 
 NUM_LAYERS = 32
 NUM_KV_HEADS = 8
@@ -143,6 +144,9 @@ CASES = [
 
 
 def main() -> None:
+    # As the worker does: without it, glibc maps and unmaps every large per-request array,
+    # and the figures depend on the heap's history (2-3x on the 32k cases).
+    keep_plan_memory_mapped()
     header = (
         f"{'case':<38} {'plan µs':>9} {'descriptors':>12} {'per (layer,block)':>18} "
         f"{'by index µs':>12} {'indices':>8} {'rule':>7}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -244,7 +243,7 @@ def test_oracle_catches_a_plan_shifted_by_one_token():
     ))  # fmt: skip
     reads = oracle.ranges(plan)[0]
     token_bytes = local.groups[0].planes[0].token_stride_bytes
-    shifted = dataclasses.replace(reads, remote_offsets=reads.remote_offsets + token_bytes)
+    shifted = msgspec.structs.replace(reads, remote_offsets=reads.remote_offsets + token_bytes)
     bad = RequestPlan((RankPlan(0, None, shifted),), plan.notify_only, plan.consumers)
     buffers = oracle.sentinel(local)
     oracle.execute(bad, buffers, {0: oracle.fill_prefill(remote, request, seed=0)})

@@ -2,23 +2,22 @@
 
 Every planning stage that yields byte ranges (exact runs, whole blocks from the prepared rows)
 returns a ``ByteRuns``; the READ's descriptors are built from it (worker/reads.py), the oracle
-executes it. Columns, not rows: each stage fills a column with one numpy call.
+executes it. Columns, not rows: each stage fills a column with one numpy call. A frozen msgspec Struct:
+its constructor costs a fraction of a frozen dataclass's on the per-request path.
 
 Pure: numpy only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 Int64Array = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True)
-class ByteRuns:
+class ByteRuns(msgspec.Struct, frozen=True):
     """Run i copies ``lengths[i]`` bytes from remote region ``remote_regions[i]`` at
     ``remote_offsets[i]`` to local region ``local_regions[i]`` at ``local_offsets[i]``."""
 

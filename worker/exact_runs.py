@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from worker.byte_runs import ByteRuns, Int64Array, concatenate
 from worker.pairing import CopyMode, GroupPairing, PlaneClass
-from worker.segments import Mask, RequestSegments, Segments
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.segments import Mask, RequestSegments, Segments
 
 RelativeRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local offset, remote offset, length)
 

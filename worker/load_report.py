@@ -7,14 +7,17 @@ Pure wording (``handshake_failure``) and one call into connector/trace.py that n
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from connector.errors import PeerRestarted
 from connector.metadata import RemoteSource
 from connector.metrics import MetricsRecorder
 from connector.trace import load_ended
 from worker.lease_proof import BEFORE_READS, lease_failure
-from worker.load_lifecycle import Load
-from worker.peer_lifecycle import Peer
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.load_lifecycle import Load
+    from worker.peer_lifecycle import Peer
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,14 @@ Transfer thread only: sending calls the NIXL agent.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from connector.errors import ConnectorError
 from connector.protocol import encode_free_notif, lease_key
-from worker.load_lifecycle import Load
 from worker.nixl_api import NixlAgent
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.load_lifecycle import Load
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from connector.layout import GroupKind, MemoryLayout, PlaneGeometry, RankLayout
 from worker.byte_runs import Int64Array
-from worker.pairing_checks import validate_pair
 from worker.pairing_packed import fuse_packed_planes
 from worker.topology import ReadSource, read_sources
 
@@ -172,8 +171,8 @@ def _plane_classes(
 
 
 def pair_groups(local: RankLayout, remote: RankLayout) -> tuple[GroupPairing, ...]:
-    """Validate the pairing, then precompute every group's plane classes per remote rank."""
-    validate_pair(local, remote)
+    """Every group's plane classes per remote rank, for a pairing that passed
+    worker/pairing_checks.py ``validate_pair`` (worker/plan.py ``peer_plan`` calls both)."""
 
     def sources(plane: PlaneGeometry) -> list[ReadSource]:
         return read_sources(

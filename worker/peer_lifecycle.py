@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from connector.lifecycle import TransitionTable
 from connector.protocol import WorkerHandshake
-from worker.plan import PeerPlan
-from worker.prepped import PreparedReads
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.plan import PeerPlan
+    from worker.prepped import PreparedReads
 
 PeerKey = tuple[str, str, int, int, str]  # (engine id, host, port, remote TP size, boot id)
 

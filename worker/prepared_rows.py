@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -31,8 +32,10 @@ import numpy.typing as npt
 from connector.layout import GroupKind
 from worker.byte_runs import Int64Array
 from worker.exact_runs import class_runs
-from worker.pairing import GroupPairing, PlaneClass
 from worker.segments import Segments
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.pairing import GroupPairing, PlaneClass
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
 

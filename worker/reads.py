@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -20,8 +20,10 @@ import numpy.typing as npt
 from connector.memory import Memory
 from worker.byte_runs import ByteRuns
 from worker.nixl_api import Descriptors, NixlAgent
-from worker.peer_lifecycle import PeerLink
-from worker.plan import RankPlan
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.peer_lifecycle import PeerLink
+    from worker.plan import RankPlan
 
 BY_INDEX, BY_RANGES = 0, 1  # the parts of a remote rank's reads (worker/load_lifecycle.py ReadKey)
 MakeRead = Callable[[], Any]  # makes one READ handle; raises ConnectorError

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from connector.errors import TransferPlanError
 from connector.layout import GroupKind
 from worker.byte_runs import Int64Array
-from worker.pairing import GroupPairing, SideBlocks
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.pairing import GroupPairing, SideBlocks
 
 
 def ceil_div(a: int, b: int) -> int:

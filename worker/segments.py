@@ -28,14 +28,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from connector.layout import GroupKind
 from worker.byte_runs import Int64Array
-from worker.pairing import GroupPairing, SideBlocks
 from worker.segment_checks import ceil_div, check_request, used_ids
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.pairing import GroupPairing, SideBlocks
 
 Mask = npt.NDArray[np.bool_]  # per segment of a group: selected or not
 

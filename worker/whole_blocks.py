@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from worker.byte_runs import ByteRuns, Int64Array
-from worker.prepared_rows import IndexArray, PreparedGroup, PreparedRows, SideRows
-from worker.segments import Mask, RequestSegments, Segments
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.prepared_rows import IndexArray, PreparedGroup, PreparedRows, SideRows
+    from worker.segments import Mask, RequestSegments, Segments
 
 # The cost rule of choose_prepared, in nanoseconds, measured on the 2-core machine with real
 # NIXL (benchmarks/plan_bench.py, "prepared" rows): building and posting one index (numpy
