@@ -42,11 +42,12 @@ from benchmarks.transfer_peer import PeerChild  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource  # noqa: E402
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake  # noqa: E402
+from worker.byte_runs import ByteRuns  # noqa: E402
 from worker.compat import fingerprint  # noqa: E402
 from worker.connector import WorkerConnector  # noqa: E402
 from worker.nixl_api import TransferState  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
-from worker.planner import RankReads, TransferPlanner  # noqa: E402
+from worker.plan import TransferRequest, peer_plan, plan_request  # noqa: E402
 
 NUM_TOKENS = 8192
 SPLIT_BYTES = 256 << 10
@@ -83,7 +84,7 @@ class Ticker:
         self._thread.join()
 
 
-def inline(decode: Decode, reads: Callable[[], RankReads]) -> Sample:
+def inline(decode: Decode, reads: Callable[[], ByteRuns]) -> Sample:
     started = time.perf_counter()
     transfer = decode.agent.make_read(decode.remote, *decode.descriptors(reads()))
     prepare_s = time.perf_counter() - started
@@ -184,7 +185,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     layout = _layout()
-    planner = TransferPlanner(layout, layout)
+    peer = peer_plan(layout, layout)
     num_blocks = NUM_TOKENS // BLOCK_SIZE
     with PeerChild(layout.region_bytes, lifetime_s=600.0) as child:
         metadata, remote_addresses = child.wait_ready(timeout_s=120.0)
@@ -196,9 +197,11 @@ def main() -> None:
                 local = _block_ids(num_blocks, fragmented, 1)
                 remote = _block_ids(num_blocks, fragmented, 2)
 
-                def plan(local: list[int] = local, remote: list[int] = remote) -> RankReads:
-                    ids = ((local,), (remote,))
-                    return planner.plan(*ids, num_tokens=NUM_TOKENS, num_cached_tokens=0).reads[0]
+                def plan(local: list[int] = local, remote: list[int] = remote) -> ByteRuns:
+                    request = TransferRequest((local,), (remote,), NUM_TOKENS, 0)
+                    runs = plan_request(peer, request).reads[0].ranges
+                    assert runs is not None  # no prepared rows: byte ranges only
+                    return runs
 
                 samples: dict[str, list[Sample]] = {"inline": [], "cut": [], "thread": []}
                 for _ in range(args.repeats):  # interleaved

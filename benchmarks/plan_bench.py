@@ -1,8 +1,9 @@
 """Transfer planning cost: microseconds and descriptors per request, against one per (layer, block).
 
-The "by index" columns: the per-request work of a READ by index from prepared lists
-(worker/planner_prepped.py: segments, then indices of whole blocks and the partial block's
-ranges), its index count, and what choose_prepared (worker/planner_choice.py) picks ("-":
+"plan µs" is ``plan_request`` (worker/plan.py) without prepared rows: every segment through
+the exact planner. The "by index" columns: ``plan_request`` along ReadPath.BY_INDEX, with
+prepared rows (segments, then indices of whole blocks and the partial block's ranges), its
+index count, and what the cost rule (worker/whole_blocks.py choose_prepared) picks ("-":
 the pairing cannot be read by whole-block index). Real NIXL's make_read / make_prepped_xfer costs on top are measured
 in benchmarks/README.md ("prepared lists").
 
@@ -15,14 +16,12 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from connector.geometry import build_rank_layout
-from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
-from worker.planner import TransferPlanner
-from worker.planner_choice import plan_rank
-from worker.planner_prepped import prepared_request, prepared_rows
+from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout, RankLayout
+from worker.plan import PeerPlan, ReadPath, TransferRequest, peer_plan, plan_request
+from worker.transfer_thread import keep_plan_memory_mapped
 
 NUM_LAYERS = 32
 NUM_KV_HEADS = 8
@@ -72,39 +71,33 @@ def _block_ids(num_blocks: int, fragmented: bool, seed: int) -> tuple[int, ...]:
     return tuple(random.Random(seed).sample(range(POOL_BLOCKS), num_blocks))
 
 
-def _median_us(
-    planner: TransferPlanner, local: Sequence[int], remote: Sequence[int], num_tokens: int
-) -> float:
+def _median_us(peer: PeerPlan, request: TransferRequest) -> float:
     samples = []
     for _ in range(REPEATS):
         start = time.perf_counter()
-        planner.plan((local,), (remote,), num_tokens=num_tokens, num_cached_tokens=0)
+        plan_request(peer, request)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples) * 1e6
 
 
 def _index_us(
-    planner: TransferPlanner, local: Sequence[int], remote: Sequence[int], num_tokens: int
+    local: RankLayout, remote: RankLayout, request: TransferRequest
 ) -> tuple[str, str, str]:
     """(median µs of the per-request work by index, indices, the rule's choice), or dashes."""
-    rows = prepared_rows(
-        planner.groups, 0, local_addresses=[1 << 30] * 64, local_device=0,
-        remote_addresses=[1 << 40] * 64, remote_device=0,
-    )  # fmt: skip
-    ids = ((local,), (remote,))
-    segments = planner.segments(*ids, num_tokens=num_tokens, num_cached_tokens=0)
-    chosen = plan_rank(planner, segments, 0, rows)
-    choice = "index" if chosen is not None and chosen.by_index is not None else "ranges"
-    if rows is None:
+    peer = peer_plan(
+        local, remote, local_addresses=[1 << 30] * 64, remote_addresses={0: ([1 << 40] * 64, 0)}
+    )
+    (chosen,) = plan_request(peer, request).reads
+    choice = "index" if chosen.by_index is not None else "ranges"
+    if not peer.rows:
         return "-", "-", choice
     samples = []
     for _ in range(REPEATS):
         start = time.perf_counter()
-        segments = planner.segments(*ids, num_tokens=num_tokens, num_cached_tokens=0)
-        request = prepared_request(rows, segments)
-        planner.rank_runs(segments, 0, request.partial)  # the partial block's ranges, if any
+        (indexed,) = plan_request(peer, request, ReadPath.BY_INDEX).reads
         samples.append(time.perf_counter() - start)
-    num_indices = len(request.local_indices)
+    assert indexed.by_index is not None
+    num_indices = len(indexed.by_index.local_indices)
     return f"{statistics.median(samples) * 1e6:.0f}", str(num_indices), choice
 
 
@@ -113,17 +106,18 @@ def run(case: Case) -> tuple[float, int, int, tuple[str, str, str]]:
     the by-index columns)."""
     decode_spec = _spec(case.memory_layout)
     prefill_spec = _spec(case.prefill_layout or case.memory_layout)
-    planner = TransferPlanner(
-        build_rank_layout(decode_spec, 0, case.decode_tp), build_rank_layout(prefill_spec, 0, 1)
-    )
+    local_layout = build_rank_layout(decode_spec, 0, case.decode_tp)
+    remote_layout = build_rank_layout(prefill_spec, 0, 1)
+    peer = peer_plan(local_layout, remote_layout)
     num_blocks = -(-case.num_tokens // BLOCK_SIZE)
     local = _block_ids(num_blocks, case.fragmented, seed=1)
     remote = _block_ids(num_blocks, case.fragmented, seed=2)
-    plan = planner.plan((local,), (remote,), num_tokens=case.num_tokens, num_cached_tokens=0)
-    descriptors = sum(len(r.lengths) for r in plan.reads)
+    request = TransferRequest((local,), (remote,), case.num_tokens, 0)
+    plan = plan_request(peer, request)
+    descriptors = sum(len(r.ranges) for r in plan.reads if r.ranges is not None)
     per_block = NUM_LAYERS * 2 * num_blocks
-    by_index = _index_us(planner, local, remote, case.num_tokens)
-    return _median_us(planner, local, remote, case.num_tokens), descriptors, per_block, by_index
+    by_index = _index_us(local_layout, remote_layout, request)
+    return _median_us(peer, request), descriptors, per_block, by_index
 
 
 CASES = [
@@ -150,6 +144,9 @@ CASES = [
 
 
 def main() -> None:
+    # As the worker does: without it, glibc maps and unmaps every large per-request array,
+    # and the figures depend on the heap's history (2-3x on the 32k cases).
+    keep_plan_memory_mapped()
     header = (
         f"{'case':<38} {'plan µs':>9} {'descriptors':>12} {'per (layer,block)':>18} "
         f"{'by index µs':>12} {'indices':>8} {'rule':>7}"

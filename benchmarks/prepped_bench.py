@@ -1,13 +1,13 @@
 """Per-request work on the transfer thread, byte ranges against READs by index, on real NIXL.
 
 One process, two real NIXL agents (UCX, loopback) with registered but untouched memory (mmap,
-so a 32k-token pool costs no RAM). Per request and remote rank: plan (segments, then one path of
-worker/planner_choice.py), then make its READs (initialize_xfer or make_prepped_xfer) and
+so a 32k-token pool costs no RAM). Per request: plan (``plan_request``, worker/plan.py, along one
+ReadPath), then make each remote rank's READs (initialize_xfer or make_prepped_xfer) and
 release them; nothing is posted, so the figures are the Python and NIXL bookkeeping a request
 costs, not the copy. Paths: byte ranges from the exact planner alone, byte ranges with whole
 blocks from the prepared rows (what the range path does now), and by index.
 Model of benchmarks/vs_vllm.py: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks,
-HND. "rule" is what choose_prepared picks (worker/planner_choice.py).
+HND. "rule" is what the cost rule picks (worker/whole_blocks.py choose_prepared).
 
 Run: ``UCX_NET_DEVICES=lo .venv/bin/python -m benchmarks.prepped_bench`` (about a minute).
 """
@@ -39,11 +39,16 @@ from connector.layout import (  # noqa: E402
     MemoryLayout,
     RankLayout,
 )
-from worker.loads import build_descriptors  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
-from worker.planner import RequestSegments, TransferPlanner  # noqa: E402
-from worker.planner_choice import RankPlan, plan_by_index, plan_by_ranges, plan_rank  # noqa: E402
-from worker.planner_prepped import PreparedRows, prepared_rows  # noqa: E402
+from worker.plan import (  # noqa: E402
+    PeerPlan,
+    RankPlan,
+    ReadPath,
+    TransferRequest,
+    peer_plan,
+    plan_request,
+)
+from worker.reads import build_descriptors  # noqa: E402
 from worker.transfer_thread import keep_plan_memory_mapped  # noqa: E402
 
 POOL_BLOCKS = 4096
@@ -106,32 +111,20 @@ class Pair:
 
     reader: RealNixlAgent
     local_addresses: list[int]
-    planner: TransferPlanner
+    peer: PeerPlan
     names: list[str]
     owner_addresses: list[list[int]]
-    rows: dict[int, PreparedRows]
     lists: dict[int, tuple[Any, Any]]
-    ids: tuple[tuple[list[int]], tuple[list[int]]]
-    num_tokens: int
+    request: TransferRequest
 
-    def segments(self) -> RequestSegments:
-        return self.planner.segments(*self.ids, num_tokens=self.num_tokens, num_cached_tokens=0)
-
-    def plans(self, path: PlanPath) -> None:
-        """Plan every remote rank's part with ``path`` and make (then release) its READs."""
-        segments = self.segments()
-        for rank in self.planner.read_ranks:
-            plan = path(self.planner, segments, rank, self.rows[rank])
-            if plan is not None:
-                self._reads(plan)
+    def plans(self, path: ReadPath) -> None:
+        """Plan the request along ``path`` and make (then release) every rank's READs."""
+        for plan in plan_request(self.peer, self.request, path).reads:
+            self._reads(plan)
 
     def rule(self) -> str:
-        segments = self.segments()
-        plans = [
-            plan_rank(self.planner, segments, rank, self.rows.get(rank))
-            for rank in self.planner.read_ranks
-        ]
-        return "index" if all(p is not None and p.by_index is not None for p in plans) else "ranges"
+        plans = plan_request(self.peer, self.request).reads
+        return "index" if all(p.by_index is not None for p in plans) else "ranges"
 
     def _reads(self, plan: RankPlan) -> None:
         rank = plan.remote_rank
@@ -152,20 +145,10 @@ class Pair:
             ))  # fmt: skip
 
 
-PlanPath = Callable[[TransferPlanner, RequestSegments, int, PreparedRows], RankPlan | None]
-
-
-def _generic_ranges(
-    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows
-) -> RankPlan | None:
-    """Byte ranges from the exact planner alone (before whole blocks came from the rows)."""
-    return plan_by_ranges(planner, segments, rank, None)
-
-
-PATHS: dict[str, PlanPath] = {
-    "ranges (exact planner)": _generic_ranges,
-    "ranges (rows)": plan_by_ranges,
-    "by index": plan_by_index,
+PATHS: dict[str, ReadPath] = {
+    "ranges (exact planner)": ReadPath.EXACT,
+    "ranges (rows)": ReadPath.BY_RANGES,
+    "by index": ReadPath.BY_INDEX,
 }
 
 
@@ -174,22 +157,17 @@ def _pair(reader: RealNixlAgent, local: RankLayout, local_addresses: list[int], 
     remotes = [build_rank_layout(_spec(), r, case.prefill_tp) for r in range(case.prefill_tp)]
     owner_addresses = [_register(o, lay) for o, lay in zip(owners, remotes, strict=True)]
     names = [reader.add_remote_agent(o.get_agent_metadata()) for o in owners]
-    planner = TransferPlanner(local, remotes[0])
-    rows: dict[int, PreparedRows] = {}
-    for rank in planner.read_ranks:
-        found = prepared_rows(
-            planner.groups, rank, local_addresses=local_addresses, local_device=0,
-            remote_addresses=owner_addresses[rank], remote_device=0,
-        )  # fmt: skip
-        assert found is not None, "this model's pairing is read by whole-block index"
-        rows[rank] = found
+    peer = peer_plan(
+        local, remotes[0], local_addresses=local_addresses,
+        remote_addresses={rank: (found, 0) for rank, found in enumerate(owner_addresses)},
+    )  # fmt: skip
+    assert set(peer.rows) == set(peer.read_ranks), "this model is read by whole-block index"
     lists = {
         rank: (reader.prepare_list(None, r.local_rows), reader.prepare_list(names[rank], r.remote_rows))
-        for rank, r in rows.items()
+        for rank, r in peer.rows.items()
     }  # fmt: skip
-    ids = ((_ids(case, 1),), (_ids(case, 2),))
-    return Pair(reader, local_addresses, planner, names, owner_addresses, rows, lists, ids,
-                case.num_tokens)  # fmt: skip
+    request = TransferRequest((_ids(case, 1),), (_ids(case, 2),), case.num_tokens, 0)
+    return Pair(reader, local_addresses, peer, names, owner_addresses, lists, request)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Two processes on loopback: a child (benchmarks/transfer_peer.py) holds the "pref
 and serves its agent; this process is "decode" and READs from it. Both agents are RealNixlAgent
 with our settings (UCX, progress thread delay 1000 us).
 
-1. Descriptor strategy per request, same bytes and memory: OURS (the TransferPlanner's merged
+1. Descriptor strategy per request, same bytes and memory: OURS (worker/plan.py's merged
    descriptors through RealNixlAgent.make_read, i.e. initialize_xfer), one descriptor per
    (layer plane, block) the same way, one per (layer plane, block) through prepped dlists +
    make_prepped_xfer (vLLM's path; NIXL merges adjacent descriptors there), and OURS cut into
@@ -62,10 +62,11 @@ from connector.layout import (
     MemoryLayout,
     RankLayout,
 )
-from worker.loads import build_descriptors
+from worker.byte_runs import ByteRuns
 from worker.nixl_api import Descriptors, TransferState
 from worker.nixl_real import RealNixlAgent
-from worker.planner import RankReads, TransferPlanner
+from worker.plan import TransferRequest, peer_plan, plan_request
+from worker.reads import build_descriptors
 
 NUM_LAYERS = 32
 NUM_KV_HEADS = 8
@@ -117,15 +118,15 @@ def _plane_offsets(layout: RankLayout, block_ids: Sequence[int]) -> tuple[Any, A
 
 def per_block_reads(
     layout: RankLayout, local_ids: Sequence[int], remote_ids: Sequence[int]
-) -> RankReads:
+) -> ByteRuns:
     """One descriptor per (layer plane, block), in vLLM's order (plane-major)."""
     local_regions, local_offsets, block_bytes = _plane_offsets(layout, local_ids)
     remote_regions, remote_offsets, _ = _plane_offsets(layout, remote_ids)
     lengths = np.full(len(local_offsets), block_bytes, dtype=np.int64)
-    return RankReads(0, local_regions, local_offsets, remote_regions, remote_offsets, lengths)
+    return ByteRuns(local_regions, local_offsets, remote_regions, remote_offsets, lengths)
 
 
-def ceiling_reads(layout: RankLayout, num_bytes: int) -> RankReads:
+def ceiling_reads(layout: RankLayout, num_bytes: int) -> ByteRuns:
     """``num_bytes`` in the fewest, biggest descriptors: each region read from its start, in
     order, until the bytes are covered (one descriptor when a region holds them all)."""
     sizes = np.array(layout.region_bytes, dtype=np.int64)
@@ -133,18 +134,17 @@ def ceiling_reads(layout: RankLayout, num_bytes: int) -> RankReads:
     lengths = np.clip(num_bytes - starts, 0, sizes)
     regions = np.flatnonzero(lengths).astype(np.int64)
     zeros = np.zeros(len(regions), dtype=np.int64)
-    return RankReads(0, regions, zeros, regions, zeros, lengths[regions])
+    return ByteRuns(regions, zeros, regions, zeros, lengths[regions])
 
 
-def split_reads(reads: RankReads, max_bytes: int) -> RankReads:
+def split_reads(reads: ByteRuns, max_bytes: int) -> ByteRuns:
     """The same byte ranges cut into descriptors of at most max_bytes each."""
     pieces = -(-reads.lengths // max_bytes)
     row = np.repeat(np.arange(len(pieces)), pieces)
     first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
     offsets = (np.arange(pieces.sum()) - first_piece) * max_bytes
     lengths = np.minimum(reads.lengths[row] - offsets, max_bytes)
-    return RankReads(
-        reads.remote_rank,
+    return ByteRuns(
         reads.local_regions[row],
         reads.local_offsets[row] + offsets,
         reads.remote_regions[row],
@@ -212,7 +212,7 @@ class Decode:
         # vLLM's path needs the agent behind RealNixlAgent, which has no prepped-dlist API.
         self.raw = self.agent._live()
 
-    def descriptors(self, reads: RankReads) -> tuple[Descriptors, Descriptors]:
+    def descriptors(self, reads: ByteRuns) -> tuple[Descriptors, Descriptors]:
         local = build_descriptors(
             self.addresses, reads.local_regions, reads.local_offsets, reads.lengths
         )
@@ -221,7 +221,7 @@ class Decode:
         )
         return local, remote
 
-    def read(self, reads: RankReads | Callable[[], RankReads], step_s: float) -> Timing:
+    def read(self, reads: ByteRuns | Callable[[], ByteRuns], step_s: float) -> Timing:
         """One READ through RealNixlAgent.make_read (initialize_xfer); reads may be a plan."""
         started = time.perf_counter()
         rows = reads() if callable(reads) else reads
@@ -253,7 +253,7 @@ class Decode:
         handle.release()
         return dataclasses.replace(timing, prepare_s=prepare_s)
 
-    def verify(self, reads: RankReads, run: Callable[[float], object], name: str) -> None:
+    def verify(self, reads: ByteRuns, run: Callable[[float], object], name: str) -> None:
         """Zero a sample of destinations, run the READ, check the bytes that landed."""
         sample = np.random.default_rng(0).choice(len(reads.lengths), 16)
         sample = np.concatenate([sample, [0, len(reads.lengths) - 1]])
@@ -308,7 +308,7 @@ DECODE_POLLS_S = {"busy": 0.0, "1 ms": 0.001}
 
 
 def descriptor_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[Row]:
-    planner = TransferPlanner(layout, layout)
+    peer = peer_plan(layout, layout)
     pool = per_block_reads(layout, range(POOL_BLOCKS), range(POOL_BLOCKS))
     started = time.perf_counter()
     local_pool, remote_pool = decode.descriptors(pool)
@@ -329,9 +329,11 @@ def descriptor_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[Ro
             local_ids: list[int] = local_ids,
             remote_ids: list[int] = remote_ids,
             num_tokens: int = num_tokens,
-        ) -> RankReads:
-            return planner.plan((local_ids,), (remote_ids,), num_tokens=num_tokens,
-                                num_cached_tokens=0).reads[0]  # fmt: skip
+        ) -> ByteRuns:
+            request = TransferRequest((local_ids,), (remote_ids,), num_tokens, 0)
+            runs = plan_request(peer, request).reads[0].ranges
+            assert runs is not None  # no prepared rows: byte ranges only
+            return runs
 
         blocks = per_block_reads(layout, local_ids, remote_ids)
         ceiling = ceiling_reads(layout, int(blocks.lengths.sum()))
@@ -361,7 +363,7 @@ BLOCK_MAJOR = "OURS (block rows, initialize_xfer)"
 
 def block_major_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[Row]:
     """OURS on block-outermost rows and the ceiling, interleaved, decode checking busily."""
-    planner = TransferPlanner(layout, layout)
+    peer = peer_plan(layout, layout)
     rows: list[Row] = []
     for num_tokens, fragmented in CASES:
         local_ids, remote_ids = (
@@ -373,9 +375,11 @@ def block_major_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[R
             local_ids: list[int] = local_ids,
             remote_ids: list[int] = remote_ids,
             num_tokens: int = num_tokens,
-        ) -> RankReads:
-            return planner.plan((local_ids,), (remote_ids,), num_tokens=num_tokens,
-                                num_cached_tokens=0).reads[0]  # fmt: skip
+        ) -> ByteRuns:
+            request = TransferRequest((local_ids,), (remote_ids,), num_tokens, 0)
+            runs = plan_request(peer, request).reads[0].ranges
+            assert runs is not None  # no prepared rows: byte ranges only
+            return runs
 
         planned = ours()
         ceiling = ceiling_reads(layout, int(planned.lengths.sum()))
@@ -395,19 +399,20 @@ def block_major_rows(decode: Decode, layout: RankLayout, repeats: int) -> list[R
     return rows
 
 
-def _split(plan: Callable[[], RankReads]) -> RankReads:
+def _split(plan: Callable[[], ByteRuns]) -> ByteRuns:
     return split_reads(plan(), SPLIT_BYTES)
 
 
-def _notif_reads(layout: RankLayout, num_bytes: int) -> RankReads:
+def _notif_reads(layout: RankLayout, num_bytes: int) -> ByteRuns:
     """64 KiB: one descriptor. 8 MiB: a contiguous 4-block request as the planner reads it."""
     if num_bytes == 8 << 20:
         ids = list(range(4))
-        plan = TransferPlanner(layout, layout).plan((ids,), (ids,), num_tokens=64,
-                                                    num_cached_tokens=0)  # fmt: skip
-        return plan.reads[0]
+        plan = plan_request(peer_plan(layout, layout), TransferRequest((ids,), (ids,), 64, 0))
+        runs = plan.reads[0].ranges
+        assert runs is not None  # no prepared rows: byte ranges only
+        return runs
     zero = np.zeros(1, dtype=np.int64)
-    return RankReads(0, zero, zero, zero, zero, np.array([num_bytes], dtype=np.int64))
+    return ByteRuns(zero, zero, zero, zero, np.array([num_bytes], dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -418,7 +423,7 @@ class NotifTrial:
 
 
 def notif_trial(
-    decode: Decode, child: PeerChild, reads: RankReads, attached: bool, step_s: float, tag: str
+    decode: Decode, child: PeerChild, reads: ByteRuns, attached: bool, step_s: float, tag: str
 ) -> NotifTrial:
     message = tag.encode()
     local, remote = decode.descriptors(reads)

@@ -5,7 +5,7 @@ Two processes over UCX on loopback (benchmarks/transfer_bench.py's set-up: the c
 blocks, NHD, one region per layer: 32 layers and a 576-block pool per side for 2k and 8k
 tokens, 8 layers and a 2112-block pool for 32k, so that 32k fits in about 1 GiB per side with
 the same 32 KiB per layer plane and block). For each request:
-- ours: the TransferPlanner's merged descriptors through RealNixlAgent.make_read, the calls
+- ours: worker/plan.py's merged descriptors through RealNixlAgent.make_read, the calls
   our transfer thread makes;
 - vLLM: one descriptor per (layer plane, block) from dlists prepared once at handshake, posted
   by index with make_prepped_xfer (what vLLM's worker does; NIXL merges adjacent ones);
@@ -37,7 +37,8 @@ from benchmarks.transfer_bench import (
 from benchmarks.transfer_peer import PeerChild
 from connector.config import DEFAULT_NIXL_THREADS
 from connector.layout import RankLayout
-from worker.planner import RankReads, TransferPlanner
+from worker.byte_runs import ByteRuns
+from worker.plan import TransferRequest, peer_plan, plan_request
 
 Case = tuple[int, bool]  # (num_tokens, fragmented)
 # (layers, pool blocks) -> the requests read in that shape
@@ -49,7 +50,7 @@ STRATEGIES = ("ceiling", "ceiling 1 MiB", "ours", "vLLM")
 CEILING_PIECE_BYTES = 1 << 20
 
 
-def ceiling_reads(layout: RankLayout, num_bytes: int) -> RankReads:
+def ceiling_reads(layout: RankLayout, num_bytes: int) -> ByteRuns:
     """``num_bytes`` as one descriptor per region from its start, regions filled in order."""
     region_bytes = min(layout.region_bytes)
     num_full, rest = divmod(num_bytes, region_bytes)
@@ -58,23 +59,24 @@ def ceiling_reads(layout: RankLayout, num_bytes: int) -> RankReads:
         raise ValueError(f"{num_bytes} bytes do not fit one pass over the regions")
     regions = np.arange(len(lengths), dtype=np.int64)
     zeros = np.zeros(len(lengths), dtype=np.int64)
-    return RankReads(0, regions, zeros, regions, zeros, np.array(lengths, dtype=np.int64))
+    return ByteRuns(regions, zeros, regions, zeros, np.array(lengths, dtype=np.int64))
 
 
 def _strategies(
     decode: Decode, layout: RankLayout, dlists: tuple[object, object], case: Case
-) -> tuple[dict[str, Callable[[float], Timing]], dict[str, RankReads], int]:
+) -> tuple[dict[str, Callable[[float], Timing]], dict[str, ByteRuns], int]:
     num_tokens, fragmented = case
     pool_blocks = layout.groups[0].num_blocks
     local_ids, remote_ids = (
         _block_ids(num_tokens // BLOCK_SIZE, fragmented, seed, pool_blocks) for seed in (1, 2)
     )
-    planner = TransferPlanner(layout, layout)
+    peer = peer_plan(layout, layout)
 
-    def ours() -> RankReads:
-        plan = planner.plan((local_ids,), (remote_ids,), num_tokens=num_tokens,
-                            num_cached_tokens=0)  # fmt: skip
-        return plan.reads[0]
+    def ours() -> ByteRuns:
+        request = TransferRequest((local_ids,), (remote_ids,), num_tokens, 0)
+        runs = plan_request(peer, request).reads[0].ranges
+        assert runs is not None  # no prepared rows: byte ranges only
+        return runs
 
     blocks = per_block_reads(layout, local_ids, remote_ids)
     num_bytes = int(blocks.lengths.sum())

@@ -11,10 +11,10 @@ on (untouched, lazily allocated) host tensors, and the remote agent added throug
 ``WorkerConnector`` with its handshake answered in process.
 
 Since the transfer thread (worker/transfer_thread.py), our ``start_load_kv`` only queues the
-step; the table also gives the transfer thread's pass that applies it (plan, descriptors,
-post), which is work vLLM does inside its ``start_load_kv``. Each request is drained to its
-outcome before the next one, untimed on both sides (vLLM's ``get_finished``, our pass that
-sees the READ done), so the timed pass holds only the request's own plan and post.
+step; the table also gives the transfer thread's plan and post of the request (plan,
+descriptors, post: ``LoadTable._post``), which is work vLLM does inside its
+``start_load_kv``. Each request is drained to its outcome before the next one, untimed on
+both sides (vLLM's ``get_finished``, our passes that check the lease and see the READ done).
 
 Cases are interleaved (vLLM, ours, vLLM, ...) in ``runs`` rounds; each round takes the median
 of ``repeats`` calls; the table gives the median round and the range of the per-round ratios.
@@ -191,18 +191,20 @@ class Ours:
                 w.shutdown()
         self.worker = _our_worker("decode", 0, 1, fetch=self._fetch)
         self._serial = 0
-        self.pass_s: list[float] = []  # transfer-thread passes that applied a step
-        transfer = self.worker._transfer
-        assert transfer is not None
-        step = transfer._step
+        # The transfer thread's plan + post of each request (LoadTable._post). Since the lease
+        # check before the READs, the pass that applies a step only records the load; the
+        # plan and post run in a later pass, once the check answered.
+        self.pass_s: list[float] = []
+        loads = self.worker._loads
+        assert loads is not None
+        post = loads._post
 
-        def timed_step(batch: list[ConnectorMetadata]) -> None:
+        def timed_post(*args: Any) -> None:
             started = time.perf_counter()
-            step(batch)
-            if batch:
-                self.pass_s.append(time.perf_counter() - started)
+            post(*args)
+            self.pass_s.append(time.perf_counter() - started)
 
-        transfer._step = timed_step
+        loads._post = timed_post  # type: ignore[method-assign]
 
     def _fetch(self, host: str, port: int, tp_rank: int) -> WorkerHandshake:
         return self._handshakes[port][tp_rank]
@@ -422,7 +424,7 @@ def _median_us(side: Any, case: Case, repeats: int) -> float:
 
 
 def _pass_us(ours: Ours, repeats: int) -> float:
-    """Median transfer-thread pass (apply, plan, post) of the last ``repeats`` requests."""
+    """Median transfer-thread plan + post of the last ``repeats`` requests."""
     return statistics.median(ours.pass_s[len(ours.pass_s) - repeats :]) * 1e6
 
 

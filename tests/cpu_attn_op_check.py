@@ -28,7 +28,7 @@ from connector.layout import (
     MemoryLayout,
 )
 from connector.vllm.backends import block_format_for
-from worker.planner import TransferPlanner
+from worker.plan import TransferRequest, peer_plan, plan_request
 
 NUM_LAYERS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 2, 2, 64, 32, 8
 DTYPE = torch.bfloat16
@@ -98,15 +98,18 @@ def transfer(case: Case, block_format: BlockFormat, prefill: list[torch.Tensor],
              decode: list[torch.Tensor]) -> None:  # fmt: skip
     layout = build_rank_layout(spec(block_format), 0, 1)
     first = case.num_cached_tokens // BLOCK_SIZE
-    plan = TransferPlanner(layout, layout).plan(
-        [list(case.decode_blocks[first:])],
-        [list(case.prefill_blocks)],
-        num_tokens=case.num_tokens,
-        num_cached_tokens=case.num_cached_tokens,
+    plan = plan_request(
+        peer_plan(layout, layout),
+        TransferRequest(
+            [list(case.decode_blocks[first:])],
+            [list(case.prefill_blocks)],
+            num_tokens=case.num_tokens,
+            num_cached_tokens=case.num_cached_tokens,
+        ),
     )
     local = [t.view(torch.uint8).numpy().reshape(-1) for t in decode]
     remote = [t.view(torch.uint8).numpy().reshape(-1) for t in prefill]
-    for reads in plan.reads:
+    for reads in (rank_plan.ranges for rank_plan in plan.reads):
         rows = zip(reads.local_regions, reads.local_offsets, reads.remote_regions,
                    reads.remote_offsets, reads.lengths, strict=True)  # fmt: skip
         for lr, lo, rr, ro, length in rows:

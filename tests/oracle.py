@@ -18,7 +18,8 @@ import numpy.typing as npt
 
 from connector.geometry import build_rank_layout
 from connector.layout import GroupGeometry, GroupKind, KVCacheSpec, PlaneGeometry, RankLayout
-from worker.planner import TransferPlan, TransferPlanner
+from worker.byte_runs import ByteRuns
+from worker.plan import RequestPlan, TransferRequest, peer_plan, plan_request
 
 SENTINEL = 0xEE
 Buffers = list[npt.NDArray[np.uint8]]
@@ -169,10 +170,15 @@ def expected_decode(layout: RankLayout, request: Request) -> Buffers:
     return buffers
 
 
-def execute(plan: TransferPlan, local: Buffers, remote_by_rank: dict[int, Buffers]) -> None:
-    """Copy every descriptor's bytes; a descriptor outside any region is an error."""
-    for reads in plan.reads:
-        remote = remote_by_rank[reads.remote_rank]
+def execute(plan: RequestPlan, local: Buffers, remote_by_rank: dict[int, Buffers]) -> None:
+    """Copy every byte range's bytes; a range outside any region is an error. The plan must
+    read by byte ranges only (a plan without prepared rows; READs by index run on FakeNixl,
+    tests/test_prepped.py)."""
+    for rank_plan in plan.reads:
+        reads = rank_plan.ranges
+        if rank_plan.by_index is not None or reads is None:
+            raise AssertionError(f"remote rank {rank_plan.remote_rank} is not read by byte ranges")
+        remote = remote_by_rank[rank_plan.remote_rank]
         rows = zip(
             reads.local_regions,
             reads.local_offsets,
@@ -204,7 +210,7 @@ def first_difference(actual: Buffers, expected: Buffers) -> str | None:
     return None
 
 
-def check_notifications(plans: Sequence[TransferPlan], remote_tp: int) -> None:
+def check_notifications(plans: Sequence[RequestPlan], remote_tp: int) -> None:
     """Every prefill rank hears from exactly ``consumers`` decode ranks, and all agree on it."""
     for remote_rank in range(remote_tp):
         senders = [
@@ -222,10 +228,18 @@ def check_notifications(plans: Sequence[TransferPlan], remote_tp: int) -> None:
             raise AssertionError("consumers must list exactly the read and notify-only ranks")
 
 
-def unmerged_pairs(plan: TransferPlan) -> list[tuple[int, int]]:
+def ranges(plan: RequestPlan) -> list[ByteRuns]:
+    """Each remote rank's byte ranges, in plan order; the plan must read by ranges only."""
+    found = [rank_plan.ranges for rank_plan in plan.reads]
+    if any(rank_plan.by_index is not None for rank_plan in plan.reads) or None in found:
+        raise AssertionError("the plan reads by index; expected byte ranges only")
+    return [runs for runs in found if runs is not None]
+
+
+def unmerged_pairs(plan: RequestPlan) -> list[tuple[int, int]]:
     """Descriptor pairs (i, j) of one remote rank that are contiguous on both sides."""
     found: list[tuple[int, int]] = []
-    for reads in plan.reads:
+    for reads in ranges(plan):
         starts = {
             (int(lr), int(lo), int(rr), int(ro)): j
             for j, (lr, lo, rr, ro) in enumerate(
@@ -256,7 +270,7 @@ def run_all_ranks(
     prefill_tp: int,
     decode_tp: int,
     request: Request,
-) -> list[TransferPlan]:
+) -> list[RequestPlan]:
     """Plan every decode rank, execute against every prefill rank, and prove exactness.
 
     Raises AssertionError naming the first wrong byte, a mergeable descriptor pair, or a
@@ -267,11 +281,14 @@ def run_all_ranks(
     plans = []
     for rank in range(decode_tp):
         local = build_rank_layout(decode_spec, rank, decode_tp)
-        plan = TransferPlanner(local, prefill[0]).plan(
-            request.local_block_ids,
-            request.remote_block_ids,
-            num_tokens=request.num_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+        plan = plan_request(
+            peer_plan(local, prefill[0]),
+            TransferRequest(
+                request.local_block_ids,
+                request.remote_block_ids,
+                num_tokens=request.num_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            ),
         )
         buffers = sentinel(local)
         execute(plan, buffers, memory)

@@ -1,8 +1,7 @@
-"""TransferPlanner: named scenarios proven byte-exact by the oracle, and every rejection."""
+"""The planning recipe (worker/plan.py): named scenarios proven byte-exact by the oracle, and every rejection."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -21,8 +20,15 @@ from connector.layout import (
     MemoryLayout,
 )
 from tests import oracle
-from worker.planner import TransferPlan, TransferPlanner
-from worker.planner_pairing import CopyMode, pair_groups
+from worker.pairing import CopyMode, pair_groups
+from worker.plan import (
+    PeerPlan,
+    RankPlan,
+    RequestPlan,
+    TransferRequest,
+    peer_plan,
+    plan_request,
+)
 
 FULL, SWA, MLA, SSM = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MLA, GroupKind.SSM
 NHD_PACKED, HND_PACKED = MemoryLayout.NHD_PACKED, MemoryLayout.HND_PACKED
@@ -210,15 +216,16 @@ def test_scenario_is_byte_exact(scenario: Scenario):
         scenario.prefill, scenario.decode, scenario.prefill_tp, scenario.decode_tp, scenario.request
     )
     if scenario.descriptors is not None:
-        assert [sum(len(r.lengths) for r in p.reads) for p in plans] == scenario.descriptors
+        assert [sum(len(r) for r in oracle.ranges(p)) for p in plans] == scenario.descriptors
     if scenario.notify_only:
         assert [p.notify_only for p in plans] == scenario.notify_only
 
 
 def test_mla_consumers_match_seed002():
     spec = _spec(_group(MLA, heads=(1,)))
-    plan = TransferPlanner(build_rank_layout(spec, 0, 1), build_rank_layout(spec, 0, 4)).plan(
-        ((1,),), ((2,),), num_tokens=10, num_cached_tokens=0
+    plan = plan_request(
+        peer_plan(build_rank_layout(spec, 0, 1), build_rank_layout(spec, 0, 4)),
+        TransferRequest(((1,),), ((2,),), num_tokens=10, num_cached_tokens=0),
     )
     assert [r.remote_rank for r in plan.reads] == [0]
     assert plan.notify_only == (1, 2, 3)
@@ -230,21 +237,27 @@ def test_oracle_catches_a_plan_shifted_by_one_token():
     local = build_rank_layout(scenario.decode, 0, 1)
     remote = build_rank_layout(scenario.prefill, 0, 1)
     request = scenario.request
-    plan = TransferPlanner(local, remote).plan(
+    plan = plan_request(peer_plan(local, remote), TransferRequest(
         request.local_block_ids, request.remote_block_ids,
         num_tokens=request.num_tokens, num_cached_tokens=request.num_cached_tokens,
-    )  # fmt: skip
-    reads = plan.reads[0]
+    ))  # fmt: skip
+    reads = oracle.ranges(plan)[0]
     token_bytes = local.groups[0].planes[0].token_stride_bytes
-    shifted = dataclasses.replace(reads, remote_offsets=reads.remote_offsets + token_bytes)
-    bad = TransferPlan((shifted,), plan.notify_only, plan.consumers)
+    shifted = msgspec.structs.replace(reads, remote_offsets=reads.remote_offsets + token_bytes)
+    bad = RequestPlan((RankPlan(0, None, shifted),), plan.notify_only, plan.consumers)
     buffers = oracle.sentinel(local)
     oracle.execute(bad, buffers, {0: oracle.fill_prefill(remote, request, seed=0)})
     assert oracle.first_difference(buffers, oracle.expected_decode(local, request)) is not None
 
 
+def _plan(
+    peer: PeerPlan, local_ids, remote_ids, *, num_tokens: int, num_cached_tokens: int
+) -> RequestPlan:
+    return plan_request(peer, TransferRequest(local_ids, remote_ids, num_tokens, num_cached_tokens))
+
+
 def _planner(decode: KVCacheSpec, prefill: KVCacheSpec, decode_tp=1, prefill_tp=1, rank=0):
-    return TransferPlanner(
+    return peer_plan(
         build_rank_layout(decode, rank, decode_tp), build_rank_layout(prefill, 0, prefill_tp)
     )
 
@@ -307,8 +320,8 @@ def test_opaque_blocks_are_read_whole(tokens, cached, expected_blocks):
     first = cached // 16
     local = [list(range(first, -(-tokens // 16)))]
     remote = [list(range(-(-tokens // 16)))]
-    plan = _planner(spec, spec).plan(local, remote, num_tokens=tokens, num_cached_tokens=cached)
-    (reads,) = plan.reads
+    plan = _plan(_planner(spec, spec), local, remote, num_tokens=tokens, num_cached_tokens=cached)
+    (reads,) = oracle.ranges(plan)
     planes = build_rank_layout(spec, 0, 1).groups[0].planes
     block_bytes = {plane.region: plane.kernel_block_stride_bytes for plane in planes}
     assert int(reads.lengths.sum()) == len(expected_blocks) * sum(block_bytes.values())
@@ -341,7 +354,7 @@ def test_pairing_rejects_inconsistent_peer_layout(changes, message):
     spec = _spec(_group())
     remote = _with_plane(build_rank_layout(spec, 0, 1), **changes)
     with pytest.raises(UnsupportedConfiguration, match=message):
-        TransferPlanner(build_rank_layout(spec, 0, 1), remote)
+        peer_plan(build_rank_layout(spec, 0, 1), remote)
 
 
 @pytest.mark.parametrize(
@@ -364,7 +377,7 @@ def test_pairing_rejects_inconsistent_peer_layout(changes, message):
 def test_plan_rejects_impossible_requests(local, remote, tokens, cached, message):
     planner = _planner(_spec(_group()), _spec(_group()))
     with pytest.raises(TransferPlanError, match=message):
-        planner.plan(local, remote, num_tokens=tokens, num_cached_tokens=cached)
+        _plan(planner, local, remote, num_tokens=tokens, num_cached_tokens=cached)
 
 
 def _scattered(num_ids: int, pool: int, *, repeat: int | None = None, bad: int | None = None):
@@ -392,18 +405,26 @@ LONG_IDS = {  # (decode ids of 400 blocks, message): dense lists are counted, sp
 def test_long_id_lists_are_checked_like_short_ones(local, message):
     spec = _spec(_group(blocks=LONG_POOL))
     with pytest.raises(TransferPlanError, match=message):
-        _planner(spec, spec).plan(
-            [local], [list(range(400))], num_tokens=400 * 16, num_cached_tokens=0
+        _plan(
+            _planner(spec, spec),
+            [local],
+            [list(range(400))],
+            num_tokens=400 * 16,
+            num_cached_tokens=0,
         )
 
 
 def test_long_scattered_distinct_ids_plan():
     spec = _spec(_group(blocks=LONG_POOL))
     for pool in (800, LONG_POOL):
-        plan = _planner(spec, spec).plan(
-            [_scattered(400, pool)], [list(range(400))], num_tokens=400 * 16, num_cached_tokens=0
+        plan = _plan(
+            _planner(spec, spec),
+            [_scattered(400, pool)],
+            [list(range(400))],
+            num_tokens=400 * 16,
+            num_cached_tokens=0,
         )
-        assert sum(len(r.lengths) for r in plan.reads) > 0
+        assert sum(len(r) for r in oracle.ranges(plan)) > 0
 
 
 def test_ssm_state_without_a_prefill_block_is_rejected():
@@ -411,15 +432,15 @@ def test_ssm_state_without_a_prefill_block_is_rejected():
     with pytest.raises(
         TransferPlanError, match=r"group 1 \(SSM\): decode has a state block but prefill sent none"
     ):
-        _planner(spec, spec).plan([[1], [2]], [[1], []], num_tokens=10, num_cached_tokens=0)
+        _plan(_planner(spec, spec), [[1], [2]], [[1], []], num_tokens=10, num_cached_tokens=0)
 
 
 def test_swa_placeholders_outside_the_window_are_not_validated():
     spec = _spec(_group(SWA, window=16))
-    plan = _planner(spec, spec).plan(
-        [[-1, -1, 3]], [[-1, -1, 4]], num_tokens=48, num_cached_tokens=0
+    plan = _plan(
+        _planner(spec, spec), [[-1, -1, 3]], [[-1, -1, 4]], num_tokens=48, num_cached_tokens=0
     )
-    (reads,) = plan.reads
+    (reads,) = oracle.ranges(plan)
     assert int(np.sum(reads.lengths)) > 0
 
 
@@ -438,8 +459,8 @@ def test_swa_placeholders_outside_the_window_are_not_validated():
 def test_contiguous_32k_request_descriptors(memory_layout, descriptors):
     spec = _spec(_group(block=16, blocks=2100, heads=(8,) * 4), memory_layout=memory_layout)
     ids = tuple(range(1, 2049))
-    plan = _planner(spec, spec).plan((ids,), (ids,), num_tokens=32768, num_cached_tokens=0)
-    assert [len(r.lengths) for r in plan.reads] == [descriptors]
+    plan = _plan(_planner(spec, spec), (ids,), (ids,), num_tokens=32768, num_cached_tokens=0)
+    assert [len(r) for r in oracle.ranges(plan)] == [descriptors]
 
 
 @pytest.mark.parametrize(
@@ -483,7 +504,7 @@ def test_pairing_rejects_inconsistent_group_geometry(spec, group_changes, layout
     remote = build_rank_layout(spec, 0, 1)
     group = msgspec.structs.replace(remote.groups[0], **group_changes)
     with pytest.raises(UnsupportedConfiguration, match=message):
-        TransferPlanner(local, msgspec.structs.replace(remote, groups=(group,)))
+        peer_plan(local, msgspec.structs.replace(remote, groups=(group,)))
 
 
 def test_pairing_rejects_a_non_positive_window_on_both_sides():
@@ -494,4 +515,4 @@ def test_pairing_rejects_a_non_positive_window_on_both_sides():
     with pytest.raises(
         UnsupportedConfiguration, match="sliding-window with window 0; it must be positive"
     ):
-        TransferPlanner(broken, broken)
+        peer_plan(broken, broken)

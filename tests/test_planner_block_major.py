@@ -210,7 +210,7 @@ def test_fragmented_request_posts_one_descriptor_per_block_row(
     (plan,) = oracle.run_all_ranks(
         _dense(prefill, pad_bytes=pad_bytes), _dense(decode, pad_bytes=pad_bytes), 1, 1, request
     )
-    (reads,) = plan.reads
+    (reads,) = oracle.ranges(plan)
     assert len(reads.lengths) == expected_per_rank
 
 
@@ -218,7 +218,7 @@ def test_contiguous_ids_on_both_sides_read_as_one_descriptor() -> None:
     request = oracle.Request(64, 0, ((2, 3, 4, 5),), ((6, 7, 8, 9),))
     spec = _dense(MemoryLayout.BLOCK_NHD_PACKED)
     (plan,) = oracle.run_all_ranks(spec, spec, 1, 1, request)
-    assert [len(reads.lengths) for reads in plan.reads] == [1]
+    assert [len(reads.lengths) for reads in oracle.ranges(plan)] == [1]
 
 
 @pytest.mark.parametrize(
@@ -231,4 +231,6 @@ def test_tp_head_slices_per_block(layout: MemoryLayout, per_block: int) -> None:
     span; in BLNHC heads interleave per token, so the slice is one span per token."""
     request = oracle.Request(64, 0, (FRAGMENTED,), (SHUFFLED_REMOTE,))
     plans = oracle.run_all_ranks(_dense(layout), _dense(layout), 1, 2, request)
-    assert [len(reads.lengths) for plan in plans for reads in plan.reads] == [4 * per_block] * 2
+    assert [len(reads.lengths) for plan in plans for reads in oracle.ranges(plan)] == [
+        4 * per_block
+    ] * 2

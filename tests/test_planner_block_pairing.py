@@ -28,7 +28,7 @@ from connector.layout import (
 )
 from tests import oracle
 from worker.blocks import apply_prefix_caching, logical_to_kernel_block_ids
-from worker.planner import TransferPlanner
+from worker.plan import TransferRequest, peer_plan, plan_request
 
 PLACEHOLDER = 0  # the null block: SSM groups list it before the real state block
 
@@ -141,11 +141,14 @@ def test_planner_reads_exactly_the_block_pairs_of_worker_blocks(case: Pairing) -
     remote = build_rank_layout(case.prefill, 0, 1)
     prefill = oracle.noise(remote, seed=7)
     request = case.request
-    plan = TransferPlanner(local, remote).plan(
-        request.local_block_ids,
-        request.remote_block_ids,
-        num_tokens=request.num_tokens,
-        num_cached_tokens=request.num_cached_tokens,
+    plan = plan_request(
+        peer_plan(local, remote),
+        TransferRequest(
+            request.local_block_ids,
+            request.remote_block_ids,
+            num_tokens=request.num_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        ),
     )
     by_planner = oracle.sentinel(local)
     oracle.execute(plan, by_planner, {0: prefill})
@@ -164,7 +167,7 @@ def test_the_oracle_sees_a_wrong_pairing() -> None:
     prefill = oracle.noise(layout, seed=3)
     right = oracle.Request(4, 2, ((3,),), ((1, 2),))  # tokens [2, 4): prefill block 2 -> 3
     wrong = oracle.Request(4, 2, ((3,),), ((2, 1),))  # the same ids, prefill's order swapped
-    plan = TransferPlanner(layout, layout).plan(((3,),), ((1, 2),), num_tokens=4, num_cached_tokens=2)  # fmt: skip
+    plan = plan_request(peer_plan(layout, layout), TransferRequest(((3,),), ((1, 2),), num_tokens=4, num_cached_tokens=2))  # fmt: skip
     by_planner = oracle.sentinel(layout)
     oracle.execute(plan, by_planner, {0: prefill})
     assert oracle.first_difference(by_planner, expected_by_block_pairs(layout, layout, prefill, right)) is None  # fmt: skip

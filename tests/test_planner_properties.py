@@ -206,13 +206,12 @@ def test_opaque_block_formats_move_whole_kernel_blocks(case: Case) -> None:
 @settings(max_examples=300)
 @given(data=st.data())
 def test_same_block_sizes_cut_tokens_as_the_general_cutter_does(data: st.DataObject) -> None:
-    """planner.same_blocks_segments (the hot path when both sides cut tokens alike) equals
-    planner_ranges.token_segments on every range and set of ids."""
+    """segments.same_blocks_segments (the hot path when both sides cut tokens alike) equals
+    segments.token_segments on every range and set of ids."""
     import numpy as np
 
-    from worker.planner import same_blocks_segments
-    from worker.planner_pairing import SideBlocks
-    from worker.planner_ranges import token_segments
+    from worker.pairing import SideBlocks
+    from worker.segments import same_blocks_segments, token_segments
 
     kernel = data.draw(st.sampled_from([1, 2, 3, 4, 8]))
     ratio = data.draw(st.sampled_from([1, 2, 4]))

@@ -8,7 +8,6 @@ bytes; decode memory must equal the oracle's and what the range path lands.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -26,17 +25,14 @@ from connector.layout import (
 )
 from tests import oracle
 from tests.test_planner_properties import Case, cases, padded
+from worker.byte_runs import ByteRuns
+from worker.exact_runs import exact_runs
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import NixlAgent, TransferState
-from worker.planner import RankReads, RequestSegments, TransferPlanner
-from worker.planner_choice import (
-    RankPlan,
-    choose_prepared,
-    plan_by_index,
-    plan_by_ranges,
-    plan_rank,
-)
-from worker.planner_prepped import PreparedRows, prepared_request, prepared_rows
+from worker.plan import ReadPath, TransferRequest, peer_plan, plan_request
+from worker.prepared_rows import prepared_rows
+from worker.segments import cut_segments
+from worker.whole_blocks import choose_prepared, indexed_request, split_request
 
 _names = itertools.count()
 
@@ -56,83 +52,56 @@ def _run(agent: NixlAgent, transfer: object) -> None:
 
 
 def _range_read(
-    agent: NixlAgent, remote: str, reads: RankReads, local: list[int], remote_at: list[int]
+    agent: NixlAgent, remote: str, runs: ByteRuns, local: list[int], remote_at: list[int]
 ) -> None:
     def rows(addresses: list[int], regions: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         bases = np.asarray(addresses, dtype=np.int64)[regions]
-        return np.column_stack([bases + offsets, reads.lengths, np.zeros_like(offsets)])
+        return np.column_stack([bases + offsets, runs.lengths, np.zeros_like(offsets)])
 
     _run(
         agent,
         agent.make_read(
             remote,
-            rows(local, reads.local_regions, reads.local_offsets),
-            rows(remote_at, reads.remote_regions, reads.remote_offsets),
+            rows(local, runs.local_regions, runs.local_offsets),
+            rows(remote_at, runs.remote_regions, runs.remote_offsets),
         ),
     )
 
 
-def _decode_side(
+def _request(case: Case) -> TransferRequest:
+    r = case.request
+    return TransferRequest(r.local_block_ids, r.remote_block_ids, r.num_tokens, r.num_cached_tokens)
+
+
+def _land(
+    path: ReadPath,
     case: Case,
     fabric: FakeFabric,
     owners: list[tuple[FakeNixl, list[int]]],
     prefill: RankLayout,
     local: RankLayout,
-) -> tuple[oracle.Buffers, FakeNixl, list[int], TransferPlanner, RequestSegments]:
-    """A decode rank's sentinel buffers and agent (knowing every prefill agent), its planner
-    and the request's segments."""
+) -> tuple[oracle.Buffers, int]:
+    """A decode rank's memory after executing plan_request's READs (along ``path``) on
+    FakeNixl, from sentinel buffers; and how many READs went by index."""
     buffers = oracle.sentinel(local)
     agent, addresses = _agent(fabric, buffers)
     for owner, _ in owners:
         agent.add_remote_agent(owner.get_agent_metadata())
-    planner = TransferPlanner(local, prefill)
-    request = case.request
-    segments = planner.segments(
-        request.local_block_ids,
-        request.remote_block_ids,
-        num_tokens=request.num_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-    )
-    return buffers, agent, addresses, planner, segments
-
-
-def _decode_rank_by_index(
-    case: Case,
-    fabric: FakeFabric,
-    prefill: list[RankLayout],
-    owners: list[tuple[FakeNixl, list[int]]],
-    local: RankLayout,
-) -> tuple[oracle.Buffers, int]:
-    """Decode rank memory after reading by index wherever possible; and how many READs went so."""
-    buffers, agent, addresses, planner, segments = _decode_side(
-        case, fabric, owners, prefill[0], local
-    )
+    remote = {rank: (owner_addresses, 0) for rank, (_, owner_addresses) in enumerate(owners)}
+    peer = peer_plan(local, prefill, local_addresses=addresses, remote_addresses=remote)
     by_index = 0
-    for rank in planner.read_ranks:
-        owner, owner_addresses = owners[rank]
-        rows = prepared_rows(
-            planner.groups, rank, local_addresses=addresses, local_device=0,
-            remote_addresses=owner_addresses, remote_device=0,
-        )  # fmt: skip
-        keep = ()
-        if rows is not None:
-            indexed = prepared_request(rows, segments)
-            keep = indexed.partial
-            if len(indexed.local_indices):
-                local_list = agent.prepare_list(None, rows.local_rows)
-                remote_list = agent.prepare_list(owner.name, rows.remote_rows)
-                _run(agent, agent.make_prepped_read(
-                    local_list, indexed.local_indices, remote_list, indexed.remote_indices,
-                ))  # fmt: skip
-                by_index += 1
-        runs = planner.rank_runs(segments, rank, keep)
-        if runs is not None:
-            reads = RankReads(rank, *(getattr(runs, f) for f in _RUN_FIELDS))
-            _range_read(agent, owner.name, reads, addresses, owner_addresses)
+    for plan in plan_request(peer, _request(case), path).reads:
+        owner, owner_addresses = owners[plan.remote_rank]
+        if plan.by_index is not None:
+            rows = peer.rows[plan.remote_rank]
+            _run(agent, agent.make_prepped_read(
+                agent.prepare_list(None, rows.local_rows), plan.by_index.local_indices,
+                agent.prepare_list(owner.name, rows.remote_rows), plan.by_index.remote_indices,
+            ))  # fmt: skip
+            by_index += 1
+        if plan.ranges is not None:
+            _range_read(agent, owner.name, plan.ranges, addresses, owner_addresses)
     return buffers, by_index
-
-
-_RUN_FIELDS = ("local_regions", "local_offsets", "remote_regions", "remote_offsets", "lengths")
 
 
 def _prefill_ranks(
@@ -145,88 +114,47 @@ def _prefill_ranks(
 
 
 def _check_case(case: Case) -> None:
+    """By index wherever a pairing allows it: the oracle's bytes, and what the exact planner
+    alone lands (executed by the oracle, no prepared rows)."""
     fabric = FakeFabric()
     request = case.request
     prefill, memory, owners = _prefill_ranks(case, fabric)
     for decode_rank in range(case.decode_tp):
         local = build_rank_layout(case.decode, decode_rank, case.decode_tp)
-        actual, by_index = _decode_rank_by_index(case, fabric, prefill, owners, local)
+        actual, by_index = _land(ReadPath.BY_INDEX, case, fabric, owners, prefill[0], local)
         event(f"READs by index: {min(by_index, 2)}")
         expected = oracle.expected_decode(local, request)
         difference = oracle.first_difference(actual, expected)
         assert difference is None, f"decode rank {decode_rank}: {difference}"
         by_ranges = oracle.sentinel(local)
-        plan = TransferPlanner(local, prefill[0]).plan(
-            request.local_block_ids,
-            request.remote_block_ids,
-            num_tokens=request.num_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        plan = plan_request(peer_plan(local, prefill[0]), _request(case))
         oracle.execute(plan, by_ranges, dict(enumerate(memory)))
         assert oracle.first_difference(actual, by_ranges) is None
 
 
-def _by_index_where_possible(
-    planner: TransferPlanner, segments: RequestSegments, rank: int, rows: PreparedRows | None
-) -> RankPlan | None:
-    if rows is None:
-        return plan_by_ranges(planner, segments, rank, None)
-    return plan_by_index(planner, segments, rank, rows)
-
-
-PlanPath = Callable[[TransferPlanner, RequestSegments, int, PreparedRows | None], RankPlan | None]
-PATHS: dict[str, PlanPath] = {
-    "by index (partial segments as ranges)": _by_index_where_possible,
-    "by byte ranges (whole blocks from the prepared rows)": plan_by_ranges,
-    "as choose_prepared picks": plan_rank,
+PATHS = {
+    "by index (partial segments as ranges)": ReadPath.BY_INDEX,
+    "by byte ranges (whole blocks from the prepared rows)": ReadPath.BY_RANGES,
+    "as choose_prepared picks": ReadPath.CHEAPER,
+    "exact planner only": ReadPath.EXACT,
 }
-
-
-def _decode_rank_planned(
-    path: PlanPath,
-    case: Case,
-    fabric: FakeFabric,
-    owners: list[tuple[FakeNixl, list[int]]],
-    prefill: RankLayout,
-    local: RankLayout,
-) -> oracle.Buffers:
-    """Decode rank memory after executing plan_rank's READs (or one path's) on FakeNixl."""
-    buffers, agent, addresses, planner, segments = _decode_side(
-        case, fabric, owners, prefill, local
-    )
-    for rank in planner.read_ranks:
-        owner, owner_addresses = owners[rank]
-        rows = prepared_rows(
-            planner.groups, rank, local_addresses=addresses, local_device=0,
-            remote_addresses=owner_addresses, remote_device=0,
-        )  # fmt: skip
-        plan = path(planner, segments, rank, rows)
-        if plan is None:
-            continue
-        if plan.by_index is not None:
-            assert rows is not None
-            _run(agent, agent.make_prepped_read(
-                agent.prepare_list(None, rows.local_rows), plan.by_index.local_indices,
-                agent.prepare_list(owner.name, rows.remote_rows), plan.by_index.remote_indices,
-            ))  # fmt: skip
-        if plan.ranges is not None:
-            _range_read(agent, owner.name, plan.ranges, addresses, owner_addresses)
-    return buffers
 
 
 @settings(max_examples=150, deadline=None)
 @given(cases())
-def test_every_path_of_plan_rank_lands_the_oracles_bytes(case: Case) -> None:
+def test_every_path_of_plan_request_lands_the_oracles_bytes(case: Case) -> None:
     fabric = FakeFabric()
     request = case.request
-    prefill, _, owners = _prefill_ranks(case, fabric)
+    # The agents know prefill's memory by address only: it must outlive every READ.
+    prefill, memory, owners = _prefill_ranks(case, fabric)
     for decode_rank in range(case.decode_tp):
         local = build_rank_layout(case.decode, decode_rank, case.decode_tp)
         expected = oracle.expected_decode(local, request)
         for name, path in PATHS.items():
-            actual = _decode_rank_planned(path, case, fabric, owners, prefill[0], local)
+            actual, _ = _land(path, case, fabric, owners, prefill[0], local)
             difference = oracle.first_difference(actual, expected)
             assert difference is None, f"decode rank {decode_rank}, {name}: {difference}"
+    assert len(memory) == case.prefill_tp  # held until here
 
 
 def _mixed_spec(num_blocks: int = 32) -> KVCacheSpec:
@@ -264,7 +192,7 @@ def test_rows_that_join_and_rows_that_do_not_in_one_group(
     owners = [_agent(fabric, memory)]
     for decode_rank in range(2):
         local = build_rank_layout(spec, decode_rank, 2)
-        planner = TransferPlanner(local, prefill)
+        planner = peer_plan(local, prefill)
         rows = prepared_rows(
             planner.groups, 0, local_addresses=[1] * len(local.region_bytes), local_device=0,
             remote_addresses=[1] * len(prefill.region_bytes), remote_device=0,
@@ -272,7 +200,7 @@ def test_rows_that_join_and_rows_that_do_not_in_one_group(
         assert rows is not None and 0 < rows.groups[0].num_joining < rows.groups[0].num_rows
         expected = oracle.expected_decode(local, request)
         for name, path in PATHS.items():
-            actual = _decode_rank_planned(path, case, fabric, owners, prefill, local)
+            actual, _ = _land(path, case, fabric, owners, prefill, local)
             difference = oracle.first_difference(actual, expected)
             assert difference is None, f"decode rank {decode_rank}, {name}: {difference}"
 
@@ -345,7 +273,7 @@ def test_pairings_that_can_be_read_by_whole_block_index(
 ) -> None:
     local = build_rank_layout(decode, 0, decode_tp)
     remote = build_rank_layout(prefill, 0, prefill_tp)
-    planner = TransferPlanner(local, remote)
+    planner = peer_plan(local, remote)
     rows = prepared_rows(
         planner.groups, 0, local_addresses=[1 << 20] * len(local.region_bytes), local_device=0,
         remote_addresses=[1 << 30] * len(remote.region_bytes), remote_device=0,
@@ -378,19 +306,23 @@ def test_the_rule_reads_by_index_when_that_is_cheaper(
 
 def test_a_partial_last_block_is_left_to_byte_ranges() -> None:
     layout = build_rank_layout(_spec(MemoryLayout.NHD), 0, 1)
-    planner = TransferPlanner(layout, layout)
+    planner = peer_plan(layout, layout)
     rows = prepared_rows(
         planner.groups, 0, local_addresses=[1 << 20, 1 << 21], local_device=0,
         remote_addresses=[1 << 30, 1 << 31], remote_device=0,
     )  # fmt: skip
     assert rows is not None
-    segments = planner.segments(((3, 5),), ((7, 9),), num_tokens=14, num_cached_tokens=0)
-    request = prepared_request(rows, segments)
+    segments = cut_segments(
+        planner.groups, ((3, 5),), ((7, 9),), num_tokens=14, num_cached_tokens=0
+    )
+    request = indexed_request(split_request(rows, segments))
     # Kernel blocks of 4 tokens, 32 per plane: tokens [0, 12) are 3 whole kernel blocks per
     # plane (decode 6, 7, 10), the partial [12, 14) is one range per plane.
     assert request.local_indices.tolist() == [6, 7, 10, 38, 39, 42, 70, 71, 74, 102, 103, 106]
-    tail = planner.rank_runs(segments, 0, request.partial)
-    assert tail is not None and len(tail.lengths) == 4
+    tail = exact_runs(planner.groups, segments, 0, request.partial)
+    assert tail is not None and len(tail) == 4
     # So short a request is cheaper as one READ of byte ranges: the rule keeps it whole.
-    plan = plan_rank(planner, segments, 0, rows)
-    assert plan is not None and plan.by_index is None and plan.num_reads == 1
+    addresses = {0: ([1 << 30, 1 << 31], 0)}
+    peer = peer_plan(layout, layout, local_addresses=[1 << 20, 1 << 21], remote_addresses=addresses)
+    (plan,) = plan_request(peer, TransferRequest(((3, 5),), ((7, 9),), 14, 0)).reads
+    assert plan.by_index is None and plan.num_reads == 1

@@ -47,7 +47,9 @@ def _names(cell: str) -> list[str]:
 
 def _field_type(owner: type, name: str) -> Any:
     """The type of field ``name`` of record ``owner`` (None stripped), or None if it has none."""
-    hints = typing.get_type_hints(owner)
+    # Names a module imports for annotations only (under TYPE_CHECKING) resolve through the
+    # other modules the table names.
+    hints = typing.get_type_hints(owner, localns=_TABLE_TYPES)
     if name not in hints:
         return None
     hint = hints[name]
@@ -94,6 +96,13 @@ def _cells() -> list[tuple[str, str, str]]:
 
 
 CELLS = _cells()
+_TABLE_TYPES = {
+    name: value
+    for column in _table()[0][1:]
+    for module in _modules(column)
+    for name, value in vars(module).items()
+    if isinstance(value, type)
+}
 
 
 def test_the_table_spans_the_path_from_the_params_to_the_nixl_call() -> None:

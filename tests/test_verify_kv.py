@@ -27,7 +27,7 @@ from tests import oracle
 from tests.test_e2e_fake import CASES, options_for
 from tests.test_planner_properties import Case, cases
 from worker.kv_digest import check_digestible, lease_digests, read_claims
-from worker.planner import TransferPlanner
+from worker.plan import TransferRequest, peer_plan, plan_request
 
 
 def _transfer(case: Case) -> tuple[dict[int, Any], list[tuple[Any, list[Any]]]]:
@@ -42,11 +42,14 @@ def _transfer(case: Case) -> tuple[dict[int, Any], list[tuple[Any, list[Any]]]]:
     decoded = []
     for rank in range(case.decode_tp):
         local = build_rank_layout(case.decode, rank, case.decode_tp)
-        plan = TransferPlanner(local, prefill[0]).plan(
-            request.local_block_ids,
-            request.remote_block_ids,
-            num_tokens=request.num_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+        plan = plan_request(
+            peer_plan(local, prefill[0]),
+            TransferRequest(
+                request.local_block_ids,
+                request.remote_block_ids,
+                num_tokens=request.num_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            ),
         )
         buffers = oracle.sentinel(local)
         oracle.execute(plan, buffers, memory)

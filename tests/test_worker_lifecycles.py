@@ -25,7 +25,7 @@ from worker.load_lifecycle import RANK_LOAD_LIFECYCLE, RankLoadState
 from worker.loads import LoadTable
 from worker.nixl_api import TransferState
 from worker.peer_lifecycle import PEER_LIFECYCLE, Peer, PeerLink, PeerState
-from worker.planner import TransferPlanner
+from worker.plan import peer_plan
 
 NUM_REQUESTS = 4
 HANDSHAKE_WAIT_S = 10.0
@@ -131,7 +131,7 @@ class World:
 
     def _connect(self) -> None:
         handshakes = {rank: remote_handshake("p", rank, 2) for rank in (0, 1)}
-        planner = TransferPlanner(
+        planner = peer_plan(
             build_rank_layout(BASE, 0, 1), handshakes[0].layout, duty=self.peer.duty
         )
         names = {rank: h.agent_name for rank, h in handshakes.items()}
@@ -195,7 +195,7 @@ def test_peer_moves_follow_its_table_and_illegal_ones_raise(
 ) -> None:
     handshake = remote_handshake("p", 0, 1)
     layout = build_rank_layout(BASE, 0, 1)
-    link = PeerLink(TransferPlanner(layout, handshake.layout), {0: handshake}, {0: "p-r0"}, {})
+    link = PeerLink(peer_plan(layout, handshake.layout), {0: handshake}, {0: "p-r0"}, {})
     peer = Peer("p", "127.0.0.1", 7001, 1, {0: 1}, start)
     for call in calls:
         before = peer.state

@@ -15,7 +15,7 @@ from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, Memor
 from worker.compat import Fingerprint, check_compatible, digest_of, fingerprint
 from worker.handshake import HandshakeClient, HandshakeJob, any_boot
 from worker.notifications import NotificationCounter
-from worker.planner import TransferPlanner
+from worker.plan import TransferRequest, peer_plan, plan_request
 from worker.topology import expected_notifications, head_shapes, notification_duty
 
 # --- model specs ------------------------------------------------------------------------------
@@ -322,8 +322,9 @@ def test_notification_duty_matches_the_planner(
     notified_by: dict[int, list[int]] = {}
     for tp_rank in range(local_tp):
         local = build_rank_layout(spec, tp_rank, local_tp)
-        plan = TransferPlanner(local, remote).plan(
-            ((0, 1),), ((0, 1),), num_tokens=8, num_cached_tokens=0
+        plan = plan_request(
+            peer_plan(local, remote),
+            TransferRequest(((0, 1),), ((0, 1),), num_tokens=8, num_cached_tokens=0),
         )
         duty = notification_duty(tp_rank, local_tp, remote_tp, head_shapes(local))
         assert duty == plan.consumers

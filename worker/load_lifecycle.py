@@ -21,12 +21,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connector.lifecycle import TransitionTable
 from connector.metadata import LoadSpec, RemoteSource
 from connector.observability.trace import LoadTimeline
-from worker.peer_lifecycle import Peer
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.peer_lifecycle import Peer
 
 ABORTED_REASON = "aborted"
 ReadKey = tuple[int, int]  # (remote rank, part: BY_INDEX or BY_RANGES)

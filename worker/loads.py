@@ -14,39 +14,30 @@ A failed load notifies the covered ranks too (best effort), so prefill does not 
 blocks until the lease expires; except when prefill restarted since it leased: that boot's
 agent is gone, and a notification to it would block this thread until UCX gives up.
 
+The stages a load calls, each in its own module: plan (worker/plan.py ``plan_request``),
+make the READs (worker/reads.py), notify (worker/notify.py), report (worker/load_report.py).
 Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from connector.errors import ConnectorError, PeerRestarted
+from connector.errors import ConnectorError
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.observability.metrics import MetricsRecorder, default_recorder
-from connector.observability.trace import load_ended
-from connector.protocol import DigestClaim, encode_free_notif, lease_key
-from worker.lease_proof import (
-    BEFORE_READS,
-    PREFILL_RESTARTED,
-    LeaseProofs,
-    lease_failure,
-    unprovable_reason,
-)
+from connector.protocol import DigestClaim
+from worker.lease_proof import BEFORE_READS, PREFILL_RESTARTED, LeaseProofs, unprovable_reason
 from worker.load_lifecycle import ABORTED_REASON, Load, OnMove, RankLoadState, ReadKey
-from worker.nixl_api import Descriptors, NixlAgent, TransferState
+from worker.load_report import handshake_failure, record_outcome
+from worker.nixl_api import NixlAgent, TransferState
+from worker.notify import notify_rest
 from worker.peer_lifecycle import Peer, PeerLink
-from worker.planner import RankReads
-from worker.planner_choice import RankPlan, plan_rank
-from worker.planner_prepped import PreparedRows
+from worker.plan import RankPlan, TransferRequest, plan_request
+from worker.reads import MakeRead, read_makers
 
 logger = logging.getLogger(__name__)
 
@@ -54,127 +45,6 @@ ABORTED = ABORTED_REASON
 MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
 
 Outcome = tuple[str, str | None]  # (request id, failure reason or None for success)
-BY_INDEX, BY_RANGES = 0, 1  # the parts of a remote rank's reads (worker/planner_prepped.py)
-
-
-def build_descriptors(
-    region_addresses: Sequence[int],
-    regions: npt.NDArray[np.int64],
-    offsets: npt.NDArray[np.int64],
-    lengths: npt.NDArray[np.int64],
-    device: int = 0,
-) -> Descriptors:
-    """NIXL descriptors (address, length_bytes, device) for byte ranges within regions.
-
-    Written into one (N, 3) array: column_stack plus astype made three more N-row copies
-    (131k rows: 0.5 ms instead of 1.6). The rest of issue 10's "5.4 ms here vs 1.3 ms alone"
-    was page faults on freshly mapped arrays, fixed by keep_plan_memory_mapped
-    (worker/transfer_thread.py).
-    """
-    bases = np.asarray(region_addresses, dtype=np.int64)
-    descriptors = np.empty((len(lengths), 3), dtype=np.int64)
-    np.add(bases[regions], offsets, out=descriptors[:, 0])
-    descriptors[:, 1] = lengths
-    descriptors[:, 2] = device
-    return descriptors
-
-
-def make_range_read(
-    agent: NixlAgent,
-    link: PeerLink,
-    reads: RankReads,
-    notif: bytes,
-    *,
-    local_addresses: Sequence[int],
-    local_memory: Memory,
-) -> Any:
-    """Prepare the READ of ``reads``' byte ranges from its remote rank."""
-    handshake = link.handshakes[reads.remote_rank]
-    local = build_descriptors(
-        local_addresses,
-        reads.local_regions,
-        reads.local_offsets,
-        reads.lengths,
-        local_memory.device,
-    )
-    remote = build_descriptors(
-        handshake.region_addresses,
-        reads.remote_regions,
-        reads.remote_offsets,
-        reads.lengths,
-        handshake.memory.device,
-    )
-    return agent.make_read(
-        link.agent_names[reads.remote_rank],
-        local,
-        remote,
-        notif,
-        local_memory=local_memory,
-        remote_memory=handshake.memory,
-    )
-
-
-def record_outcome(
-    metrics: MetricsRecorder, agent_name: str, load: Load, reason: str | None, now_s: float
-) -> None:
-    """The load's metrics and trace line (see connector/observability/trace.py); never raises."""
-    load.timeline.notified_ranks = set(load.notified)
-    ids = (load.request_id, load.source.remote_request_id, load.peer.engine_id, agent_name)
-    try:
-        load_ended(metrics, load.timeline, ids=ids, reason=reason, now_s=now_s)
-    except Exception:  # a metrics bug must not cost the request its outcome
-        logger.exception("request %s: recording its metrics failed", load.request_id)
-
-
-def free_notif(load: Load, remote_rank: int) -> bytes:
-    """The free notification for ``remote_rank``, naming the lease (``lease_key``); its count
-    is the peer's duty, the one source (every rank read or notified is one this rank covers)."""
-    remote = load.source
-    key = lease_key(remote.remote_request_id, remote.lease_id)
-    return encode_free_notif(key, load.peer.duty[remote_rank])
-
-
-def notify(agent: NixlAgent, load: Load, remote_rank: int) -> bool:
-    """Tell ``remote_rank`` it may free the request's blocks (best effort, logged); False if
-    the agent could not send to it (its process died or closed its agent, say)."""
-    link = load.peer.link
-    agent_name = None if link is None else link.agent_names.get(remote_rank)
-    if agent_name is None:
-        logger.warning(
-            "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
-        )
-        return True
-    try:
-        agent.send_notif(agent_name, free_notif(load, remote_rank))
-    except ConnectorError as error:
-        logger.warning(
-            "request %s: notifying remote rank %d failed: %s", load.request_id, remote_rank, error
-        )
-        return False
-    load.notified.add(remote_rank)
-    return True
-
-
-def notify_rest(agent: NixlAgent, load: Load) -> bool:
-    """Tell every covered remote rank not yet notified that its blocks may be freed; False if
-    sending to one of them failed."""
-    if load.peer.link is None:
-        return True
-    sent = [notify(agent, load, rank) for rank in sorted(set(load.peer.duty) - load.notified)]
-    return all(sent)
-
-
-def handshake_failure(remote: RemoteSource, peer: Peer) -> str:
-    """Why a load whose peer's handshake failed fails: a side channel that answered as a later
-    boot than the params name says the lease died with the boot that issued it."""
-    if peer.restarted:
-        return lease_failure(remote, PeerRestarted(peer.failure or ""), BEFORE_READS) or ""
-    return f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}"
-
-
-def _rows(link: PeerLink, remote_rank: int) -> PreparedRows | None:
-    prepared = link.prepared.get(remote_rank)
-    return None if prepared is None else prepared.rows
 
 
 class LoadTable:
@@ -354,22 +224,15 @@ class LoadTable:
         return True
 
     def _post(self, load: Load, spec: LoadSpec, link: PeerLink) -> None:
-        planner = link.planner
-        remote_block_ids: Sequence[Sequence[int]] = spec.source.remote_block_ids
-        if spec.source.num_tokens is not None:  # a pull: decode's blocks hold more tokens
-            remote_block_ids = planner.leading_remote_blocks(remote_block_ids, spec.num_tokens)
+        request = TransferRequest(
+            spec.local_block_ids,
+            spec.source.remote_block_ids,
+            spec.num_tokens,
+            spec.num_cached_tokens,
+            remote_holds_more=spec.source.num_tokens is not None,  # a pull from decode
+        )
         try:
-            segments = planner.segments(
-                spec.local_block_ids,
-                remote_block_ids,
-                num_tokens=spec.num_tokens,
-                num_cached_tokens=spec.num_cached_tokens,
-            )
-            plans = [
-                found
-                for rank in planner.read_ranks
-                if (found := plan_rank(planner, segments, rank, _rows(link, rank))) is not None
-            ]
+            plans = plan_request(link.plan, request).reads
         except ConnectorError as error:
             load.fail(f"cannot plan the transfer: {error}")
             return
@@ -389,35 +252,13 @@ class LoadTable:
     def _post_rank(self, load: Load, link: PeerLink, plan: RankPlan) -> bool:
         """Post the one or two READs of a remote rank, carrying no notification: it goes once
         the lease is proven (or the load failed)."""
-        remote_rank = plan.remote_rank
-        notif = b""
-        if plan.by_index is not None:
-            prepared = link.prepared[remote_rank]
-            make = functools.partial(
-                self._agent.make_prepped_read,
-                prepared.local_list,
-                plan.by_index.local_indices,
-                prepared.remote_list,
-                plan.by_index.remote_indices,
-                notif,
-            )
-            if not self._post_read(load, (remote_rank, BY_INDEX), make):
-                return False
-        if plan.ranges is not None:
-            make = functools.partial(
-                make_range_read,
-                self._agent,
-                link,
-                plan.ranges,
-                notif,
-                local_addresses=self._local_addresses,
-                local_memory=self._local_memory,
-            )
-            if not self._post_read(load, (remote_rank, BY_RANGES), make):
-                return False
-        return True
+        makers = read_makers(
+            self._agent, link, plan,
+            local_addresses=self._local_addresses, local_memory=self._local_memory,
+        )  # fmt: skip
+        return all(self._post_read(load, key, make) for key, make in makers)
 
-    def _post_read(self, load: Load, key: ReadKey, make: Callable[[], Any]) -> bool:
+    def _post_read(self, load: Load, key: ReadKey, make: MakeRead) -> bool:
         try:
             handle = make()
         except ConnectorError as error:

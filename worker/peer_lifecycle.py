@@ -6,7 +6,7 @@ r"""One remote engine generation as a rank knows it: the Peer record, its states
         └──────────────────────────────► FAILED
     PROBING (a background re-check of a failed key) ──► READY | FAILED
 
-A READY peer always carries its PeerLink (planner, handshakes, agents, prepared lists): the
+A READY peer always carries its PeerLink (plan, handshakes, agents, prepared lists): the
 one call that moves it to READY sets it. The peer counts its own loads and live READs; the
 table (worker/peers.py) decides when it moves.
 """
@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from connector.lifecycle import TransitionTable
 from connector.protocol import WorkerHandshake
-from worker.planner import TransferPlanner
-from worker.prepped import PreparedReads
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.plan import PeerPlan
+    from worker.prepped import PreparedReads
 
 PeerKey = tuple[str, str, int, int, str]  # (engine id, host, port, remote TP size, boot id)
 
@@ -54,7 +57,7 @@ _WAITING = frozenset({_S.HANDSHAKING, _S.PROBING, _S.RETIRED_HANDSHAKING})
 class PeerLink:
     """What a completed handshake gives a peer, all at once: a READY peer always has one."""
 
-    planner: TransferPlanner
+    plan: PeerPlan  # pairing, prepared rows (only where lists were prepared), duty
     handshakes: dict[int, WorkerHandshake]  # remote rank -> what it sent
     agent_names: dict[int, str]  # remote rank -> its loaded NIXL agent
     prepared: dict[int, PreparedReads]  # remote rank -> prepared lists (READs by index)
@@ -73,7 +76,7 @@ class Peer:
     port: int
     remote_tp_size: int
     # Remote rank this rank covers -> readers its free notification counts: computed once per
-    # peer (worker.topology.notification_duty), used for the handshake, the planner and loads.
+    # peer (worker.topology.notification_duty), used for the handshake, the PeerPlan and loads.
     duty: dict[int, int]
     state: PeerState = PeerState.HANDSHAKING
     failure: str | None = None  # why the handshake failed (FAILED only)

@@ -1,4 +1,4 @@
-"""One record per remote engine address: its handshakes, loaded NIXL agents, planner and state.
+"""One record per remote engine address: its handshakes, loaded NIXL agents, PeerPlan and state.
 
 A ``Peer`` is one generation of our knowledge of a remote engine at one address, keyed by
 (engine id, host, port, TP size) exactly as requests name it, so a request naming a wrong port
@@ -46,7 +46,7 @@ from worker.compat import Fingerprint, check_compatible, check_transport
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
 from worker.nixl_api import NixlAgent
 from worker.peer_lifecycle import Peer, PeerKey, PeerLink, PeerState
-from worker.planner import TransferPlanner
+from worker.plan import PeerPlan, peer_plan
 from worker.prepped import PreparedLists, PreparedReads
 from worker.topology import head_shapes, notification_duty
 
@@ -276,7 +276,7 @@ class PeerTable:
         self._current[probe.key] = probe
 
     def _link(self, peer: Peer, handshakes: dict[int, WorkerHandshake]) -> PeerLink:
-        """Validate, build the planner, then load the agents and prepare lists (the steps with
+        """Validate, build the PeerPlan, then load the agents and prepare lists (the steps with
         side effects, undone if a later one fails)."""
         validate_handshakes(peer.engine_id, peer.remote_tp_size, handshakes)
         for handshake in handshakes.values():
@@ -289,8 +289,7 @@ class PeerTable:
                     peer.engine_id,
                     "; ".join(tolerated),
                 )
-        first = handshakes[min(handshakes)]
-        planner = TransferPlanner(self._local_layout, first.layout, duty=peer.duty)
+        plan = self._peer_plan(peer, handshakes)
         agent_names: dict[int, str] = {}
         try:
             for remote_rank, handshake in sorted(handshakes.items()):
@@ -299,22 +298,36 @@ class PeerTable:
             for name in agent_names.values():
                 self._release_agent(name)
             raise
-        prepared = self._prepare(planner, agent_names, handshakes)
-        return PeerLink(planner, dict(handshakes), agent_names, prepared)
+        prepared = self._prepare(plan, agent_names, handshakes)
+        plan = plan.without_rows([rank for rank in plan.rows if rank not in prepared])
+        return PeerLink(plan, dict(handshakes), agent_names, prepared)
+
+    def _peer_plan(self, peer: Peer, handshakes: dict[int, WorkerHandshake]) -> PeerPlan:
+        """The pairing with the first rank's layout; prepared rows only where lists can be
+        prepared (this rank's memory is registered)."""
+        first = handshakes[min(handshakes)]
+        if self._lists is None:
+            return peer_plan(self._local_layout, first.layout, duty=peer.duty)
+        remote = {rank: (h.region_addresses, h.memory.device) for rank, h in handshakes.items()}
+        return peer_plan(
+            self._local_layout, first.layout, duty=peer.duty,
+            local_addresses=self._lists.local_addresses, local_device=self._lists.local_device,
+            remote_addresses=remote,
+        )  # fmt: skip
 
     def _prepare(
         self,
-        planner: TransferPlanner,
+        plan: PeerPlan,
         agent_names: dict[int, str],
         handshakes: dict[int, WorkerHandshake],
     ) -> dict[int, PreparedReads]:
+        """Prepare the lists of every rank the plan has rows for; a rank NIXL refused is left
+        out (its requests use byte ranges)."""
         if self._lists is None:
             return {}
         prepared = {}
-        for remote_rank in planner.read_ranks:
-            found = self._lists.prepare(
-                planner.groups, remote_rank, agent_names[remote_rank], handshakes[remote_rank]
-            )
+        for remote_rank, rows in plan.rows.items():
+            found = self._lists.prepare(rows, agent_names[remote_rank], handshakes[remote_rank])
             if found is not None:
                 prepared[remote_rank] = found
         return prepared

@@ -3,7 +3,7 @@
 Local lists (this rank's memory) are shared by every (peer, remote rank) whose rows are the
 same: a rank serving one model prepares one local list per distinct pairing, once. Remote lists
 are one per (peer, remote rank) and go before the peer's agents do. What a peer costs: one
-strided row per plane read from each remote rank, on each side (worker/planner_prepped.py),
+strided row per plane read from each remote rank, on each side (worker/prepared_rows.py),
 e.g. 64 rows for 32 layers of K and V; NIXL keeps strided rows compressed (measured: a list of
 1M entries prepared in 0.05 ms with no RSS growth, against 45 ms and about 55 MB expanded), so
 the pool size costs nothing per peer.
@@ -22,8 +22,7 @@ from connector.errors import ConnectorError
 from connector.memory import Memory
 from connector.protocol import WorkerHandshake
 from worker.nixl_api import NixlAgent
-from worker.planner_pairing import GroupPairing
-from worker.planner_prepped import PreparedRows, prepared_rows
+from worker.prepared_rows import PreparedRows
 
 logger = logging.getLogger(__name__)
 
@@ -59,25 +58,20 @@ class PreparedLists:
     def num_local_lists(self) -> int:
         return len(self._local)
 
+    @property
+    def local_addresses(self) -> tuple[int, ...]:
+        return self._local_addresses
+
+    @property
+    def local_device(self) -> int:
+        return self._local_memory.device
+
     def prepare(
-        self,
-        groups: Sequence[GroupPairing],
-        remote_rank: int,
-        agent_name: str,
-        handshake: WorkerHandshake,
+        self, rows: PreparedRows, agent_name: str, handshake: WorkerHandshake
     ) -> PreparedReads | None:
-        """The lists for reading ``remote_rank`` by index, or None: requests then use byte
-        ranges only (a pairing that is not whole-block addressable, or NIXL refused)."""
-        rows = prepared_rows(
-            groups,
-            remote_rank,
-            local_addresses=self._local_addresses,
-            local_device=self._local_memory.device,
-            remote_addresses=handshake.region_addresses,
-            remote_device=handshake.memory.device,
-        )
-        if rows is None:
-            return None
+        """The lists of ``rows`` (a PeerPlan's, for one remote rank), or None if NIXL refused:
+        that rank's requests then use byte ranges only."""
+        remote_rank = rows.remote_rank
         key = rows.local_rows.tobytes()
         try:
             local = self._local_list(key, rows)

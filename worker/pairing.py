@@ -1,11 +1,11 @@
-"""Handshake-time pairing of a decode rank's layout with a prefill engine's: validate, precompute.
+"""Handshake part of the recipe (worker/plan.py): pair a decode rank's layout with a prefill engine's.
 
 Everything here runs once per (local rank, remote engine). The result, one ``GroupPairing``
 per cache group, holds each side's block sizes and, per remote rank, the ``PlaneClass``es:
 sets of planes that share strides and head slices, so a request's byte ranges are computed
 once per class and broadcast over its planes by adding each plane's (region, offset).
 A layer whose planes are packed per cell on both sides (vLLM >= 0.33) is paired as one fused
-plane first (worker/planner_packed.py).
+plane first (worker/pairing_packed.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from connector.layout import GroupKind, MemoryLayout, PlaneGeometry, RankLayout
-from worker.planner_checks import validate_pair
-from worker.planner_packed import fuse_packed_planes
+from worker.byte_runs import Int64Array
+from worker.pairing_packed import fuse_packed_planes
 from worker.topology import ReadSource, read_sources
-
-Int64Array = npt.NDArray[np.int64]
 
 
 class CopyMode(enum.Enum):
@@ -174,8 +171,8 @@ def _plane_classes(
 
 
 def pair_groups(local: RankLayout, remote: RankLayout) -> tuple[GroupPairing, ...]:
-    """Validate the pairing, then precompute every group's plane classes per remote rank."""
-    validate_pair(local, remote)
+    """Every group's plane classes per remote rank, for a pairing that passed
+    worker/pairing_checks.py ``validate_pair`` (worker/plan.py ``peer_plan`` calls both)."""
 
     def sources(plane: PlaneGeometry) -> list[ReadSource]:
         return read_sources(

@@ -1,4 +1,4 @@
-"""Prepared descriptor lists: one strided row per plane at handshake, block indices per request.
+"""Handshake part of the recipe (worker/plan.py): one strided row per plane, for READs by index.
 
 NIXL can prepare a descriptor list once and build READs from it by index
 (``prep_xfer_dlist`` / ``make_prepped_xfer``), merging indices that are contiguous on both
@@ -14,27 +14,32 @@ kernel block of a plane is one contiguous run on both sides (NHD with all heads,
 SSM state, any opaque format) and both sides cut tokens into kernel blocks of the same size,
 so a full segment is a full block on both sides. Per request, full segments become indices
 (int32, NIXL's index type); partial segments (the prompt's last block, a window start) stay
-byte ranges, exact as ever. Whether a request reads by index at all is worker/planner_choice.py's
-call.
+byte ranges, exact as ever. Splitting a request into whole and partial blocks, and whether
+it reads by index at all, is worker/whole_blocks.py's job.
 
-Pure: ints and numpy arrays; the edge (worker/prepped.py) calls NIXL.
+Pure: ints and numpy arrays; the edge (worker/prepped.py) prepares the lists on NIXL.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from connector.layout import GroupKind
-from worker.planner import Mask, RequestSegments
-from worker.planner_pairing import GroupPairing, Int64Array, PlaneClass
-from worker.planner_ranges import Segments, class_runs, run_breaks
+from worker.byte_runs import Int64Array
+from worker.exact_runs import class_runs
+from worker.segments import Segments
+
+if TYPE_CHECKING:  # annotations only: no import at run time
+    from worker.pairing import GroupPairing, PlaneClass
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
+
+
 MAX_LIST_ENTRIES = 2**31 - 1  # so every index of a prepared list fits in an int32
 
 
@@ -82,16 +87,6 @@ class PreparedRows:
     @property
     def num_rows(self) -> int:
         return len(self.local_rows)
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """One request's READ by index from one remote rank, plus the partial segments' mask."""
-
-    local_indices: IndexArray
-    remote_indices: IndexArray
-    num_bytes: int  # bytes the READ copies
-    partial: tuple[Mask | None, ...]  # per group: segments left to byte ranges
 
 
 def _full_block_run(g: GroupPairing, cls: PlaneClass) -> tuple[int, int, int] | None:
@@ -226,99 +221,3 @@ def prepared_rows(
     return PreparedRows(
         remote_rank, np.concatenate(local_rows), np.concatenate(remote_rows), tuple(prepared)
     )
-
-
-@dataclass(frozen=True)
-class WholeBlocks:
-    """A group's full segments in one request: kernel block ids on each side."""
-
-    group: PreparedGroup
-    local_blocks: Int64Array
-    remote_blocks: Int64Array
-    num_partial: int  # the group's partial segments, left to byte ranges
-
-    @functools.cached_property
-    def breaks(self) -> Mask:
-        """planner_ranges.run_breaks of the blocks: shared by the rule's estimate and the
-        range path (computed on first use)."""
-        return run_breaks(self.local_blocks, self.remote_blocks)
-
-
-@dataclass(frozen=True)
-class RequestSplit:
-    """One request's segments from one remote rank: the full ones per group, the partial ones'
-    masks (per group, None: none partial or the group reads nothing)."""
-
-    whole: tuple[WholeBlocks, ...]
-    partial: tuple[Mask | None, ...]
-    num_partial: int  # partial segments, all groups
-
-    @property
-    def num_indices(self) -> int:
-        return sum(len(w.local_blocks) * w.group.num_rows for w in self.whole)
-
-
-def split_request(rows: PreparedRows, segments: RequestSegments) -> RequestSplit:
-    """A request's segments read from ``rows``' rank: whole blocks per group, partial masks."""
-    whole: list[WholeBlocks] = []
-    partial: list[Mask | None] = [None] * len(segments)
-    num_partial = 0
-    for group in rows.groups:
-        seg = segments[group.index]
-        if seg is None:
-            continue
-        full = _full_mask(seg, group.full_tokens)
-        if full is None:
-            whole.append(WholeBlocks(group, seg.local_blocks, seg.remote_blocks, 0))
-            continue
-        partial[group.index] = ~full
-        num_group_partial = len(full) - int(np.count_nonzero(full))
-        num_partial += num_group_partial
-        whole.append(
-            WholeBlocks(group, seg.local_blocks[full], seg.remote_blocks[full], num_group_partial)
-        )
-    return RequestSplit(tuple(whole), tuple(partial), num_partial)
-
-
-def _full_mask(seg: Segments, full_tokens: int) -> Mask | None:
-    """Which segments are whole kernel blocks (``full_tokens`` each); None: all of them."""
-    if seg.partial_at is not None:  # a hint: the positions of segments short of a kernel block
-        if not seg.partial_at:
-            return None
-        full = np.ones(len(seg.num_tokens), dtype=bool)
-        full[list(seg.partial_at)] = False
-        return full
-    full = seg.num_tokens == full_tokens
-    return None if np.count_nonzero(full) == len(full) else full
-
-
-def indexed_request(split: RequestSplit) -> PreparedRequest:
-    """Indices of every full segment, plane-major then token order (so NIXL merges a run of
-    blocks contiguous on both sides into one descriptor).
-
-    Example: rows with local first [0, 100] (two planes, 100 blocks each) and full segments
-    in local blocks [7, 8, 3]: local indices [7, 8, 3, 107, 108, 103].
-    """
-    local_parts: list[IndexArray] = []
-    remote_parts: list[IndexArray] = []
-    num_bytes = 0
-    for w in split.whole:
-        group = w.group
-        # int32 throughout: block ids and the lists' indices are below 2**31. Blocks first and
-        # a contiguous column: numpy's fast loop (2,048 blocks x 64 rows: 34 us against 48).
-        local_parts.append((w.local_blocks.astype(np.int32) + group.local.first).ravel())
-        remote_parts.append((w.remote_blocks.astype(np.int32) + group.remote.first).ravel())
-        num_bytes += group.block_bytes * len(w.local_blocks)
-    return PreparedRequest(_joined(local_parts), _joined(remote_parts), num_bytes, split.partial)
-
-
-def prepared_request(rows: PreparedRows, segments: RequestSegments) -> PreparedRequest:
-    """The READ by index of every full segment (see indexed_request), and the partial segments'
-    masks, which stay byte ranges."""
-    return indexed_request(split_request(rows, segments))
-
-
-def _joined(parts: list[IndexArray]) -> IndexArray:
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
