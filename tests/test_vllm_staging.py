@@ -22,6 +22,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
     pytest.skip("vllm is not installed (scripts/install_vllm.sh)", allow_module_level=True)
 
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -262,6 +263,40 @@ def test_set_host_xfer_buffer_ops_is_used_for_every_copy(make_pair: Any) -> None
     assert _prompt_bytes(decode, loaded, num_tokens - 1) == _prompt_bytes(
         prefill, prefill_blocks, num_tokens - 1
     )
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["control-a-right-copy", "one-bit-flipped"])
+def test_verify_kv_fails_a_load_whose_copy_to_the_device_differs_from_what_was_read(
+    make_pair: Any, broken: bool
+) -> None:
+    """verify_kv proves the host bytes the READs brought; the copy to the device after them
+    is compared with those bytes, and a load whose device blocks differ fails ("digest")."""
+    prefill, decode = make_pair({**STAGED, "verify_kv": True})
+
+    def copy_op(src: Any, dst: Any, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
+        for name, tensor in src.items():
+            dst[name][dst_ids] = tensor[src_ids].to(dst[name].device)
+        if broken and direction == "h2d":
+            first_layer = dst[sorted(dst)[0]]
+            first_layer[(dst_ids[-1],) + (0,) * (first_layer.dim() - 1)] += 1.0  # one value
+
+    for worker in decode.workers:
+        worker.set_host_xfer_buffer_ops(copy_op)
+    request_id, num_tokens = f"req-copy-{broken}", 3 * BLOCK_SIZE
+    params = h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
+    decode.add(
+        h.make_request(
+            request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3
+        )
+    )
+
+    def ended(engine: h.Engine) -> bool:
+        prefill.step()  # its ranks report the lease's digests through its steps
+        return engine.finished(request_id) is not None
+
+    decode.run_until(ended, timeout_s=20.0)
+    output = decode.finished(request_id)
+    assert output.finish_reason == (FinishReason.ERROR if broken else FinishReason.LENGTH)
 
 
 class _OnCuda(torch.Tensor):

@@ -163,6 +163,29 @@ class HostBuffer:
         """Copy these logical blocks host->device; returns the kernel blocks copied."""
         return self._copy(entries, "h2d")
 
+    def copies_differ(self, entries: Sequence[BlockIds]) -> list[int]:
+        """Indexes of ``entries`` whose device blocks are not, byte for byte, their host
+        blocks (verify_kv, after a copy: a copy op that went wrong leaves the bytes the
+        READs brought, and prefill's digests proved, behind in host memory only)."""
+        differ = []
+        for index, entry in enumerate(entries):
+            kernel_ids = self._kernel_ids([entry])
+            for names, ids in zip(self._groups, kernel_ids, strict=True):
+                if len(ids) and not all(self._same(name, ids) for name in names):
+                    differ.append(index)
+                    break
+        return differ
+
+    def _same(self, name: str, ids: KernelIds) -> bool:
+        host, device = self.host[name], self.device[name]
+        index = torch.as_tensor(ids, dtype=torch.long)
+        with gpu_sync_allowed():
+            on_device = device.index_select(0, index.to(device.device)).cpu()
+        # Bytes, not values: NaN is not equal to itself, and -0.0 equals 0.0.
+        return torch.equal(
+            on_device.view(torch.uint8), host.index_select(0, index).view(torch.uint8)
+        )
+
     def _copy(self, entries: Sequence[BlockIds], direction: Direction) -> int:
         if not entries:
             return 0

@@ -33,10 +33,27 @@ from connector.vllm.messages import (
 from connector.vllm.staging import CopyBlocksOp, HostBuffer
 from scheduler.requests import FinishedRequests
 from worker.connector import WorkerConnector
+from worker.lease_proof import DIGEST_FAILED
 from worker.nixl_api import NixlAgent
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+STAGED_COPY_DIFFERS = (
+    f"{DIGEST_FAILED}: the host-to-device copy of the staged blocks differs from the host "
+    "bytes the READs brought (which matched prefill's digests); the device blocks cannot be "
+    "trusted, so nothing of them is used"
+)
+
+
+def _failed_after_all(report: WorkerReport, failures: dict[str, str]) -> WorkerReport:
+    """``report`` with ``failures`` moved from finished_recving to failed_recving."""
+    return msgspec.structs.replace(
+        report,
+        finished_recving=tuple(rid for rid in report.finished_recving if rid not in failures),
+        failed_recving={**report.failed_recving, **failures},
+    )
 
 
 class WorkerSide:
@@ -132,14 +149,16 @@ class WorkerSide:
         if metadata is not None:
             self.start_load_kv(metadata)
         report = self._require().get_finished()
-        self._reports.append(report)
         echo, self._echo = self._echo, FinishedRequests()
         # Loads this rank ran are reported to vLLM now, by every rank (vLLM's aggregator waits
         # for all of them, as for its own connector); the scheduler never echoes those.
         ended = self._awaited.intersection((*report.finished_recving, *report.failed_recving))
         self._awaited -= ended
         failed = set(echo.failed_recving) | ended.intersection(report.failed_recving)
-        self._copy_loaded_to_device(ended - failed)
+        if miscopied := self._copy_loaded_to_device(ended - failed):
+            report = _failed_after_all(report, miscopied)
+            failed |= miscopied.keys()
+        self._reports.append(report)
         return KVConnectorTransferResults(
             finished_sending=set(echo.finished_sending),
             # vLLM 0.33 wants failed loads in finished_recving too: that ends their wait.
@@ -147,17 +166,25 @@ class WorkerSide:
             failed_recving=failed,
         )
 
-    def _copy_loaded_to_device(self, loaded: set[str]) -> None:
+    def _copy_loaded_to_device(self, loaded: set[str]) -> dict[str, str]:
         """Staging: the host buffer holds what the READs brought; the device needs it before
-        vLLM hears the load finished. One batched copy for every load ended this step."""
+        vLLM hears the load finished. One batched copy for every load ended this step. With
+        verify_kv, the device copy is compared with the host bytes (which the lease check
+        proved equal to prefill's): the loads whose copy differs, with the reason."""
         if self._host is None:
-            return
-        blocks = [self._staged_loads[rid] for rid in sorted(loaded) if rid in self._staged_loads]
+            return {}
+        request_ids = [rid for rid in sorted(loaded) if rid in self._staged_loads]
+        blocks = [self._staged_loads[rid] for rid in request_ids]
         # Loads no longer awaited (finished or failed) leave; failed ones copy nothing.
         self._staged_loads = {
             rid: ids for rid, ids in self._staged_loads.items() if rid in self._awaited
         }
         self._host.to_device(blocks)
+        if not self._config.verify_kv:
+            return {}
+        return {
+            request_ids[index]: STAGED_COPY_DIFFERS for index in self._host.copies_differ(blocks)
+        }
 
     def stats(self) -> NixlPDStats | None:
         """Counters of the reports not yet handed to the scheduler (this step's), and what
