@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from connector.errors import TransferPlanError
+from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
@@ -447,8 +447,10 @@ class Consumer:
 
 
 def _source_of(load: RequestLoad) -> RemoteSource:
+    """The load's source: read params, as every state past MATCHED has (the table's order)."""
     source = load.source
-    assert source is not None, "a record past MATCHED has read params"  # the table's order
+    if source is None:
+        raise IllegalTransition(f"a request load in state {load.state.name} has no read params")
     return source
 
 
