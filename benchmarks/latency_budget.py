@@ -128,12 +128,16 @@ def _measure(
     num_requests: Sequence[int],
     out: Path,
     deadline_s: float,
+    pause_idle: bool = False,
 ) -> None:
     """Warm up, then route the requests, appending each one's stamps to ``out`` as it ends;
-    stops early (what was measured stays) once ``deadline_s`` (time.time()) has passed."""
+    stops early (what was measured stays) once ``deadline_s`` (time.time()) has passed.
+    With ``pause_idle``, only the pair serving runs: the others are stopped (SIGSTOP) while
+    it serves one request of each size, and the pairs take turns."""
     rng = random.Random(0)
     seq = 0
     for side, pair in pairs.items():  # warm-up: handshakes, first kernels at each size
+        _serve_only(pairs, side if pause_idle else None)
         for num_tokens in sizes:
             _route(pair, [rng.choice(VOCAB_IDS) for _ in range(num_tokens)], 99000 + seq, side)
             seq += 1
@@ -141,10 +145,11 @@ def _measure(
     with out.open("a") as sink:
         for index in range(max(num_requests)):  # sizes round-robin: a cut run keeps them all
             order = list(pairs) if index % 2 == 0 else list(reversed(pairs))
-            for num_tokens in (
-                n for n, count in zip(sizes, num_requests, strict=True) if index < count
-            ):
-                for side in order:
+            for side in order:
+                _serve_only(pairs, side if pause_idle else None)
+                for num_tokens in (
+                    n for n, count in zip(sizes, num_requests, strict=True) if index < count
+                ):
                     if time.time() > deadline_s:
                         print(f"deadline: stopped at request {index} of each size")
                         return
@@ -155,12 +160,27 @@ def _measure(
                     seq += 1
 
 
+SETTLE_S = 0.5  # a pair's last request frees its blocks (notification, prefill's next step)
+
+
+def _serve_only(pairs: dict[str, tuple[Engine, Engine]], side: str | None) -> None:
+    """Let only ``side``'s pair run (None: every pair); a pair is stopped only after its last
+    request settled, and resumed before it serves."""
+    for other, pair in pairs.items():
+        paused = side is not None and other != side
+        if paused:
+            time.sleep(SETTLE_S / len(pairs))
+        for engine in pair:
+            engine.pause() if paused else engine.resume()
+
+
 def run(
     sizes: Sequence[int],
     num_requests: Sequence[int],
     sides: Sequence[str],
     budget_s: float,
     baseline: Path | None = None,
+    pause_idle: bool = False,
 ) -> Path:
     """Start the pairs, measure for at most ``budget_s`` after warm-up, stop every engine;
     returns the directory holding the router's stamps and the engines' probe files. With
@@ -177,15 +197,18 @@ def run(
                     _engine(model_dir, logs, side, "consumer", source))
              for side, source in sources.items()}  # fmt: skip
     engines = [engine for pair in pairs.values() for engine in pair]
-    meta: dict[str, Any] = {"sides": list(sides), "load_before": os.getloadavg()}
+    meta: dict[str, Any] = {"sides": list(sides), "load_before": os.getloadavg(),
+                            "pause_idle": pause_idle}  # fmt: skip
     try:
         for engine in engines:
             engine.start()
         for engine in engines:
             engine.wait_ready()
         meta["load_before"], meta["started"] = os.getloadavg(), time.time()
-        _measure(pairs, sizes, num_requests, logs / "router.jsonl", time.time() + budget_s)
+        deadline_s = time.time() + budget_s
+        _measure(pairs, sizes, num_requests, logs / "router.jsonl", deadline_s, pause_idle)
     finally:
+        _serve_only(pairs, None)  # a stopped engine would not hear SIGTERM
         meta["load_after"], meta["ended"] = os.getloadavg(), time.time()
         (logs / "run.json").write_text(json.dumps(meta))
         for engine in engines:
@@ -233,6 +256,12 @@ def main() -> None:
         default=360.0,
         help="stop sending requests this long after warm-up",
     )
+    parser.add_argument(
+        "--pause-idle",
+        action="store_true",
+        help="stop (SIGSTOP) the pairs not serving: each pair's requests run with the "
+        "others off the cores (vLLM's idle prefill worker spins)",
+    )
     parser.add_argument("--report", type=Path, help="only print the table of a run's log dir")
     parser.add_argument(
         "--baseline",
@@ -251,7 +280,9 @@ def main() -> None:
         counts *= len(sizes)
     if len(counts) != len(sizes):
         parser.error(f"--requests: {len(counts)} counts for {len(sizes)} sizes")
-    logs = run(sizes, counts, args.connectors.split(","), args.budget_s, args.baseline)
+    logs = run(
+        sizes, counts, args.connectors.split(","), args.budget_s, args.baseline, args.pause_idle
+    )
     print(f"(engine logs, probe files and the router's stamps in {logs})")
     print("\n".join(report(logs)))
 
