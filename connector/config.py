@@ -44,6 +44,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handshake_timeout_s: float = 10.0  # "handshake_timeout"
     handshake_retries: int = 3  # "handshake_retries"
     heartbeat_interval_s: float = 5.0  # "heartbeat_interval"
+    # "lease_precheck_skip": a load skips the lease check before its READs when that prefill
+    # boot's side channel answered one within this many seconds (worker/lease_proof.py); the
+    # check after the READs still decides. 0: check before every load's READs.
+    lease_precheck_skip_s: float = 10.0
     side_channel_secret: str | None = None  # "side_channel_secret"
     max_message_bytes: int = 16 * 2**20  # "max_message_bytes"
     # "kv_buffer_device": "cpu" stages KV through a host buffer (the NIC reads host memory
@@ -123,6 +127,11 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         "an integer in 0..100",
     ),
     "heartbeat_interval": ("heartbeat_interval_s", PositiveSeconds, "a number of seconds > 0"),
+    "lease_precheck_skip": (
+        "lease_precheck_skip_s",
+        Annotated[float, msgspec.Meta(ge=0.0)],
+        "a number of seconds >= 0 (0: check every lease before its READs)",
+    ),
     "side_channel_secret": (
         "side_channel_secret",
         Annotated[str, msgspec.Meta(min_length=16)] | None,

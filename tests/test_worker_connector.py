@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 
 from connector.config import ConnectorConfig
@@ -132,6 +133,8 @@ class RecordingAgent:
 
     def post(self, transfer: Read) -> TransferState:
         self._call()
+        if transfer.remote_agent in self.dead:  # as real NIXL: "remote agent disconnected"
+            raise TransferFailed(f"posting a READ from agent {transfer.remote_agent!r} failed")
         return transfer.state
 
     def check(self, transfer: Read) -> TransferState:
@@ -479,11 +482,37 @@ def test_peer_restart_under_same_engine_id_rehandshakes(rig: Rig) -> None:
     assert rig.finished == ["b"] and rig.channels.calls == [(PREFILL_PORT, 0)] * 2
 
 
-def test_a_failed_notification_to_a_restarted_peer_rehandshakes(rig: Rig) -> None:
-    """Prefill restarted under the same engine id and port (issue 25): a load naming the old
-    boot fails at its lease check before any READ, and its free notification cannot reach the
-    old agent; like a failed READ, that retires the peer, so the next load (the new boot's
-    params) handshakes anew instead of reading from the dead agent."""
+def test_a_failed_notification_to_a_restarted_peer_rehandshakes() -> None:
+    """Prefill restarted under the same engine id and port (issue 25), and decode checks every
+    lease before its READs (lease_precheck_skip 0): a load naming the old boot fails at its
+    lease check before any READ, and its free notification cannot reach the old agent; like a
+    failed READ, that retires the peer, so the next load (the new boot's params) handshakes
+    anew instead of reading from the dead agent."""
+    rig = Rig(config=msgspec.structs.replace(CONFIG, lease_precheck_skip_s=0.0))
+    try:
+        _restart_prefill_after_load_a(rig)
+        rig.step(loads=(load("b", source("pb")),))
+        rig.until(lambda: rig.reported("b"))
+        assert rig.failed["b"].startswith("lease expired") and len(rig.agent.reads) == 1
+        _load_c_reads_from_the_new_boot(rig, read_index=1)
+    finally:
+        rig.close()
+
+
+def test_a_read_from_a_restarted_peer_fails_and_rehandshakes(rig: Rig) -> None:
+    """The same restart with the default lease_precheck_skip: prefill's side channel answered
+    a check moments ago, so load b posts its READs at once; the old boot's agent is gone and
+    the READ fails (as real NIXL fails it: the remote agent disconnected), which retires the
+    peer, so load c handshakes anew and reads from the new boot."""
+    _restart_prefill_after_load_a(rig)
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: rig.reported("b"))
+    assert re.match(r"READ from prefill engine p rank 0 failed: posting a READ", rig.failed["b"])
+    assert len(rig.agent.reads) == 2 and rig.agent.reads[1].remote_agent == "p-r0"
+    _load_c_reads_from_the_new_boot(rig, read_index=2)
+
+
+def _restart_prefill_after_load_a(rig: Rig) -> None:
     rig.channels.serve("p", 1)
     rig.step(loads=(load("a", source("pa")),))
     rig.until(lambda: bool(rig.agent.reads))
@@ -492,15 +521,88 @@ def test_a_failed_notification_to_a_restarted_peer_rehandshakes(rig: Rig) -> Non
     rig.agent.dead.add("p-r0")  # the old boot died; the new one serves the same address
     rig.channels.serve("p", 1, agent_name="p-r0-restarted")
     rig.leases.answers["pb"] = PeerRestarted("side channel 127.0.0.1:7001 is boot b2")
-    rig.step(loads=(load("b", source("pb")),))
-    rig.until(lambda: rig.reported("b"))
-    assert rig.failed["b"].startswith("lease expired") and len(rig.agent.reads) == 1
+
+
+def _load_c_reads_from_the_new_boot(rig: Rig, read_index: int) -> None:
     rig.step(loads=(load("c", source("pc", boot_id="b2")),))
-    rig.until(lambda: len(rig.agent.reads) == 2)
-    assert rig.agent.reads[1].remote_agent == "p-r0-restarted"
+    rig.until(lambda: len(rig.agent.reads) == read_index + 1)
+    assert rig.agent.reads[read_index].remote_agent == "p-r0-restarted"
     rig.finish_reads()
     rig.until(lambda: rig.reported("c"))
     assert rig.finished == ["a", "c"] and rig.channels.calls == [(PREFILL_PORT, 0)] * 2
+
+
+def _load_a_proven(rig: Rig) -> None:
+    """Load a, checked before and after its READs: prefill's side channel was just heard."""
+    rig.channels.serve("p", 1)
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("a"))
+    assert [checked[0] for checked in rig.leases.checked] == ["pa", "pa"]
+
+
+def test_a_load_to_a_side_channel_heard_recently_posts_its_reads_before_any_check(
+    rig: Rig,
+) -> None:
+    _load_a_proven(rig)
+    rig.leases.gate.clear()  # a check now would stall: b must not need one to post
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    assert [checked[0] for checked in rig.leases.checked] == ["pa", "pa"]
+    rig.finish_reads()
+    rig.leases.gate.set()
+    rig.until(lambda: rig.reported("b"))
+    assert rig.finished == ["a", "b"]
+    assert [checked[0] for checked in rig.leases.checked] == ["pa", "pa", "pb"]  # b's proof
+
+
+def test_a_load_that_skipped_the_first_check_still_fails_when_the_lease_is_gone(
+    rig: Rig,
+) -> None:
+    """Skipping the check before the READs changes when a dead lease is noticed, not what is
+    reported: the check after them fails the load, and its READs were posted for nothing."""
+    _load_a_proven(rig)
+    rig.leases.answers["pb"] = False
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("b"))
+    assert rig.finished == ["a"]
+    assert re.match(r"lease expired: .* no longer held when this rank's READs", rig.failed["b"])
+
+
+def test_a_side_channel_not_heard_within_the_window_is_checked_before_the_reads(
+    rig: Rig,
+) -> None:
+    _load_a_proven(rig)
+    rig.clock.now_s += CONFIG.lease_precheck_skip_s + 0.1
+    rig.leases.answers["pb"] = False
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: rig.reported("b"))
+    assert len(rig.agent.reads) == 1  # refused before any READ
+    assert re.match(r"lease expired: .* no longer held before any READ", rig.failed["b"])
+
+
+def test_a_side_channel_that_did_not_answer_is_not_heard(rig: Rig) -> None:
+    """Only an answer counts: after a check that failed (silent side channel), the next load
+    to that prefill is checked before its READs."""
+    rig.channels.serve("p", 1)
+    rig.leases.answers["pa"] = HandshakeError("side channel 127.0.0.1:7001 did not answer")
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: rig.reported("a"))
+    rig.leases.answers["pb"] = False
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: rig.reported("b"))
+    assert rig.agent.reads == [] and "before any READ" in rig.failed["b"]
+
+
+def test_another_boot_of_a_side_channel_heard_recently_is_checked_first(rig: Rig) -> None:
+    _load_a_proven(rig)
+    rig.leases.answers["pb"] = PeerRestarted("side channel 127.0.0.1:7001 is boot b1")
+    rig.step(loads=(load("b", source("pb", boot_id="b0")),))  # params of an older boot
+    rig.until(lambda: rig.reported("b"))
+    assert len(rig.agent.reads) == 1 and "restarted since it leased" in rig.failed["b"]
 
 
 def test_peer_restart_with_new_engine_id_replaces_the_old_peer(rig: Rig) -> None:

@@ -136,6 +136,7 @@ class WorkerConnector:
             one_by_one(lease_check) if lease_check else side_channel_batch_check(config, silence),
             check_digests=check_digests if config.verify_kv else None,
             on_answer=self._wake_transfer,
+            clock=clock,
         )
         self._digest_views: list[Any] = []  # verify_kv: byte views of this rank's regions
         self._digests: dict[str, tuple[GroupDigests, ...]] = {}  # computed, not yet reported
@@ -192,6 +193,7 @@ class WorkerConnector:
             handshake_wait_s=handshake_wait_s(self._config),
             on_peer_failure=self._peers.retire,
             proofs=self._proofs,
+            precheck_skip_s=self._config.lease_precheck_skip_s,
             claims=self._claims if self._config.verify_kv else None,
         )
         self._agent_metadata = self._agent.get_agent_metadata()

@@ -1,8 +1,13 @@
 """Prove a load's lease: after its READs landed, ask prefill whether that very lease still holds.
 
-A first check runs when the load arrives, alongside the handshake: a lease already gone fails
-the load before any READ is posted (no bandwidth spent on bytes that cannot be used). The
-second, after the READs, is the proof.
+A first check runs when the load arrives, alongside the handshake, unless prefill's side
+channel (that boot) answered a lease check in the last ``lease_precheck_skip`` seconds: a
+lease already gone then fails the load before any READ is posted (no bandwidth spent on bytes
+that cannot be used, no READ against a dead or restarted prefill's agent). A load to a side
+channel heard from recently posts its READs at once, which saves a round trip on the path to
+the first token. The second check, after the READs, is the proof, and it alone makes a load
+successful: skipping the first check changes when a dead lease is noticed, never what is
+reported.
 
 Block ids are addresses, not capabilities: a READ returns whatever the blocks hold when it
 runs. A load is therefore reported successful only when prefill says, after the last READ of
@@ -28,6 +33,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +47,8 @@ logger = logging.getLogger(__name__)
 # One side channel, the boot it is asked about, and whether the checks come after the READs
 # (asked again while silent) or before (not): the checks one LeaseCheck carries.
 Destination = tuple[str, int, str, str, bool]  # (host, port, engine id, boot id, patient)
+SideChannelBoot = tuple[str, int, str]  # (host, port, boot id): who answered a check
+MAX_HEARD = 4096  # side channels remembered as recently heard; the oldest is forgotten
 
 DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
 DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without verify_kv)
@@ -122,20 +130,26 @@ class LeaseProofs:
         max_threads: int = 4,
         digest_wait_s: float = DIGEST_WAIT_S,
         on_answer: Callable[[], None] | None = None,  # called (check thread) after each answer
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._check = check
+        self._clock = clock
         self._on_answer = on_answer
         self._check_digests = check_digests
         self._digest_wait_s = digest_wait_s
         self._closing = threading.Event()  # ends digest retries at shutdown
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
-        self._answers: queue.SimpleQueue[tuple[int, str | None]] = queue.SimpleQueue()
-        # The transfer thread only: checks not yet dispatched, answers arrived, and tickets
-        # whose load no longer waits.
+        # (ticket, failure reason, the side channel that answered or None if none did)
+        self._answers: queue.SimpleQueue[tuple[int, str | None, SideChannelBoot | None]] = (
+            queue.SimpleQueue()
+        )
+        # The transfer thread only: checks not yet dispatched, answers arrived, tickets whose
+        # load no longer waits, and when each side channel last answered.
         self._batches: dict[Destination, list[tuple[int, RemoteSource, str]]] = {}
         self._arrived: dict[int, str | None] = {}
         self._abandoned: set[int] = set()
+        self._heard_s: dict[SideChannelBoot, float] = {}
         self.num_batches = 0  # LeaseCheck batches dispatched (tests, benchmarks)
 
     def submit(
@@ -164,6 +178,13 @@ class LeaseProofs:
                 self.num_batches += 1
                 self._pool.submit(self._run_batch, wanted, destination[-1])
 
+    def heard_within(self, remote: RemoteSource, window_s: float) -> bool:
+        """Whether the side channel ``remote`` names, as the boot it names, answered a lease
+        check in the last ``window_s`` seconds (held or not: it is alive and that boot)."""
+        self._collect()
+        heard_s = self._heard_s.get((remote.host, remote.port, remote.boot_id))
+        return heard_s is not None and self._clock() - heard_s <= window_s
+
     def take(self, ticket: int) -> tuple[bool, str | None]:
         """(answered?, failure reason or None if the lease held) for ``ticket``."""
         self._collect()
@@ -186,11 +207,19 @@ class LeaseProofs:
 
     def _collect(self) -> None:
         while not self._answers.empty():  # one consumer (the transfer thread): empty() is exact
-            ticket, reason = self._answers.get_nowait()
+            ticket, reason, heard = self._answers.get_nowait()
+            if heard is not None:
+                self._heard(heard)
             if ticket in self._abandoned:
                 self._abandoned.discard(ticket)
             else:
                 self._arrived[ticket] = reason
+
+    def _heard(self, side_channel: SideChannelBoot) -> None:
+        self._heard_s.pop(side_channel, None)  # re-inserted last: the dict stays oldest-first
+        self._heard_s[side_channel] = self._clock()
+        if len(self._heard_s) > MAX_HEARD:
+            del self._heard_s[next(iter(self._heard_s))]
 
     def _run_batch(self, batch: list[tuple[int, RemoteSource, str]], patient: bool) -> None:
         answers: list[bool | ConnectorError]
@@ -204,7 +233,8 @@ class LeaseProofs:
             logger.exception("a lease check of %d lease(s) crashed", len(batch))
             answers = [ConnectorError(f"lease check crashed: {error!r}")] * len(batch)
         for (ticket, remote, when), held in zip(batch, answers, strict=True):
-            self._answers.put((ticket, lease_failure(remote, held, when)))
+            heard = _answered_by(remote, held)
+            self._answers.put((ticket, lease_failure(remote, held, when), heard))
         self._answered()
 
     def _run_digests(
@@ -222,7 +252,7 @@ class LeaseProofs:
         reason = lease_failure(remote, held, when)
         if reason is None and verdict != DIGEST_OK:
             reason = digest_failure(remote, verdict)
-        self._answers.put((ticket, reason))
+        self._answers.put((ticket, reason, _answered_by(remote, held)))
         self._answered()
 
     def _answered(self) -> None:
@@ -243,3 +273,12 @@ class LeaseProofs:
             if self._closing.wait(DIGEST_RETRY_S):
                 return held, "shutting down before prefill reported its digests"
             waited_s += DIGEST_RETRY_S
+
+
+def _answered_by(remote: RemoteSource, held: bool | ConnectorError) -> SideChannelBoot | None:
+    """The side channel (as the boot ``remote`` names) when this answer came from it: held,
+    not held, or held for other tokens; None when it did not answer (silent, restarted,
+    refused)."""
+    if isinstance(held, bool | TokensMismatch):
+        return (remote.host, remote.port, remote.boot_id)
+    return None

@@ -61,6 +61,7 @@ class LoadTable:
         handshake_wait_s: float,  # a load waits at most this long for its peer's handshake
         on_peer_failure: Callable[[Peer], None],
         proofs: LeaseProofs,
+        precheck_skip_s: float = 0.0,  # see lease_precheck_skip (connector/config.py)
         claims: Callable[[LoadSpec], tuple[DigestClaim, ...]] | None = None,  # verify_kv
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         on_move: OnMove | None = None,  # tests watch every load's moves
@@ -75,6 +76,7 @@ class LoadTable:
         self._handshake_wait_s = handshake_wait_s
         self._on_peer_failure = on_peer_failure
         self._proofs = proofs
+        self._precheck_skip_s = precheck_skip_s
         self._claims = claims
         self._loads: dict[str, Load] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # ended ids, to spot late aborts
@@ -94,7 +96,11 @@ class LoadTable:
         self._recent.pop(spec.request_id, None)
         load = self._new_load(spec.request_id, spec.source, peer, spec)
         self._loads[spec.request_id] = load
-        if unprovable_reason(spec.source) is None:  # else it fails before posting anything
+        if unprovable_reason(spec.source) is not None:
+            return  # it fails before posting anything
+        if self._precheck_skip_s and self._proofs.heard_within(spec.source, self._precheck_skip_s):
+            load.prechecked = True  # READs go out at once; the check after them decides
+        else:
             load.proof_ticket = self._proofs.submit(spec.source, BEFORE_READS)
 
     def abort(self, request_id: str, remote: RemoteSource, peer: Peer) -> None:
