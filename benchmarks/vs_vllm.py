@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--e2e-rounds", type=int, default=5, help="streamed requests per cell")
     parser.add_argument("--threads", type=int, default=None,
                         help="wire: the decode agent's UCX backend threads (default: ours, 4)")  # fmt: skip
+    parser.add_argument("--check-every-ms", type=float, default=0.0,
+                        help="wire: decode checks a READ this often (0: busily, one core)")  # fmt: skip
     args = parser.parse_args()
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - set(PARTS))
@@ -68,7 +70,8 @@ def main() -> None:
         threads = args.threads or DEFAULT_NIXL_THREADS
         print(f"\nreal NIXL READs over UCX on loopback ({args.runs} interleaved runs, "
               f"{threads} backend threads)")  # fmt: skip
-        print("\n".join(wire_rows(args.runs, num_threads=threads)))
+        step_s = args.check_every_ms / 1e3
+        print("\n".join(wire_rows(args.runs, num_threads=threads, step_s=step_s)))
     if "e2e" in parts:
         from benchmarks.vs_vllm_e2e import e2e_rows
 

@@ -16,8 +16,9 @@ the same 32 KiB per layer plane and block). For each request:
   plane and block (32 KiB), as many as a fragmented request has: what the descriptor count
   alone costs, without the scattered addresses.
 The decode agent has ``num_threads`` UCX backend threads (4: our default and vLLM's). Decode
-checks busily; GB/s = bytes / (post -> DONE). The strategies are interleaved, ``repeats``
-READs each per run; every strategy's landed bytes are checked once per case.
+checks busily (``--check-every-ms``: every so often, leaving the core to the backend
+threads); GB/s = bytes / (post -> DONE). The strategies are interleaved, ``repeats`` READs
+each per run; every strategy's landed bytes are checked once per case.
 """
 
 from __future__ import annotations
@@ -103,17 +104,25 @@ def _strategies(
     return runs, checked, num_bytes
 
 
-def wire_rows(runs: int, repeats: int = 3, num_threads: int = DEFAULT_NIXL_THREADS) -> list[str]:
+def wire_rows(
+    runs: int, repeats: int = 3, num_threads: int = DEFAULT_NIXL_THREADS, step_s: float = 0.0
+) -> list[str]:
+    """The table; decode checks each READ every ``step_s`` (0: busily)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     gbps: dict[Case, dict[str, list[float]]] = {}
     for (num_layers, pool_blocks), cases in SHAPES.items():
         layout = _layout(num_layers=num_layers, pool_blocks=pool_blocks)
-        gbps.update(_shape_gbps(layout, cases, runs, repeats, num_threads))
+        gbps.update(_shape_gbps(layout, cases, runs, repeats, num_threads, step_s))
     return _table(gbps)
 
 
 def _shape_gbps(
-    layout: RankLayout, cases: tuple[Case, ...], runs: int, repeats: int, num_threads: int
+    layout: RankLayout,
+    cases: tuple[Case, ...],
+    runs: int,
+    repeats: int,
+    num_threads: int,
+    step_s: float,
 ) -> dict[Case, dict[str, list[float]]]:
     """GB/s per case and strategy, one entry per run, over one child holding ``layout``."""
     gbps: dict[Case, dict[str, list[float]]] = {}
@@ -138,7 +147,7 @@ def _shape_gbps(
                     samples: dict[str, list[float]] = {name: [] for name in STRATEGIES}
                     for _ in range(repeats):  # interleaved: load changes hit all alike
                         for name, run in strategies.items():
-                            samples[name].append(run(0.0).done_s)
+                            samples[name].append(run(step_s).done_s)
                     for name, done in samples.items():
                         gbps[case][name].append(num_bytes / statistics.median(done) / 1e9)
         finally:
