@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -547,3 +549,81 @@ def test_a_client_stopped_past_its_timeout_still_reads_the_reply_that_came_meanw
         server.stop()
     assert child.returncode == 0, err
     assert out.strip() == "known 1"
+
+
+# --- connections kept per thread -------------------------------------------------------------
+
+
+def established_to(port: int) -> int:
+    """This host's ESTABLISHED TCP connections whose far end is 127.0.0.1:``port`` (the
+    client's sockets allow IPv6, so they may be v4-mapped IPv6 ones)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            remote, state = line.split()[2:4]
+            if state == "01" and remote.endswith(f"0100007F:{port:04X}"):
+                count += 1
+    return count
+
+
+def test_a_thread_keeps_one_connection_per_side_channel(open_server: SideChannelServer) -> None:
+    for _ in range(5):
+        assert_still_serving(open_server)
+    assert established_to(open_server.port) == 1
+    seen_by_other: list[int] = []
+
+    def other_thread() -> None:
+        assert_still_serving(open_server)
+        seen_by_other.append(established_to(open_server.port))
+
+    other = threading.Thread(target=other_thread)
+    other.start()
+    other.join(timeout=10.0)
+    assert seen_by_other == [2]  # each thread its own connection; the first one's is kept
+    assert_still_serving(open_server)
+    gc.collect()  # a thread's sockets close when it ends
+    assert established_to(open_server.port) == 1
+
+
+class SlowLeases(Leases):
+    """Heartbeats wait for ``release``: the server answers them late."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+        self.release = threading.Event()
+
+    def on_heartbeat(self, ids: tuple[str, ...]) -> int:
+        self.waiting.set()
+        self.release.wait(5.0)
+        return len(ids)
+
+
+def test_after_a_timeout_the_next_exchange_gets_its_own_answer() -> None:
+    """The socket that timed out is closed: the reply that comes late for it can never be
+    read as the answer to the next request, which goes on a fresh connection."""
+    slow = SlowLeases()
+    server = start_server(slow, secret=None)
+    try:
+        with pytest.raises(HandshakeError, match="did not answer within 0.3 s"):
+            send_heartbeat(HOST, server.port, ["r1"], engine_id=ENGINE_ID, secret=None,
+                           timeout_s=0.3, boot_id=server.boot_id)  # fmt: skip
+        assert slow.waiting.is_set()
+        slow.release.set()  # the late Ack goes to the closed socket
+        assert fetch_boot_id(HOST, server.port, engine_id=ENGINE_ID, **OPEN) == server.boot_id
+        assert established_to(server.port) == 1  # the timed-out connection is gone
+    finally:
+        server.stop()
+
+
+def test_a_kept_connection_reaches_a_side_channel_restarted_on_its_port(leases: Leases) -> None:
+    first = start_server(leases, secret=None)
+    port, first_boot = first.port, first.boot_id
+    assert fetch_boot_id(HOST, port, engine_id=ENGINE_ID, **OPEN) == first_boot
+    first.stop()
+    second = restart_on_port(lambda p: start_server(leases, secret=None, port=p), port)
+    try:
+        boot_id = fetch_boot_id(HOST, port, engine_id=ENGINE_ID, **OPEN)
+        assert boot_id == second.boot_id != first_boot
+    finally:
+        second.stop()
