@@ -4,7 +4,8 @@ It validates kv_transfer_params, then hands prefill requests to Producer (leases
 and decode requests to Consumer (loads, releases, heartbeats), builds each step's metadata and
 collects the ranks' reports. Requests are plain RequestInfo records, not engine objects; a
 decode request's one record, its parsed params included, is Consumer's.
-Every method runs on the engine thread; the side-channel thread touches only the lease table.
+Every method runs on the engine thread; the side-channel thread touches only the lease table,
+and the heartbeat thread only the heartbeat registry (scheduler/heartbeat_registry.py).
 
 ``bind_params_at_allocation`` (vLLM): the engine may ask get_num_new_matched_tokens many times
 before it allocates, and nothing binds until then. The first ask only claims the tokens of a

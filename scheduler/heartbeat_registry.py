@@ -2,8 +2,14 @@
 
 The engine thread only writes here: one dict set when a request enters the heartbeating
 states (CLAIMED, MATCHED, ALLOCATED, LOADING, DRAINING), one pop when it leaves them by any
-way (scheduler/lifecycles.py's Book calls ``drop``), and a clock stamp per engine step. The
-heartbeat sender's own thread (scheduler/heartbeats.py) calls ``take_due`` on every poll and
+way (scheduler/lifecycles.py's Book calls ``drop``), and a clock stamp per engine step.
+
+No lock: each of those is one dict operation or one attribute store, atomic in CPython
+(under the GIL, and under the dict's own lock in free-threaded builds), and the sender thread
+reads a copy of the dict, taken the same way. A lock around them cost the engine thread
+0.6-1.7 µs more per request on the 2-core dev box (hold and drop: 0.9-1.9 µs, 0.2 without).
+
+The heartbeat sender's own thread (scheduler/heartbeats.py) calls ``take_due`` on every poll and
 sends one heartbeat per prefill boot every ``interval_s``, so a long step, a GC pause or a
 loaded host no longer lets a live decode's leases expire at prefill.
 
@@ -22,7 +28,6 @@ instead of forever.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -66,12 +71,12 @@ class HeartbeatRegistry:
         self._stall_limit_s = stall_limit_s
         self._clock = clock
         self._on_first_hold = on_first_hold
-        self._lock = threading.Lock()  # guards _entries and _next_s
+        # Written by the engine thread only, in single atomic operations (see the top).
         self._entries: dict[str, Held] = {}  # request id -> what to heartbeat; arrival order
-        self._next_s = clock() + interval_s  # when the next heartbeats are due
-        self._last_step_s = clock()  # written by the engine thread only (one float store)
-        # The sender thread's own: claimed params parsed (id -> (params object, source)), and
-        # whether it is pausing heartbeats for a wedged engine.
+        self._last_step_s = clock()
+        # The sender thread's own: when heartbeats are next due, the claimed params parsed
+        # (id -> (params object, source)), and whether it pauses for a wedged engine.
+        self._next_s = clock() + interval_s
         self._parsed: dict[str, tuple[object, RemoteSource | None]] = {}
         self._stalled = False
 
@@ -83,15 +88,14 @@ class HeartbeatRegistry:
         if self._on_first_hold is not None:
             start, self._on_first_hold = self._on_first_hold, None
             start()
-        with self._lock:
-            if not self._entries:  # after an idle engine: its last step says nothing of now
-                self._last_step_s = self._clock()
-            self._entries[request_id] = held
+        entries = self._entries
+        if not entries:  # after an idle spell the last step says nothing of now
+            self._last_step_s = self._clock()
+        entries[request_id] = held
 
     def drop(self, request_id: str) -> None:
         """Stop heartbeating ``request_id`` (no-op if it is not held)."""
-        with self._lock:
-            self._entries.pop(request_id, None)
+        self._entries.pop(request_id, None)
 
     def engine_stepped(self) -> None:
         """The engine thread ran a step: it is alive (called once per build_connector_meta)."""
@@ -99,8 +103,7 @@ class HeartbeatRegistry:
 
     def held_ids(self) -> frozenset[str]:
         """The request ids heartbeated now (any thread)."""
-        with self._lock:
-            return frozenset(self._entries)
+        return frozenset(self._entries.copy())
 
     # ---- sender thread ----
 
@@ -108,11 +111,10 @@ class HeartbeatRegistry:
         """The heartbeats due now, one per prefill boot (sorted by address), or [] when not
         due, nothing is held, or the engine is wedged. Sender thread only."""
         now = self._clock()
-        with self._lock:
-            if now < self._next_s:
-                return []
-            self._next_s = now + self._interval_s
-            entries = list(self._entries.items())
+        if now < self._next_s:
+            return []
+        self._next_s = now + self._interval_s
+        entries = list(self._entries.copy().items())  # copy(): one atomic read of the dict
         idle_s = now - self._last_step_s
         if not entries or self._is_wedged(idle_s, len(entries)):
             return []
@@ -179,5 +181,4 @@ class HeartbeatRegistry:
         return source
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+        return len(self._entries)
