@@ -4,7 +4,8 @@ It validates kv_transfer_params, then hands prefill requests to Producer (leases
 and decode requests to Consumer (loads, releases, heartbeats), builds each step's metadata and
 collects the ranks' reports. Requests are plain RequestInfo records, not engine objects; a
 decode request's one record, its parsed params included, is Consumer's.
-Every method runs on the engine thread; the side-channel thread touches only the lease table.
+Every method runs on the engine thread; the side-channel thread touches only the lease table,
+and the heartbeat thread only the heartbeat registry (scheduler/heartbeat_registry.py).
 
 ``bind_params_at_allocation`` (vLLM): the engine may ask get_num_new_matched_tokens many times
 before it allocates, and nothing binds until then. The first ask only claims the tokens of a
@@ -98,12 +99,19 @@ class SchedulerConnector:
             boot_id=self._side_channel_boot_id,
             verify_kv=config.verify_kv,
         )
+        # Heartbeats run on the sender thread's timer, not on engine-thread hooks. Its limit:
+        # an engine thread that ran no step for one of its own leases is taken as wedged and
+        # its leases are left to expire (scheduler/heartbeat_registry.py says why that bound).
+        keepalive = self._heartbeats.keep_alive(
+            interval_s=config.heartbeat_interval_s,
+            stall_limit_s=config.kv_lease_duration_s,
+            clock=clock,
+        )
         self._consumer = Consumer(
             groups=spec.groups,
             tp_size=tp_size,
             heartbeats=self._heartbeats,
-            heartbeat_interval_s=config.heartbeat_interval_s,
-            clock=clock,
+            keepalive=keepalive,
             on_move=on_move,
             reader=self._reader,
         )
@@ -202,7 +210,7 @@ class SchedulerConnector:
                 return self._consumer.ask_refused(request_id, num_new_tokens)
             unread = state is CLAIMED
         if unread and num_new_tokens > 0:  # claim now, read the params at allocation
-            return self._consumer.claim(request_id, num_new_tokens, num_computed_tokens)
+            return self._consumer.claim(request_id, num_new_tokens, num_computed_tokens, raw)
         # else the params are read now (nothing left to load: the claim settles here)
         try:
             return self._match(request, self._parse(request), num_computed_tokens)

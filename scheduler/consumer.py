@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -42,6 +43,7 @@ from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, Wo
 from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
 from connector.protocol import ReaderId, lease_key
 from connector.token_digest import token_digest
+from scheduler.heartbeat_registry import HeartbeatRegistry
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
 from scheduler.requests import ParsedParams
@@ -72,7 +74,9 @@ UNREAD_OR_REFUSED = (CLAIMED, REFUSING, REFUSED)  # no parsed source: nothing to
 _RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
 _RANKS_HOLD_BLOCKS = (ALLOCATED, LOADING, DRAINING)  # at request_finished: delay the free
 _RANKS_ANSWER_RELEASE = (RELEASING, REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
-_HEARTBEATING = (MATCHED, ALLOCATED, LOADING, DRAINING)  # prefill must keep the KV
+# Prefill must keep the KV: heartbeated (scheduler/heartbeat_registry.py) while in these.
+# CLAIMED too: decode still means to read, however long the engine keeps it waiting.
+_HEARTBEATING = (CLAIMED, MATCHED, ALLOCATED, LOADING, DRAINING)
 # Claims and refusals ask nothing of the ranks: the engine steps anyway until it allocates.
 _PENDING = tuple(
     state
@@ -106,9 +110,8 @@ class Consumer:
         *,
         groups: tuple[GroupSpec, ...],
         tp_size: int,
-        heartbeats: HeartbeatSender,
-        heartbeat_interval_s: float,
-        clock: Callable[[], float],
+        heartbeats: HeartbeatSender,  # sends releases
+        keepalive: HeartbeatRegistry,  # what its timer heartbeats
         on_move: OnMove | None = None,  # sees every state change (tests)
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         reader: ReaderId | None = None,  # this engine and boot, named in the ranks' checks
@@ -118,11 +121,16 @@ class Consumer:
         self._groups = groups
         self._tp_size = tp_size
         self._heartbeats = heartbeats
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._clock = clock
-        self._next_heartbeat_s = clock() + heartbeat_interval_s
+        self._keepalive = keepalive
+        # Every way out of the heartbeating states (finish, abort, failure, refusal, report)
+        # is a Book move: the Book drops the lease from the registry there, so none is
+        # heartbeated past its record's need. Ways in are the two first moves (hold below).
         self._loads: Book[RequestLoadState, RequestLoad] = Book(
-            REQUEST_LOAD_LIFECYCLE, what="load", on_move=on_move
+            REQUEST_LOAD_LIFECYCLE,
+            what="load",
+            on_move=on_move,
+            watched=_HEARTBEATING,
+            on_leave=keepalive.drop,
         )
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
@@ -155,9 +163,12 @@ class Consumer:
                 source, num_tokens, num_cached_tokens, parsed=parsed, token_ids=token_ids
             )
             self._loads.start(request_id, load, MATCHED)
+            self._keepalive.hold(request_id, source)
         elif load.state is MATCHED or load.state is CLAIMED:
             # Scheduled again before allocation (the local prefix hit may have changed), or
             # a claim whose params were just read.
+            if source is not load.source:
+                self._keepalive.hold(request_id, source)
             load.source, load.num_tokens = source, num_tokens
             load.num_cached_tokens, load.parsed = num_cached_tokens, parsed
             load.token_ids = token_ids
@@ -170,16 +181,24 @@ class Consumer:
         return (num_new_tokens, True) if num_new_tokens > 0 else (0, False)
 
     def claim(
-        self, request_id: str, num_new_tokens: int, num_cached_tokens: int
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_cached_tokens: int,
+        raw_params: Mapping[str, Any] | None = None,
     ) -> tuple[int, bool]:
         """Claim ``num_new_tokens`` (> 0) on the params' word, unread: they bind at allocation.
 
         For a new request or a claimed one (asked again: the local hit may have changed).
+        ``raw_params`` (the request's unread params) are heartbeated off the engine thread
+        while the claim waits: parsed there, once.
         """
         load = self._loads.get(request_id)
         if load is None:
             load = RequestLoad(None, num_cached_tokens + num_new_tokens, num_cached_tokens)
             self._loads.start(request_id, load, CLAIMED)
+            if raw_params is not None:
+                self._keepalive.hold(request_id, raw_params)
         elif load.state is CLAIMED:
             load.num_tokens = num_cached_tokens + num_new_tokens
             load.num_cached_tokens = num_cached_tokens
@@ -262,11 +281,12 @@ class Consumer:
         self._loads.move(request_id, ALLOCATED)
 
     def take_step(self) -> tuple[tuple[LoadSpec, ...], tuple[ReleaseSpec, ...]]:
-        """The loads and releases for the next metadata; also sends heartbeats when due."""
+        """The loads and releases for the next metadata; tells the heartbeat timer the engine
+        is alive (it stops heartbeating a wedged engine's leases)."""
+        self._keepalive.engine_stepped()
         allocated = self._loads.in_state(ALLOCATED)
         loads = [spec for request_id, load in allocated if (spec := self._emit(request_id, load))]
         releases, self._pending_releases = tuple(self._pending_releases), []
-        self._send_heartbeats_if_due()
         return tuple(loads), releases
 
     def request_finished(self, request_id: str, source: RemoteSource | None) -> tuple[bool, None]:
@@ -416,24 +436,6 @@ class Consumer:
         logger.warning("request %s failed: %s", request_id, reason)
         self._release_only(request_id, load, REPORTED_RELEASING)
         self._failed[request_id] = reason
-
-    def _send_heartbeats_if_due(self) -> None:
-        now = self._clock()
-        if now < self._next_heartbeat_s:
-            return
-        self._next_heartbeat_s = now + self._heartbeat_interval_s
-        # One heartbeat per prefill engine boot; its side channel refuses ids meant for another.
-        by_engine: dict[tuple[str, int, str, str], list[str]] = {}
-        for _, load in self._loads.records(*_HEARTBEATING):
-            source = _source_of(load)
-            engine = (source.host, source.port, source.engine_id, source.boot_id)
-            by_engine.setdefault(engine, []).append(
-                lease_key(source.remote_request_id, source.lease_id)
-            )
-        for (host, port, engine_id, boot_id), remote_request_ids in sorted(by_engine.items()):
-            self._heartbeats.submit(
-                host, port, remote_request_ids, engine_id=engine_id, boot_id=boot_id
-            )
 
     @property
     def has_pending_work(self) -> bool:

@@ -1,9 +1,11 @@
 """Send decode's heartbeats and releases to prefill side channels from a background thread.
 
-The engine thread only enqueues (never blocks); a full queue drops the message with a warning
-(the next interval sends a fresh heartbeat). Failures are logged, never raised: a missed
-heartbeat at worst lets a lease expire, and a missed release leaves the prefill blocks to
-their lease.
+Heartbeats run on this thread's own timer: every poll it asks each HeartbeatRegistry
+(scheduler/heartbeat_registry.py) for the heartbeats due, one per prefill boot per interval,
+so they do not wait for the engine thread's hooks. Releases are enqueued by the engine thread
+(never blocking); a full queue drops one with a warning. Failures are logged, never raised: a
+missed heartbeat at worst lets a lease expire, and a missed release leaves the prefill blocks
+to their lease.
 
 One thread serves every prefill engine, so a dead side channel must not hold up the live ones:
 each message waits at most MAX_MESSAGE_TIMEOUT_S for its reply, and after a failure further
@@ -20,6 +22,7 @@ again. A refused message is never retried: the leases it named died with the old
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -31,6 +34,7 @@ from typing import Protocol
 from connector.errors import ConnectorError, PeerRestarted
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from connector.protocol import ReaderId
+from scheduler.heartbeat_registry import HeartbeatRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +161,12 @@ class _Message:
 
 
 class HeartbeatSender:
-    """Start lazily on the first ``submit``; ``stop()`` joins the thread.
+    """Start lazily on the first message or registry hold; ``stop()`` joins the thread.
 
     ``timeout_s`` is the configured side-channel timeout; messages use at most
     MAX_MESSAGE_TIMEOUT_S of it. ``clock`` (seconds, monotonic) times the backoff windows.
-    ``send``/``send_release_fn`` replace the network calls (tests).
+    ``send``/``send_release_fn`` replace the network calls (tests). ``timer=False``: the
+    thread sends no heartbeats; whoever calls ``beat_if_due`` does (tests drive it by hand).
     """
 
     def __init__(
@@ -174,6 +179,7 @@ class HeartbeatSender:
         send_release_fn: SendFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         reader: ReaderId | None = None,  # this engine and boot, named in every message
+        timer: bool = True,
     ) -> None:
         message_timeout_s = min(timeout_s, MAX_MESSAGE_TIMEOUT_S)
         self._secret = secret
@@ -191,6 +197,9 @@ class HeartbeatSender:
         self._queue: queue.Queue[_Message] = queue.Queue(max_queued)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._timer = timer
+        # Swapped whole by keep_alive (engine thread), read by the sender thread.
+        self._registries: tuple[HeartbeatRegistry, ...] = ()
 
     @property
     def num_skipped(self) -> int:
@@ -201,6 +210,28 @@ class HeartbeatSender:
     def num_stale(self) -> int:
         """Messages refused because their engine restarted since its boot id was learned."""
         return self._num_stale
+
+    def keep_alive(
+        self, *, interval_s: float, stall_limit_s: float, clock: Callable[[], float]
+    ) -> HeartbeatRegistry:
+        """A registry whose leases this sender heartbeats every ``interval_s`` on its own
+        thread, while its engine stepped within ``stall_limit_s`` (``clock``'s seconds)."""
+        registry = HeartbeatRegistry(
+            interval_s=interval_s,
+            stall_limit_s=stall_limit_s,
+            clock=clock,
+            on_first_hold=self._start_timer,
+        )
+        self._registries = (*self._registries, registry)
+        return registry
+
+    def beat_if_due(self) -> int:
+        """Send every registry's due heartbeats now, on the calling thread (the sender thread's
+        timer, or a test with ``timer=False``); returns how many were due."""
+        due = [heartbeat for registry in self._registries for heartbeat in registry.take_due()]
+        for boot, lease_keys in due:
+            self._handle(_Message(self._send, Destination(*boot), lease_keys))
+        return len(due)
 
     def submit(
         self,
@@ -232,6 +263,21 @@ class HeartbeatSender:
     def _enqueue(
         self, send: SendFn, destination: Destination, remote_request_ids: Sequence[str]
     ) -> bool:
+        if not self._start_thread():
+            return False
+        try:
+            self._queue.put_nowait(_Message(send, destination, tuple(remote_request_ids)))
+        except queue.Full:
+            logger.warning("side-channel queue full; dropping a message to %s", destination)
+            return False
+        return True
+
+    def _start_timer(self) -> None:
+        if self._timer:
+            self._start_thread()
+
+    def _start_thread(self) -> bool:
+        """Start the sender thread unless it runs; False once stopped."""
         if self._stop.is_set():
             return False
         if self._thread is None:
@@ -239,11 +285,6 @@ class HeartbeatSender:
                 target=self._run, name="nixl-pd-heartbeats", daemon=True
             )
             self._thread.start()
-        try:
-            self._queue.put_nowait(_Message(send, destination, tuple(remote_request_ids)))
-        except queue.Full:
-            logger.warning("side-channel queue full; dropping a message to %s", destination)
-            return False
         return True
 
     def _over_network(self, client_send: Callable[..., int]) -> SendFn:
@@ -299,14 +340,22 @@ class HeartbeatSender:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                message = self._queue.get(timeout=POLL_INTERVAL_S)
-            except queue.Empty:
-                continue
-            if self._backoff.should_skip(message.destination, self._clock()):
-                self._num_skipped += 1
-                continue
-            self._deliver(message)
+            with contextlib.suppress(queue.Empty):  # no message this poll: the timer's turn
+                self._handle(self._queue.get(timeout=POLL_INTERVAL_S))
+            if self._timer:
+                self._beat_safely()
+
+    def _beat_safely(self) -> None:
+        try:
+            self.beat_if_due()
+        except Exception:  # the thread must outlive any failure, a bug included
+            logger.exception("sending heartbeats failed; trying again at the next interval")
+
+    def _handle(self, message: _Message) -> None:
+        if self._backoff.should_skip(message.destination, self._clock()):
+            self._num_skipped += 1
+            return
+        self._deliver(message)
 
     def _deliver(self, message: _Message) -> None:
         destination = message.destination

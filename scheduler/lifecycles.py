@@ -9,7 +9,7 @@ terminal state leaves the book: deleting it is the cleanup.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 from connector.errors import IllegalTransition
@@ -108,11 +108,21 @@ class Book(Generic[State, Record]):
     caller can walk e.g. the ALLOCATED loads without scanning every record."""
 
     def __init__(
-        self, table: TransitionTable[State], *, what: str, on_move: OnMove | None = None
+        self,
+        table: TransitionTable[State],
+        *,
+        what: str,
+        on_move: OnMove | None = None,
+        watched: Collection[State] = (),
+        on_leave: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_leave(request_id)`` runs whenever a record moves from a ``watched`` state to
+        one that is not (a terminal one included): one place sees every way out."""
         self._table = table
         self._what = what  # names the record in errors, e.g. "load"
         self._on_move = on_move
+        self._watched = frozenset(watched) if on_leave is not None else frozenset()
+        self._on_leave: Callable[[str], None] = on_leave or _ignore
         self._terminal = table.terminal
         self._moves = table.moves  # read on every move: one dict lookup, no call
         self._records: dict[str, Record] = {}
@@ -161,6 +171,9 @@ class Book(Generic[State, Record]):
             del self._records[request_id]
         else:
             self._by_state[target][request_id] = None
+        watched = self._watched
+        if current in watched and target not in watched:
+            self._on_leave(request_id)
         if self._on_move is not None:
             self._on_move(request_id, current, target)
         return record
@@ -187,3 +200,7 @@ class Book(Generic[State, Record]):
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+def _ignore(request_id: str) -> None:
+    """A Book's on_leave when nothing watches."""

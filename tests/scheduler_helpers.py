@@ -49,15 +49,16 @@ class FakeClock:
 
 
 class RecordingHeartbeats(HeartbeatSender):
-    """Records submitted messages synchronously, as (engine_id, host, port, remote_request_ids),
-    instead of sending them."""
+    """Records messages as (engine_id, host, port, remote_request_ids) instead of sending them:
+    releases when submitted, heartbeats when the test drives the timer (``beat_if_due``; no
+    thread sends them)."""
 
     def __init__(self) -> None:
-        super().__init__(secret=None, timeout_s=1.0)
+        super().__init__(secret=None, timeout_s=1.0, send=self._record_heartbeat, timer=False)
         self.sent: list[tuple[str, str, int, tuple[str, ...]]] = []
         self.released: list[tuple[str, str, int, tuple[str, ...]]] = []
 
-    def submit(
+    def _record_heartbeat(
         self,
         host: str,
         port: int,
@@ -65,9 +66,9 @@ class RecordingHeartbeats(HeartbeatSender):
         *,
         engine_id: str,
         boot_id: str = "",
-    ) -> bool:
+    ) -> object:
         self.sent.append((engine_id, host, port, tuple(remote_request_ids)))
-        return True
+        return len(remote_request_ids)
 
     def submit_release(
         self,

@@ -295,12 +295,12 @@ def test_every_awaited_decode_request_is_reported_exactly_once(
     log = MoveLog(
         REQUEST_LOAD_LIFECYCLE, RequestLoadState.NEW
     )  # only table edges, one end per life
+    heartbeats = RecordingHeartbeats()
     consumer = Consumer(
         groups=(FULL_16,),
         tp_size=TP_SIZE,
-        heartbeats=RecordingHeartbeats(),
-        heartbeat_interval_s=5.0,
-        clock=FakeClock(),
+        heartbeats=heartbeats,
+        keepalive=heartbeats.keep_alive(interval_s=5.0, stall_limit_s=30.0, clock=FakeClock()),
         on_move=log,
     )
     workers = FakeRanks()

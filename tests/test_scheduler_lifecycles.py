@@ -24,7 +24,13 @@ from scheduler.lifecycles import (
     RequestLoadState,
 )
 from scheduler.producer import Producer
-from tests.scheduler_helpers import FULL_16, FakeClock, MoveLog, RecordingHeartbeats
+from tests.scheduler_helpers import (
+    FULL_16,
+    REMOTE_PARAMS,
+    FakeClock,
+    MoveLog,
+    RecordingHeartbeats,
+)
 
 TP_SIZE = 2
 NUM_TOKENS = 40
@@ -32,6 +38,8 @@ REQUEST_IDS = ("r0", "r1")
 IDS = st.sampled_from(REQUEST_IDS)
 RANKS = st.integers(0, TP_SIZE - 1)
 SOURCE = RemoteSource("p", "h", 1, 1, "remote", ((1, 2, 3),))
+_L = RequestLoadState
+KEPT = {_L.CLAIMED, _L.MATCHED, _L.ALLOCATED, _L.LOADING, _L.DRAINING}  # prefill holds the KV
 
 
 class DecodeEngine(RuleBasedStateMachine):
@@ -45,12 +53,15 @@ class DecodeEngine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.log = MoveLog(REQUEST_LOAD_LIFECYCLE, RequestLoadState.NEW)
+        heartbeats = RecordingHeartbeats()
+        self.keepalive = heartbeats.keep_alive(
+            interval_s=5.0, stall_limit_s=30.0, clock=FakeClock()
+        )
         self.consumer = Consumer(
             groups=(FULL_16,),
             tp_size=TP_SIZE,
-            heartbeats=RecordingHeartbeats(),
-            heartbeat_interval_s=5.0,
-            clock=FakeClock(),
+            heartbeats=heartbeats,
+            keepalive=self.keepalive,
             on_move=self.log,
         )
         self.claimed: set[str] = set()  # the last get_num_new_matched_tokens said (n, True)
@@ -86,7 +97,9 @@ class DecodeEngine(RuleBasedStateMachine):
         a new request or one still unread)."""
         if request_id in self.held or not self._unread_or_new(request_id):
             return
-        num_tokens, pending = self.consumer.claim(request_id, NUM_TOKENS - num_cached, num_cached)
+        num_tokens, pending = self.consumer.claim(
+            request_id, NUM_TOKENS - num_cached, num_cached, REMOTE_PARAMS
+        )
         assert (num_tokens, pending) == (NUM_TOKENS - num_cached, True)
         assert request_id not in self.waiting | self.reported | self.refused
         self.claimed.add(request_id)
@@ -220,6 +233,14 @@ class DecodeEngine(RuleBasedStateMachine):
     def the_book_matches_the_moves(self) -> None:
         assert self.consumer.num_tracked == len(self.log.live)
 
+    @invariant()
+    def exactly_the_records_prefill_must_keep_are_heartbeated(self) -> None:
+        """Every way out of the heartbeating states drops the lease from the registry, and
+        claims are held while their params are unread (raw params, as SchedulerConnector
+        passes them), so no lease is heartbeated past its need, nor one missed."""
+        expected = {request_id for request_id, state in self.log.live.items() if state in KEPT}
+        assert self.keepalive.held_ids() == expected
+
     def teardown(self) -> None:
         """The engine finishes everything and the ranks answer every instruction."""
         for request_id in REQUEST_IDS:
@@ -231,6 +252,7 @@ class DecodeEngine(RuleBasedStateMachine):
         assert not self.held, f"blocks held but never reported: {self.held}"
         assert not self.parked_refused, f"parked, refused, never announced: {self.parked_refused}"
         assert self.consumer.num_tracked == 0 and not self.log.live
+        assert self.keepalive.held_ids() == frozenset(), "a lease heartbeated past its need"
         assert not self.consumer.has_pending_work
 
 
@@ -294,6 +316,7 @@ def walk(path: str) -> DecodeEngine:
             engine.drop("r0")
         else:
             engine.step()
+        engine.exactly_the_records_prefill_must_keep_are_heartbeated()
     engine.teardown()
     return engine
 
