@@ -39,7 +39,7 @@ from connector.observability.metrics import (
 )
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
-from connector.token_digest import pack_tokens
+from connector.token_digest import HeldTokens
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
@@ -124,7 +124,9 @@ class Producer:
         now_s = self._clock()
         lease_id = secrets.token_hex(8)
         key = lease_key(request_id, lease_id)
-        tokens = None if token_ids is None else pack_tokens(token_ids, num_tokens or 0)
+        # Bound to the engine's ids as they are: the side-channel thread packs them when a
+        # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
+        tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0)
         expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens)
         digest = None
         if self._verify_kv:

@@ -53,6 +53,12 @@ def _ids(request: Request) -> Sequence[int] | None:
     return None if request.prompt_embeds is not None else request.all_token_ids
 
 
+def _prompt_ids(request: Request) -> Sequence[int] | None:
+    """A load's ids: it covers prompt tokens only, and vLLM's own prompt list (a plain list,
+    the same ids as ``all_token_ids`` begins with) packs without ConstantList's slice."""
+    return None if request.prompt_embeds is not None else request.prompt_token_ids
+
+
 class SchedulerSide:
     """The scheduler process's half: request state via SchedulerConnector, plus the echo.
 
@@ -90,7 +96,7 @@ class SchedulerSide:
         backoff = self._backoff
         if backoff and num_tokens > backoff and loads_from_remote(params):
             num_tokens -= backoff
-        return RequestInfo(request.request_id, num_tokens, params, token_ids=_ids(request))
+        return RequestInfo(request.request_id, num_tokens, params, token_ids=_prompt_ids(request))
 
     def start_side_channel(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         handshakes = []
