@@ -101,22 +101,24 @@ class LeaseTable:
         until extended), as lease ``lease_id``, bound to the token ids ``tokens`` (packed by
         the first check that needs them; None: unbound); returns the expiry time."""
         duration_s = self._duration_s if duration_s is None else duration_s
+        expiry_s = now + duration_s
+        name = lease_key(request_id, lease_id)
         with self._lock:
             if tokens is not None:
                 self._tokens[request_id] = tokens
-            else:
-                self._tokens.pop(request_id, None)
-            self._expiry_s[request_id] = now + duration_s
+            elif request_id in self._tokens:  # the id leased again (an engine reusing ids)
+                del self._tokens[request_id]
+            self._expiry_s[request_id] = expiry_s
             if duration_s != self._duration_s:
                 self._own_duration_s[request_id] = duration_s
-            else:
-                self._own_duration_s.pop(request_id, None)
+            elif request_id in self._own_duration_s:
+                del self._own_duration_s[request_id]
             self._lease_ids[request_id] = lease_id
-            heapq.heappush(self._due, (now + duration_s, request_id, lease_id))
-            name = lease_key(request_id, lease_id)
+            heapq.heappush(self._due, (expiry_s, request_id, lease_id))
             self._by_name[name] = request_id
-            self._ended.pop(name, None)
-        return now + duration_s
+            if name in self._ended:
+                del self._ended[name]
+        return expiry_s
 
     def held(self, refs: Iterable[tuple[str, str]], now: float) -> tuple[bool, ...]:
         """For each (request id, lease id): is that very lease held, and not past its expiry?
