@@ -174,16 +174,15 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params  # kv_transfer_params(request), inlined
         aborted = request.status not in _COMPLETE
+        request_id, num_prompt_tokens = request.request_id, request.num_prompt_tokens
+        num_computed_tokens = request.num_computed_tokens
+        if params is None or (not self._holds_finished and loads_from_remote(params)):
+            # A decode keeps no lease: no blocks, and no ids to bind one to.
+            info = RequestInfo(request_id, num_prompt_tokens, params, aborted, num_computed_tokens)
+            return self.connector.request_finished(info, ())
         info = RequestInfo(
-            request.request_id,
-            request.num_prompt_tokens,
-            params,
-            aborted,
-            request.num_computed_tokens,
-            _ids(request),
+            request_id, num_prompt_tokens, params, aborted, num_computed_tokens, _ids(request)
         )
-        if params is None or (loads_from_remote(params) and not self._holds_finished):
-            return self.connector.request_finished(info, ())  # a decode keeps no lease
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 
     def _transfer_block_ids(self, block_ids: Sequence[list[int]]) -> Sequence[Sequence[int]]:
