@@ -124,9 +124,6 @@ class Consumer:
         self._loads: Book[RequestLoadState, RequestLoad] = Book(
             REQUEST_LOAD_LIFECYCLE, what="load", on_move=on_move
         )
-        # The request's record (read it, never write it), or None: the Book's dict lookup,
-        # no Python frame (every hook asks it first).
-        self.record: Callable[[str], RequestLoad | None] = self._loads.get
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
         self._finished: list[str] = []
@@ -136,6 +133,10 @@ class Consumer:
         # ranks ran them and may tell the engine themselves (vLLM's do).
         self.reported_by_ranks: frozenset[str] = frozenset()
         self._refused: dict[str, str] = {}  # parked requests whose params were refused
+
+    def record(self, request_id: str) -> RequestLoad | None:
+        """The request's record (read it, never write it), or None."""
+        return self._loads.get(request_id)
 
     def get_num_new_matched_tokens(
         self,
