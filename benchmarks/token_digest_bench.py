@@ -1,8 +1,9 @@
 """What binding a lease to its tokens costs: the reader's digest and the holder's compare.
 
 The reader packs its prompt's first N ids (a Python list, as vLLM keeps them) as int32 and
-digests them once per load; the holder packs its ids once per lease and, per lease check,
-digests the first N of those bytes. Prints median microseconds per call and per 1k tokens.
+digests them once per load; the holder packs its ids once per lease (at its first check,
+on the side-channel thread: HeldTokens) and, per lease check, digests the first N of those
+bytes. Prints median microseconds per call and per 1k tokens.
 
     .venv/bin/python -m benchmarks.token_digest_bench [--calls 2000]
 """

@@ -10,6 +10,9 @@ The digest is blake2b with an 8-byte output over the count (uint64 little-endian
 ids as int32 little-endian: ``digest([5, 7], 2) = blake2b(pack("<Q", 2) + pack("<2i", 5, 7))``.
 The count is in it so a prefix never digests like a longer run. About 15 us per 1000 tokens
 for a reader's pack and digest, 5 us for a holder's compare (benchmarks/README.md).
+
+A holder keeps its ids as ``HeldTokens``: the engine's own list until a check first needs
+them, packed then on the side-channel thread, so finishing a request packs nothing.
 """
 
 from __future__ import annotations
@@ -26,10 +29,15 @@ TOKEN_BYTES = 4  # int32 per token id
 def pack_tokens(token_ids: Sequence[int], num_tokens: int) -> bytes | None:
     """The first ``num_tokens`` ids as int32 little-endian bytes; None when there are fewer
     ids than that, or one does not fit int32 (nothing to bind then)."""
-    if num_tokens < 1 or len(token_ids) < num_tokens:
+    num_ids = len(token_ids)
+    if num_tokens < 1 or num_ids < num_tokens:
         return None
+    if type(token_ids) is list and num_ids == num_tokens:
+        ids: Sequence[int] = token_ids  # the whole list: unpacked without a slice copy
+    else:
+        ids = token_ids[:num_tokens]
     try:
-        return struct.pack(f"<{num_tokens}i", *token_ids[:num_tokens])
+        return struct.pack(f"<{num_tokens}i", *ids)
     except struct.error:
         return None
 
@@ -61,3 +69,43 @@ def tokens_verdict(held: bytes, expected: TokenDigest) -> str:
     if digest_packed(held, expected.num_tokens) != expected.value:
         return f"the lease's blocks hold other tokens than the reader's first {expected.num_tokens}"
     return ""
+
+
+class HeldTokens:
+    """A holder's ids for one lease: the engine's list, packed (``pack_tokens``) when a check
+    first asks, then only the bytes are kept (4 B per token).
+
+    The list must keep its first ``num_tokens`` ids unchanged while the lease is held. vLLM's
+    ``Request.all_token_ids`` does once the request finished: it only appends, and the edits
+    it does make (our ``truncate_for_prefill`` before prefill runs, a streaming session's
+    dropped last sampled token) are past the tokens a lease covers. Packing twice (two
+    threads at once) gives the same bytes, so no lock is needed.
+    """
+
+    __slots__ = ("_ids", "_num_tokens", "_packed")
+
+    def __init__(self, token_ids: Sequence[int], num_tokens: int) -> None:
+        self._ids: Sequence[int] | None = token_ids
+        self._num_tokens = num_tokens
+        self._packed: bytes | None = None
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], num_tokens: int) -> HeldTokens | None:
+        """The first ``num_tokens`` of ``token_ids``, unpacked; None when there are fewer ids
+        (nothing to bind, as ``pack_tokens`` says)."""
+        if num_tokens < 1 or len(token_ids) < num_tokens:
+            return None
+        return cls(token_ids, num_tokens)
+
+    def packed(self) -> bytes | None:
+        """The ids as ``pack_tokens`` bytes; None if one does not fit int32 (unbound)."""
+        ids = self._ids
+        if ids is not None:
+            self._packed = pack_tokens(ids, self._num_tokens)
+            self._ids = None  # packed: drop the engine's list
+        return self._packed
+
+    def verdict(self, expected: TokenDigest) -> str:
+        """``tokens_verdict`` of these ids; "" when they cannot be packed (unbound)."""
+        packed = self.packed()
+        return "" if packed is None else tokens_verdict(packed, expected)

@@ -29,7 +29,7 @@ from connector.layout import KVCacheSpec
 from connector.metadata import ConnectorMetadata, WorkerReport
 from connector.params import raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
-from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer
+from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer, RequestLoad
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import OnMove
@@ -167,7 +167,11 @@ class SchedulerConnector:
         """
         if self._bind_at_allocation:
             return self._ask_before_allocation(request, num_computed_tokens)
-        return self._match(request, self._parse(request), num_computed_tokens)
+        return self._match(
+            request,
+            self._parse(request, self._consumer.record(request.request_id)),
+            num_computed_tokens,
+        )
 
     def _match(
         self, request: RequestInfo, parsed: ParsedParams, num_computed_tokens: int
@@ -203,7 +207,11 @@ class SchedulerConnector:
         record = self._consumer.record(request_id)
         num_new_tokens = request.num_prompt_tokens - num_computed_tokens
         if record is None:
-            unread = raw_flag(raw, "do_remote_prefill")
+            unread = (
+                raw.get("do_remote_prefill") is True  # raw_flag, inlined: every first ask
+                if type(raw) is dict
+                else raw_flag(raw, "do_remote_prefill")
+            )
         else:
             state = record.state
             if state is REFUSING or state is REFUSED:
@@ -213,7 +221,7 @@ class SchedulerConnector:
             return self._consumer.claim(request_id, num_new_tokens, num_computed_tokens, raw)
         # else the params are read now (nothing left to load: the claim settles here)
         try:
-            return self._match(request, self._parse(request), num_computed_tokens)
+            return self._match(request, self._parse(request, record), num_computed_tokens)
         except InvalidTransferParams as exc:
             reason = f"invalid kv_transfer_params: {exc}"
             return self._consumer.refuse(request_id, reason, num_new_tokens)
@@ -243,7 +251,7 @@ class SchedulerConnector:
         record = self._consumer.record(request_id)
         num_cached_tokens = 0 if record is None else record.num_cached_tokens
         try:
-            _, loads = self._match(request, self._parse(request), num_cached_tokens)
+            _, loads = self._match(request, self._parse(request, record), num_cached_tokens)
         except InvalidTransferParams as exc:
             reason = f"invalid kv_transfer_params: {exc}"
             self._consumer.refuse_claim(request_id, reason, num_external_tokens)
@@ -284,7 +292,7 @@ class SchedulerConnector:
         if record is not None and record.state in UNREAD_OR_REFUSED and record.state is not CLAIMED:
             return self._consumer.request_finished(request_id, None)
         try:
-            parsed = self._parse(request)
+            parsed = self._parse(request, record)
         except InvalidTransferParams as exc:
             logger.warning("request %s finished with invalid params: %s", request_id, exc)
             self._consumer.request_finished(request_id, None)  # a claim read only now
@@ -378,12 +386,11 @@ class SchedulerConnector:
             self._side_channel = None
         self._heartbeats.stop()
 
-    def _parse(self, request: RequestInfo) -> ParsedParams:
-        """The request's params: its record's parse while the request carries the very same
-        params object, else parsed afresh (Consumer keeps what a load needs). Refusals are
-        not kept: they raise each time."""
+    def _parse(self, request: RequestInfo, record: RequestLoad | None) -> ParsedParams:
+        """The request's params: its ``record``'s parse (the caller's lookup) while the
+        request carries the very same params object, else parsed afresh (Consumer keeps what
+        a load needs). Refusals are not kept: they raise each time."""
         raw = request.kv_transfer_params
-        record = self._consumer.record(request.request_id)
         if record is not None and record.parsed is not None and record.parsed.raw is raw:
             return record.parsed
         return self._params.read(request)

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 
 from connector.metadata import GroupDigests
 from connector.protocol import LeaseRef, LeaseStatus, ReaderId, lease_key
-from connector.token_digest import tokens_verdict
+from connector.token_digest import HeldTokens
 from scheduler.digests import verify_claims
 from scheduler.readers import ReaderBoots
 
@@ -72,7 +72,7 @@ class LeaseTable:
         self._by_name: dict[str, str] = {}  # held leases: lease key (or bare id) -> request id
         # verify_kv: held leases -> tp_rank -> that rank's digest tables
         self._digests: dict[str, dict[int, tuple[GroupDigests, ...]]] = {}
-        self._tokens: dict[str, bytes] = {}  # held leases bound to token ids: their int32 ids
+        self._tokens: dict[str, HeldTokens] = {}  # held leases bound to token ids: their ids
         self._readers = ReaderBoots()  # which reader boot claimed which held lease
         self._released: list[str] = []  # released over the side channel, not yet taken
         self._reader_restarted: list[str] = []  # ended for their reader's restart, not yet taken
@@ -95,28 +95,30 @@ class LeaseTable:
         now: float,
         lease_id: str = "",
         duration_s: float | None = None,
-        tokens: bytes | None = None,
+        tokens: HeldTokens | None = None,
     ) -> float:
         """Hold ``request_id``'s blocks until ``now + duration_s`` (default: the table's; or
-        until extended), as lease ``lease_id``, bound to the token ids ``tokens``
-        (``pack_tokens``; None: unbound); returns the expiry time."""
+        until extended), as lease ``lease_id``, bound to the token ids ``tokens`` (packed by
+        the first check that needs them; None: unbound); returns the expiry time."""
         duration_s = self._duration_s if duration_s is None else duration_s
+        expiry_s = now + duration_s
+        name = lease_key(request_id, lease_id)
         with self._lock:
             if tokens is not None:
                 self._tokens[request_id] = tokens
-            else:
-                self._tokens.pop(request_id, None)
-            self._expiry_s[request_id] = now + duration_s
+            elif request_id in self._tokens:  # the id leased again (an engine reusing ids)
+                del self._tokens[request_id]
+            self._expiry_s[request_id] = expiry_s
             if duration_s != self._duration_s:
                 self._own_duration_s[request_id] = duration_s
-            else:
-                self._own_duration_s.pop(request_id, None)
+            elif request_id in self._own_duration_s:
+                del self._own_duration_s[request_id]
             self._lease_ids[request_id] = lease_id
-            heapq.heappush(self._due, (now + duration_s, request_id, lease_id))
-            name = lease_key(request_id, lease_id)
+            heapq.heappush(self._due, (expiry_s, request_id, lease_id))
             self._by_name[name] = request_id
-            self._ended.pop(name, None)
-        return now + duration_s
+            if name in self._ended:
+                del self._ended[name]
+        return expiry_s
 
     def held(self, refs: Iterable[tuple[str, str]], now: float) -> tuple[bool, ...]:
         """For each (request id, lease id): is that very lease held, and not past its expiry?
@@ -166,13 +168,13 @@ class LeaseTable:
 
     def _refused(self, refs: Sequence[LeaseRef], held: Sequence[bool]) -> tuple[str, ...]:
         """Per ref: why its held lease's tokens are not the ones it expects, or ""."""
-        with self._lock:  # bytes are immutable: hash them after releasing the lock
+        with self._lock:  # pack and hash after releasing the lock (HeldTokens needs none)
             bound = [
                 self._tokens.get(ref.remote_request_id) if is_held and ref.tokens else None
                 for ref, is_held in zip(refs, held, strict=True)
             ]
         return tuple(
-            "" if tokens is None or ref.tokens is None else tokens_verdict(tokens, ref.tokens)
+            "" if tokens is None or ref.tokens is None else tokens.verdict(ref.tokens)
             for ref, tokens in zip(refs, bound, strict=True)
         )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,7 +39,7 @@ from connector.observability.metrics import (
 )
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
-from connector.token_digest import pack_tokens
+from connector.token_digest import HeldTokens
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
@@ -48,6 +48,25 @@ logger = logging.getLogger(__name__)
 # The states as module names: shorter to read, and cheaper than Enum class attributes per call.
 LEASED, ANNOUNCED, COMPLETED = LeaseState.LEASED, LeaseState.ANNOUNCED, LeaseState.COMPLETED
 EXPIRED, RELEASED = LeaseState.EXPIRED, LeaseState.RELEASED
+
+
+class LeaseIds:
+    """Random lease ids, 16 hex digits, as ``secrets.token_hex(8)`` draws them (os.urandom)
+    but one system call per ``BATCH`` ids: a lease id is drawn on the engine thread."""
+
+    BATCH = 256
+    _ID_BYTES = 8
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._offset = 0
+
+    def draw(self) -> str:
+        offset = self._offset
+        if offset == len(self._pool):
+            self._pool, offset = os.urandom(self.BATCH * self._ID_BYTES), 0
+        self._offset = offset + self._ID_BYTES
+        return self._pool[offset : offset + self._ID_BYTES].hex()
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +110,8 @@ class Producer:
         self._pending_forgotten: list[str] = []
         self._finished: list[str] = []
         self.num_stray_reports = 0  # finished_sending for ids with no live lease here
+        self._num_started = 0  # leases started since end_lapsed_leases last counted them
+        self._lease_ids = LeaseIds()
 
     def request_finished(
         self,
@@ -122,9 +143,11 @@ class Producer:
             )
             return False, None
         now_s = self._clock()
-        lease_id = secrets.token_hex(8)
+        lease_id = self._lease_ids.draw()
         key = lease_key(request_id, lease_id)
-        tokens = None if token_ids is None else pack_tokens(token_ids, num_tokens or 0)
+        # Bound to the engine's ids as they are: the side-channel thread packs them when a
+        # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
+        tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0)
         expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens)
         digest = None
         if self._verify_kv:
@@ -132,7 +155,7 @@ class Producer:
             digest = DigestSpec(key, blocks, num_tokens or 0)
         self._book.start(request_id, _Lease(now_s, key, lease_id, digest, hold_s), LEASED)
         self._by_key[key] = request_id
-        self._metrics.inc(LEASES_STARTED)
+        self._num_started += 1  # counted at the step's end: one metrics call, not one a lease
         if hold_s is None:
             return True, params_for_decode(
                 engine_id=self._engine_id,
@@ -193,6 +216,9 @@ class Producer:
         self.end_lapsed_leases()
 
     def end_lapsed_leases(self) -> None:
+        if self._num_started:  # every lease that may end here is counted as started first
+            self._metrics.inc(LEASES_STARTED, amount=self._num_started)
+            self._num_started = 0
         for request_id in self._leases.expired(self._clock()):
             lease = self._book.get(request_id)
             if lease is not None and lease.hold_s is not None:

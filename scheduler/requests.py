@@ -41,11 +41,13 @@ class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cyc
     # Decode in bidirectional mode, at request_finished: the tokens whose KV the request's
     # blocks hold (prompt and answer, less the last sampled token). None: the prompt's.
     num_computed_tokens: int | None = None
-    # The request's token ids, prompt first (vLLM: ``all_token_ids``; read, never kept past
-    # the call that gets them, except by a load until its LoadSpec goes out). They bind leases
-    # to tokens (connector/token_digest.py): a reader's load expects its first tokens, a
-    # holder's lease holds its first ``num_prompt_tokens`` (or ``num_computed_tokens``). None:
-    # unknown (prompt embeddings, an engine that does not pass them): leases are not bound.
+    # The request's token ids, prompt first (vLLM: ``all_token_ids``; kept by a load until its
+    # LoadSpec goes out, and by a holder's lease, unpacked, until a check first needs them:
+    # the engine may append to the list, never change the ids a lease covers). They bind
+    # leases to tokens (connector/token_digest.py): a reader's load expects its first tokens,
+    # a holder's lease holds its first ``num_prompt_tokens`` (or ``num_computed_tokens``).
+    # None: unknown (prompt embeddings, an engine that does not pass them): leases are not
+    # bound.
     token_ids: Sequence[int] | None = None
 
 

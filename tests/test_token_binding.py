@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from connector.config import ConnectorConfig
 from connector.net.side_channel_client import check_leases_status
@@ -26,7 +28,7 @@ from connector.protocol import (
     TokenDigest,
     decode_request_payload,
 )
-from connector.token_digest import pack_tokens, token_digest, tokens_verdict
+from connector.token_digest import HeldTokens, pack_tokens, token_digest, tokens_verdict
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.leases import LeaseTable
@@ -96,6 +98,74 @@ def test_the_holder_compares_the_readers_tokens_with_its_own(
     assert bool(found) == bool(verdict)
 
 
+# ---- a holder's ids, packed when a check first needs them -------------------------------
+
+int32s = st.integers(-(2**31), 2**31 - 1)
+
+
+@given(
+    held=st.lists(st.integers(-(2**31) - 2, 2**31 + 1), max_size=24),
+    num_held=st.integers(0, 26),
+    data=st.data(),
+)
+def test_held_tokens_answer_as_the_packed_bytes_would(
+    held: list[int], num_held: int, data: st.DataObject
+) -> None:
+    """A reader's digest of the held ids (a prefix, or with one id edited) or of others."""
+    num_expected = data.draw(st.integers(1, 26))
+    if data.draw(st.booleans()):
+        expected_ids = [min(max(i, -(2**31)), 2**31 - 1) for i in held[:num_expected]]
+        if expected_ids and data.draw(st.booleans()):
+            expected_ids[data.draw(st.integers(0, len(expected_ids) - 1))] ^= 1
+    else:
+        expected_ids = data.draw(st.lists(int32s, min_size=num_expected, max_size=26))
+    expected_ids += [0] * (num_expected - len(expected_ids))
+    digest = token_digest(expected_ids, num_expected)
+    assert digest is not None
+    packed = pack_tokens(held, num_held)  # the oracle: what request_finished packed before
+    oracle = "" if packed is None else tokens_verdict(packed, digest)
+    lazy = HeldTokens.of(held, num_held)
+    assert (lazy is None) == (num_held < 1 or len(held) < num_held)
+    found = "" if lazy is None else lazy.verdict(digest)
+    assert found == oracle
+    assert lazy is None or lazy.verdict(digest) == oracle  # a second check: the kept bytes
+
+
+class ReadCountingIds(list[int]):
+    """An engine's id list that counts how often its ids are read (slices and iteration)."""
+
+    num_reads = 0
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            self.num_reads += 1
+        return super().__getitem__(index)
+
+    def __iter__(self) -> Any:
+        self.num_reads += 1
+        return super().__iter__()
+
+
+def test_held_tokens_read_the_engines_list_once_and_only_when_asked() -> None:
+    ids = ReadCountingIds(HELD)
+    held = HeldTokens.of(ids, 48)
+    assert held is not None and ids.num_reads == 0
+    ids.append(5)  # the engine appends its answer: the ids a lease covers stay
+    wrong = token_digest([*HELD[:47], 1], 48)
+    right = token_digest(HELD, 48)
+    assert wrong is not None and right is not None
+    assert "other tokens" in held.verdict(wrong)
+    assert held.verdict(right) == ""
+    assert ids.num_reads == 1  # packed once; later checks use the bytes
+
+
+def test_a_held_id_past_int32_leaves_the_lease_unbound_as_before() -> None:
+    held = HeldTokens.of([1, 2**31], 2)
+    expected = token_digest([1, 2], 2)
+    assert held is not None and expected is not None
+    assert held.packed() is None and held.verdict(expected) == ""
+
+
 # ---- the wire --------------------------------------------------------------------------
 
 
@@ -127,7 +197,7 @@ def _ref(tokens: TokenDigest | None, request_id: str = "p1", lease_id: str = "L1
 
 def test_a_held_lease_is_refused_to_a_reader_expecting_other_tokens() -> None:
     table = LeaseTable(10.0)
-    table.lease("p1", 0.0, "L1", tokens=pack_tokens(HELD, 48))
+    table.lease("p1", 0.0, "L1", tokens=HeldTokens.of(HELD, 48))
     right, wrong = token_digest(HELD, 48), token_digest([*HELD[:47], 1], 48)
     status = table.check([_ref(right), _ref(wrong), _ref(None)], 1.0)
     assert status.held == (True, False, True)
@@ -144,7 +214,7 @@ def test_a_lease_taken_without_ids_answers_as_before() -> None:
 
 def test_an_ended_or_other_lease_is_not_held_and_not_refused() -> None:
     table = LeaseTable(10.0)
-    table.lease("p1", 0.0, "L1", tokens=pack_tokens(HELD, 48))
+    table.lease("p1", 0.0, "L1", tokens=HeldTokens.of(HELD, 48))
     wrong = token_digest([1] * 48, 48)
     assert table.check([_ref(wrong, lease_id="L0")], 1.0) == LeaseStatus((False,))
     table.complete("p1")
@@ -300,9 +370,12 @@ def test_prefill_binds_its_lease_to_the_prompt_it_leased() -> None:
     try:
         prefill.start_side_channel(handshakes("prefill-0"))
         prompt = list(range(7, 47))
-        info = RequestInfo("p1", 40, {"do_remote_decode": True}, token_ids=[*prompt, 3])
+        engine_ids = ReadCountingIds([*prompt, 3])
+        info = RequestInfo("p1", 40, {"do_remote_decode": True}, token_ids=engine_ids)
         _, params = prefill.request_finished(info, ((1, 2, 3),))
         assert params is not None
+        assert engine_ids.num_reads == 0  # finishing packs nothing: the check packs them
+        engine_ids.append(9)  # the engine may grow its list; the lease's 40 ids stay
         lease_id = params["remote_lease_id"]
         refs = [
             LeaseRef("p1", lease_id, (), token_digest(prompt, 40)),
@@ -319,5 +392,6 @@ def test_prefill_binds_its_lease_to_the_prompt_it_leased() -> None:
         )
         assert status.held == (True, False)
         assert status.refused[0] == "" and "other tokens" in status.refused[1]
+        assert engine_ids.num_reads == 1
     finally:
         prefill.shutdown()

@@ -69,6 +69,7 @@ class SchedulerSide:
         backoff_tokens: int = 0,
     ) -> None:
         self.connector = connector
+        self._holds_finished = connector.holds_finished_requests  # fixed by its config
         self._kv_cache_config = kv_cache_config
         self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (vllm_semantics)
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
@@ -86,11 +87,14 @@ class SchedulerSide:
         (``backoff``, vllm_semantics)."""
         if params is None:
             params = kv_transfer_params(request)
-        num_tokens = int(request.num_prompt_tokens)
+        num_tokens = request.num_prompt_tokens
         backoff = self._backoff
         if backoff and num_tokens > backoff and loads_from_remote(params):
             num_tokens -= backoff
-        return RequestInfo(request.request_id, num_tokens, params, token_ids=_ids(request))
+        # A load's ids: it covers prompt tokens only, and vLLM's own prompt list (a plain
+        # list, the ids ``all_token_ids`` begins with) packs without ConstantList's slice.
+        prompt_ids = None if request.prompt_embeds is not None else request.prompt_token_ids
+        return RequestInfo(request.request_id, num_tokens, params, token_ids=prompt_ids)
 
     def start_side_channel(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         handshakes = []
@@ -112,7 +116,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = kv_transfer_params(request)
+        params = request.kv_transfer_params  # kv_transfer_params(request), inlined: every ask
         if params is None:
             return 0, False  # most requests: no call further
         return self.connector.get_num_new_matched_tokens(
@@ -168,20 +172,24 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = kv_transfer_params(request)
+        params = request.kv_transfer_params  # kv_transfer_params(request), inlined
         aborted = request.status not in _COMPLETE
-        info = RequestInfo(
-            request.request_id,
-            request.num_prompt_tokens,
-            params,
-            aborted,
-            request.num_computed_tokens,
-            _ids(request),
-        )
+        request_id, num_prompt_tokens = request.request_id, request.num_prompt_tokens
+        num_computed_tokens = request.num_computed_tokens
         if params is None or (
-            loads_from_remote(params) and not self.connector.holds_finished_requests
+            not self._holds_finished
+            and (  # loads_from_remote(params), inlined for the usual dict
+                params.get("do_remote_prefill") is True
+                if type(params) is dict
+                else loads_from_remote(params)
+            )
         ):
-            return self.connector.request_finished(info, ())  # a decode keeps no lease
+            # A decode keeps no lease: no blocks, and no ids to bind one to.
+            info = RequestInfo(request_id, num_prompt_tokens, params, aborted, num_computed_tokens)
+            return self.connector.request_finished(info, ())
+        info = RequestInfo(
+            request_id, num_prompt_tokens, params, aborted, num_computed_tokens, _ids(request)
+        )
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 
     def _transfer_block_ids(self, block_ids: Sequence[list[int]]) -> Sequence[Sequence[int]]:
