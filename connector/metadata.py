@@ -106,3 +106,6 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
     # Prefill with verify_kv: lease key -> this rank's digests of its blocks, per group.
     digests: dict[str, tuple[GroupDigests, ...]] = msgspec.field(default_factory=dict)
+    # Prefill with host staging and verify_kv: requests whose device->host copy left host
+    # blocks that differ from their device blocks; their leases end (nothing is read).
+    unsaved: tuple[str, ...] = ()

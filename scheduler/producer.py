@@ -197,6 +197,8 @@ class Producer:
 
     def on_reports(self, reports: Iterable[WorkerReport]) -> None:
         for report in reports:
+            for unsaved in report.unsaved:
+                self._end_unsaved(unsaved, report.tp_rank)
             for key, tables in report.digests.items():
                 request_id = self._by_key.get(key)
                 lease = None if request_id is None else self._book.get(request_id)
@@ -252,6 +254,30 @@ class Producer:
                 )
                 self._metrics.inc(LEASES_READER_RESTARTED)
                 self._end_early(request_id, RELEASED)
+
+    def _end_unsaved(self, request_id: str, tp_rank: int) -> None:
+        """A rank's staged copy of the request's blocks differs from its device blocks (host
+        staging, verify_kv): the digests and every READ would prove the host copy, so the
+        lease ends now and no reader is told it holds."""
+        lease = self._book.get(request_id)
+        if lease is None:
+            logger.warning(
+                "request %s: tp_rank %d's device->host copy of its KV differs from the device "
+                "blocks, but it holds no lease (not finished yet, or already ended)",
+                request_id,
+                tp_rank,
+            )
+            return
+        logger.warning(
+            "request %s: tp_rank %d's device->host copy of its KV differs from the device "
+            "blocks; ending its lease, so decode fails the load (its failure policy decides) "
+            "instead of reading that copy",
+            request_id,
+            tp_rank,
+        )
+        self._leases.release([lease.key])
+        self._metrics.inc(LEASES_RELEASED)
+        self._end_early(request_id, RELEASED)
 
     def take_finished(self) -> tuple[str, ...]:
         finished, self._finished = tuple(self._finished), []

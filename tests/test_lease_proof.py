@@ -500,6 +500,24 @@ STRAY_KEYS = {
 }
 
 
+def test_a_rank_report_of_an_unsaved_request_ends_its_lease_at_once() -> None:
+    """Host staging with verify_kv: a rank whose device->host copy differs reports the
+    request unsaved; the lease ends (no check says held) and its blocks are freed."""
+    clock = FakeClock()
+    leases = LeaseTable(DURATION_S)
+    producer = Producer(
+        engine_id="p", tp_size=2, leases=leases, clock=clock, address=lambda: (HOST, 7000),
+        boot_id=lambda: "b1",
+    )  # fmt: skip
+    _, params = producer.request_finished("p1", ((1,),))
+    _, other = producer.request_finished("p2", ((2,),))
+    assert params is not None and other is not None
+    producer.on_reports([WorkerReport(tp_rank=1, unsaved=("p1", "never-leased"))])
+    assert producer.take_finished() == ("p1",)
+    assert leases.held([("p1", params["remote_lease_id"])], clock()) == (False,)
+    assert leases.held([("p2", other["remote_lease_id"])], clock()) == (True,)  # untouched
+
+
 @pytest.mark.parametrize("stray", list(STRAY_KEYS.values()), ids=list(STRAY_KEYS))
 def test_a_rank_report_for_another_lease_key_is_stray_and_the_lease_stays_held(
     stray: str,

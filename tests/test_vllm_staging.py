@@ -299,6 +299,41 @@ def test_verify_kv_fails_a_load_whose_copy_to_the_device_differs_from_what_was_r
     assert output.finish_reason == (FinishReason.ERROR if broken else FinishReason.LENGTH)
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["copy-right", "copy-changes-a-value"])
+def test_verify_kv_ends_the_lease_of_a_request_whose_copy_to_the_host_differs(
+    make_pair: Any, broken: bool
+) -> None:
+    """Prefill's digests, and every READ, see the host copy of its blocks: a device->host copy
+    that differs from the device blocks ends the request's lease, so decode's load fails
+    (its failure policy decides) instead of succeeding on bytes prefill never computed."""
+    prefill, decode = make_pair({**STAGED, "verify_kv": True})
+
+    def copy_op(src: Any, dst: Any, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
+        for name, tensor in src.items():
+            dst[name][dst_ids] = tensor[src_ids].to(dst[name].device)
+        if broken and direction == "d2h":
+            first_layer = dst[sorted(dst)[0]]
+            first_layer[(dst_ids[0],) + (0,) * (first_layer.dim() - 1)] += 1.0  # one value
+
+    for worker in prefill.workers:
+        worker.set_host_xfer_buffer_ops(copy_op)
+    request_id, num_tokens = f"req-save-{broken}", 3 * BLOCK_SIZE
+    params = h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
+    decode.add(
+        h.make_request(
+            request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3
+        )
+    )
+
+    def ended(engine: h.Engine) -> bool:
+        prefill.step()
+        return engine.finished(request_id) is not None
+
+    decode.run_until(ended, timeout_s=20.0)
+    output = decode.finished(request_id)
+    assert output.finish_reason == (FinishReason.ERROR if broken else FinishReason.LENGTH)
+
+
 class _OnCuda(torch.Tensor):
     """A host tensor that says it lives on cuda:1: what the adapter reads off vLLM's caches."""
 

@@ -7,6 +7,7 @@ scheduler (vLLM's worker metadata), and echoes the scheduler's decisions to vLLM
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,8 @@ from worker.nixl_api import NixlAgent
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+
+logger = logging.getLogger(__name__)
 
 STAGED_COPY_DIFFERS = (
     f"{DIGEST_FAILED}: the host-to-device copy of the staged blocks differs from the host "
@@ -87,6 +90,7 @@ class WorkerSide:
         self._host: HostBuffer | None = None  # staging: what NIXL registers instead
         self._staged_loads: dict[str, BlockIds] = {}  # staging: blocks each awaited load fills
         self._last_saved: NixlPDMetadata | None = None
+        self._unsaved: list[str] = []  # staging + verify_kv: saves whose host copy differs
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV tensors (host or one GPU), or with staging a host mirror of them."""
@@ -121,7 +125,16 @@ class WorkerSide:
         if self._host is None or metadata is self._last_saved:
             return
         self._last_saved = metadata
-        self._host.to_host([save.block_ids for save in metadata.saves])
+        blocks = [save.block_ids for save in metadata.saves]
+        self._host.to_host(blocks)
+        if self._config.verify_kv:  # the digests will prove the host copy: it must be right
+            for index in self._host.copies_differ(blocks):
+                logger.warning(
+                    "request %s: the device->host copy of its KV differs from the device "
+                    "blocks; its lease ends",
+                    metadata.saves[index].request_id,
+                )
+                self._unsaved.append(metadata.saves[index].request_id)
 
     def get_handshake_metadata(self) -> NixlPDHandshakeMetadata:
         handshake = self._require().get_handshake_metadata()
@@ -149,6 +162,9 @@ class WorkerSide:
         if metadata is not None:
             self.start_load_kv(metadata)
         report = self._require().get_finished()
+        if self._unsaved:
+            report = msgspec.structs.replace(report, unsaved=tuple(self._unsaved))
+            self._unsaved.clear()
         echo, self._echo = self._echo, FinishedRequests()
         # Loads this rank ran are reported to vLLM now, by every rank (vLLM's aggregator waits
         # for all of them, as for its own connector); the scheduler never echoes those.
