@@ -6,8 +6,9 @@ for one reply (time this process spent stopped does not count against the timeou
 thread keeps its connected sockets, one per side channel, for the next exchange: a round trip
 on a connected socket skips TCP's and ZMQ's connection handshakes (0.06 ms instead of 0.3 ms
 on loopback, and fewer thread wake-ups on a busy host). A socket whose exchange failed in any
-way (timeout, zmq error) is closed, so a late reply can never answer a later request. Every request but Hello
-names the server's boot id (see connector/protocol.py): ``fetch_boot_id`` asks for it, and a
+way (timeout, zmq error) is closed, so a late reply can never answer a later request.
+
+Every request but Hello names the server's boot id (see connector/protocol.py): ``fetch_boot_id`` asks for it, and a
 call given no boot id asks first (one more round trip). Every failure (timeout, refused
 authentication, error reply, garbage, zmq error) raises HandshakeError with the reason;
 a server that restarted since ``boot_id`` was learned raises its subclass PeerRestarted, and
