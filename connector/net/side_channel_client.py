@@ -8,12 +8,12 @@ on a connected socket skips TCP's and ZMQ's connection handshakes (0.06 ms inste
 on loopback, and fewer thread wake-ups on a busy host). A socket whose exchange failed in any
 way (timeout, zmq error) is closed, so a late reply can never answer a later request.
 
-Every request but Hello names the server's boot id (see connector/protocol.py): ``fetch_boot_id`` asks for it, and a
-call given no boot id asks first (one more round trip). Every failure (timeout, refused
-authentication, error reply, garbage, zmq error) raises HandshakeError with the reason;
-a server that restarted since ``boot_id`` was learned raises its subclass PeerRestarted, and
-one that did not answer in time its subclass SideChannelTimeout.
-Calls are safe from any thread.
+Every request but Hello names the server's boot id (see connector/protocol.py):
+``fetch_boot_id`` asks for it, and a call given no boot id asks first (one more round trip).
+Every failure (timeout, refused authentication, error reply, garbage, zmq error) raises
+HandshakeError with the reason; a server that restarted since ``boot_id`` was learned raises
+its subclass PeerRestarted, and one that did not answer in time its subclass
+SideChannelTimeout. Calls are safe from any thread.
 """
 
 from __future__ import annotations
