@@ -265,24 +265,22 @@ def test_set_host_xfer_buffer_ops_is_used_for_every_copy(make_pair: Any) -> None
     )
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["control-a-right-copy", "one-bit-flipped"])
-def test_verify_kv_fails_a_load_whose_copy_to_the_device_differs_from_what_was_read(
-    make_pair: Any, broken: bool
-) -> None:
-    """verify_kv proves the host bytes the READs brought; the copy to the device after them
-    is compared with those bytes, and a load whose device blocks differ fails ("digest")."""
+def _finish_through_a_copy_op(make_pair: Any, side: str, broken_direction: str | None) -> Any:
+    """One request prefilled and decoded with verify_kv and host staging, ``side``'s copies
+    made by a copy op that changes one value of the copies in ``broken_direction`` ("d2h",
+    "h2d" or None); returns decode's finish reason."""
     prefill, decode = make_pair({**STAGED, "verify_kv": True})
 
     def copy_op(src: Any, dst: Any, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
         for name, tensor in src.items():
             dst[name][dst_ids] = tensor[src_ids].to(dst[name].device)
-        if broken and direction == "h2d":
+        if direction == broken_direction:
             first_layer = dst[sorted(dst)[0]]
             first_layer[(dst_ids[-1],) + (0,) * (first_layer.dim() - 1)] += 1.0  # one value
 
-    for worker in decode.workers:
+    for worker in (prefill if side == "prefill" else decode).workers:
         worker.set_host_xfer_buffer_ops(copy_op)
-    request_id, num_tokens = f"req-copy-{broken}", 3 * BLOCK_SIZE
+    request_id, num_tokens = f"req-{side}-{broken_direction}", 3 * BLOCK_SIZE
     params = h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
     decode.add(
         h.make_request(
@@ -295,8 +293,17 @@ def test_verify_kv_fails_a_load_whose_copy_to_the_device_differs_from_what_was_r
         return engine.finished(request_id) is not None
 
     decode.run_until(ended, timeout_s=20.0)
-    output = decode.finished(request_id)
-    assert output.finish_reason == (FinishReason.ERROR if broken else FinishReason.LENGTH)
+    return decode.finished(request_id).finish_reason
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["control-a-right-copy", "one-bit-flipped"])
+def test_verify_kv_fails_a_load_whose_copy_to_the_device_differs_from_what_was_read(
+    make_pair: Any, broken: bool
+) -> None:
+    """verify_kv proves the host bytes the READs brought; the copy to the device after them
+    is compared with those bytes, and a load whose device blocks differ fails ("digest")."""
+    reason = _finish_through_a_copy_op(make_pair, "decode", "h2d" if broken else None)
+    assert reason == (FinishReason.ERROR if broken else FinishReason.LENGTH)
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["copy-right", "copy-changes-a-value"])
@@ -306,32 +313,8 @@ def test_verify_kv_ends_the_lease_of_a_request_whose_copy_to_the_host_differs(
     """Prefill's digests, and every READ, see the host copy of its blocks: a device->host copy
     that differs from the device blocks ends the request's lease, so decode's load fails
     (its failure policy decides) instead of succeeding on bytes prefill never computed."""
-    prefill, decode = make_pair({**STAGED, "verify_kv": True})
-
-    def copy_op(src: Any, dst: Any, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
-        for name, tensor in src.items():
-            dst[name][dst_ids] = tensor[src_ids].to(dst[name].device)
-        if broken and direction == "d2h":
-            first_layer = dst[sorted(dst)[0]]
-            first_layer[(dst_ids[0],) + (0,) * (first_layer.dim() - 1)] += 1.0  # one value
-
-    for worker in prefill.workers:
-        worker.set_host_xfer_buffer_ops(copy_op)
-    request_id, num_tokens = f"req-save-{broken}", 3 * BLOCK_SIZE
-    params = h.prefill_for_decode(prefill, request_id, num_tokens, block_size=BLOCK_SIZE)
-    decode.add(
-        h.make_request(
-            request_id, num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params, max_tokens=3
-        )
-    )
-
-    def ended(engine: h.Engine) -> bool:
-        prefill.step()
-        return engine.finished(request_id) is not None
-
-    decode.run_until(ended, timeout_s=20.0)
-    output = decode.finished(request_id)
-    assert output.finish_reason == (FinishReason.ERROR if broken else FinishReason.LENGTH)
+    reason = _finish_through_a_copy_op(make_pair, "prefill", "d2h" if broken else None)
+    assert reason == (FinishReason.ERROR if broken else FinishReason.LENGTH)
 
 
 class _OnCuda(torch.Tensor):
