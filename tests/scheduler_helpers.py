@@ -108,7 +108,12 @@ class MoveLog:
 
 
 def make_decode(
-    clock: FakeClock, heartbeats: HeartbeatSender, spec: KVCacheSpec = DENSE, tp_size: int = 2
+    clock: FakeClock,
+    heartbeats: HeartbeatSender,
+    spec: KVCacheSpec = DENSE,
+    tp_size: int = 2,
+    *,
+    bind_at_allocation: bool = False,
 ) -> SchedulerConnector:
     return SchedulerConnector(
         CONFIG,
@@ -118,6 +123,7 @@ def make_decode(
         tp_size=tp_size,
         clock=clock,
         heartbeat_sender=heartbeats,
+        bind_params_at_allocation=bind_at_allocation,
     )
 
 

@@ -20,7 +20,6 @@ from connector.net.side_channel_client import send_heartbeat
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from tests.scheduler_helpers import (
-    CONFIG,
     DENSE,
     HEARTBEAT_S,
     LEASE_S,
@@ -93,21 +92,6 @@ def freed(prefill: SchedulerConnector) -> tuple[str, ...]:
     return prefill.take_finished().finished_sending
 
 
-def decode_engine(
-    clock: FakeClock, sender: HeartbeatSender, *, bind_at_allocation: bool = False
-) -> SchedulerConnector:
-    return SchedulerConnector(
-        CONFIG,
-        engine_id="decode-0",
-        role=Role.CONSUMER,
-        spec=DENSE,
-        tp_size=1,
-        clock=clock,
-        heartbeat_sender=sender,
-        bind_params_at_allocation=bind_at_allocation,
-    )
-
-
 def test_a_lease_outlives_its_length_while_the_engine_thread_runs_no_hook(
     prefill: SchedulerConnector, clock: FakeClock
 ) -> None:
@@ -116,7 +100,7 @@ def test_a_lease_outlives_its_length_while_the_engine_thread_runs_no_hook(
     Before the timer, heartbeats went out from build_connector_meta only: none was sent."""
     delivered = Delivered()
     sender = HeartbeatSender(secret=None, timeout_s=2.0, send=delivered)
-    decode = decode_engine(clock, sender)
+    decode = make_decode(clock, sender, tp_size=1)
     try:
         decode.get_num_new_matched_tokens(RequestInfo("d1", 40, leased(prefill)), 0)
         decode.build_connector_meta()  # the engine's last hook for a while
@@ -138,7 +122,7 @@ def test_a_claimed_request_keeps_its_lease_while_it_waits_for_blocks(
     Before, a claim was not heartbeated and prefill freed its blocks after one lease."""
     delivered = Delivered()
     sender = HeartbeatSender(secret=None, timeout_s=2.0, send=delivered)
-    decode = decode_engine(clock, sender, bind_at_allocation=True)
+    decode = make_decode(clock, sender, tp_size=1, bind_at_allocation=True)
     request = RequestInfo("d1", 40, leased(prefill))
     try:
         assert decode.get_num_new_matched_tokens(request, 0) == (40, True)
@@ -156,7 +140,7 @@ def test_a_claimed_request_keeps_its_lease_while_it_waits_for_blocks(
 
 def test_claimed_params_that_do_not_validate_are_not_heartbeated(clock: FakeClock) -> None:
     heartbeats = RecordingHeartbeats()
-    decode = decode_engine(clock, heartbeats, bind_at_allocation=True)
+    decode = make_decode(clock, heartbeats, tp_size=1, bind_at_allocation=True)
     good, bad = decode_request("d1"), decode_request("d2", remote_request_id="p2", remote_port=-1)
     for request in (good, bad):
         assert decode.get_num_new_matched_tokens(request, 0) == (40, True)  # claimed, unread
@@ -244,7 +228,7 @@ def test_a_request_that_leaves_the_heartbeating_states_is_heartbeated_no_more(
     clock: FakeClock, bind: bool, way_out: Steps
 ) -> None:
     heartbeats = RecordingHeartbeats()
-    decode = decode_engine(clock, heartbeats, bind_at_allocation=bind)
+    decode = make_decode(clock, heartbeats, tp_size=1, bind_at_allocation=bind)
     waits = decode_request("d0", remote_request_id="p0")  # stays, so heartbeats keep going
     request = decode_request("d1")
     for asked in (waits, request):
@@ -313,7 +297,7 @@ def test_prefill_frees_a_wedged_decodes_blocks_one_lease_after_the_limit(
     after, and prefill frees the blocks when the last heartbeat's lease runs out."""
     delivered = Delivered()
     sender = HeartbeatSender(secret=None, timeout_s=2.0, send=delivered)
-    decode = decode_engine(clock, sender)
+    decode = make_decode(clock, sender, tp_size=1)
     try:
         decode.get_num_new_matched_tokens(RequestInfo("d1", 40, leased(prefill)), 0)
         decode.build_connector_meta()  # its last step
