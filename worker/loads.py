@@ -157,6 +157,13 @@ class LoadTable:
 
     def abandon_all(self) -> None:
         """Shutdown: release every live READ handle (best effort) and drop the records."""
+        live = [load.request_id for load in self._loads.values() if load.posted]
+        if live:  # NIXL does not stop them: their bytes may still land in this memory
+            logger.error(
+                "shutting down with READs in flight for requests %s; NIXL cannot cancel them, "
+                "so their blocks must not be reused before this process exits",
+                live[:8],
+            )
         for load in self._loads.values():
             self._drop_handles(load)
             load.peer.load_detached()
