@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,8 +79,18 @@ class PeerProcess:
         self._proc.kill()
         self._proc.wait(timeout=10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the child (and its NIXL progress thread) stops answering READs."""
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT, if it still runs (a no-op for a child that was never paused)."""
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the child to quit; kill it if it has not exited within timeout_s."""
+        self.resume()  # a paused child would not read its stdin
         if self._proc.poll() is None:
             try:
                 assert self._proc.stdin is not None

@@ -101,6 +101,27 @@ def test_fake_released_mid_transfer_moves_nothing(fake_world: tuple[World, FakeF
         world.reader.check(transfer)
 
 
+def test_fake_released_mid_transfer_lands_later_when_asked_to(
+    fake_world: tuple[World, FakeFabric],
+) -> None:
+    """land_after_release: as NIXL over UCX, release() does not stop a READ in progress; its
+    bytes land after its stall, driven by the reader's later calls, and no notification."""
+    world, _ = fake_world
+    faults(world.reader).stall_polls = 2
+    faults(world.reader).land_after_release = True
+    transfer = small_read(world)
+    world.reader.post(transfer)
+    world.reader.release(transfer)
+    landed_after: list[bool] = []
+    for _ in range(4):
+        world.reader.get_new_notifs()  # the reader's progress
+        landed_after.append(landed(world))
+    assert landed_after == [False, False, True, True]
+    assert world.owner.get_new_notifs() == {}
+    with pytest.raises(TransferFailed, match="it is released"):
+        world.reader.check(transfer)
+
+
 def test_fake_peer_vanishing_mid_transfer_fails_it(fake_world: tuple[World, FakeFabric]) -> None:
     world, fabric = fake_world
     faults(world.reader).stall_polls = 1

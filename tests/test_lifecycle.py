@@ -22,6 +22,12 @@ from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from connector.metadata import BlockIds
 from connector.net.side_channel_client import send_heartbeat
+from connector.observability.metrics import (
+    QUARANTINED_BLOCKS,
+    QUARANTINED_LOADS,
+    UNQUARANTINED_BLOCKS,
+    default_recorder,
+)
 from connector.protocol import WorkerHandshake, lease_key
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
@@ -489,6 +495,46 @@ def test_prefill_agents_gone_fail_the_read(
     assert "remote agent disconnected" in (decode.outcomes["d-1"] or "")
     decode.finish(info)
     assert_accounted(decode)
+
+
+def test_timed_out_read_is_reported_only_once_it_can_no_longer_land(
+    engines: Callable[..., Engine], clock: Clock
+) -> None:
+    """Issue 30 item 5: NIXL over UCX does not stop a READ when its handle is released. A READ
+    stalled past the transfer timeout keeps decode's blocks (the load unreported) until it
+    ends; once reported, no byte lands in them."""
+    prefill = engines(Role.PRODUCER, make_spec(), 1)
+    decode = engines(Role.CONSUMER, make_spec(), 1)
+    agent = decode.agents[0]
+    agent.faults.stall_polls = 40  # a paused prefill: the READ stays in flight a while
+    agent.faults.land_after_release = True  # as UCX: release() does not stop it
+    before = default_recorder().snapshot().counters
+    info = decode.receive("d-1", prefill.prefill("p-1", 9), 9)
+    run_until([decode], lambda: agent.num_posted == 1)
+    clock.now_s += LEASE_S + 1  # past the transfer timeout (the lease duration)
+    sentinel = [buffer.copy() for buffers in decode.buffers for buffer in buffers]
+    run_until([decode], lambda: "d-1" in decode.outcomes)
+    assert "did not finish within" in (decode.outcomes["d-1"] or "")
+    assert _differs(decode, sentinel), "reported while its READ had not landed"
+    after_report = [buffer.copy() for buffers in decode.buffers for buffer in buffers]
+    for _ in range(60):  # longer than any stall left: a READ still live would land now
+        decode.step()
+    assert not _differs(decode, after_report), "a READ wrote blocks already reported"
+    after = default_recorder().snapshot().counters
+    counted = {
+        spec.name: sum(after.get(spec.name, {}).values()) - sum(before.get(spec.name, {}).values())
+        for spec in (QUARANTINED_LOADS, QUARANTINED_BLOCKS, UNQUARANTINED_BLOCKS)
+    }
+    num_blocks = sum(len(ids) for ids in decode.held["d-1"])
+    assert list(counted.values()) == [1, num_blocks, num_blocks]
+    decode.finish(info)
+    prefill.step()
+    assert_accounted(decode)
+
+
+def _differs(engine: Engine, snapshot: list[Any]) -> bool:
+    buffers = [buffer for per_rank in engine.buffers for buffer in per_rank]
+    return any((now != then).any() for now, then in zip(buffers, snapshot, strict=True))
 
 
 def test_incompatible_model_fails_and_prefill_lease_frees(

@@ -17,11 +17,18 @@ Fault injection (set the fields of ``agent.faults`` between steps):
     agent.faults.stall_polls = 3      # each READ it posts stays IN_PROGRESS for 3 checks
     agent.faults.drop_notifs = 1      # the next notification it sends is lost
     agent.faults.corrupt_notifs = 1   # the next one arrives as non-UTF-8 garbage
+    agent.faults.land_after_release = True  # release() of a READ in progress does not stop it
     fabric.vanish("prefill-0")        # that agent's process "dies": peers see disconnects
+
+``land_after_release`` models real NIXL over UCX, whose release of an unfinished READ returns
+success while the READ goes on: the released READ keeps counting down its stalled polls, one
+per later call of this agent's check, post or get_new_notifs (UCX's progress), and then its
+bytes land (its notification is dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import threading
@@ -65,6 +72,7 @@ class FakeFaults:
     stall_polls: int = 0
     drop_notifs: int = 0
     corrupt_notifs: int = 0
+    land_after_release: bool = False  # release() leaves a READ in progress running
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,7 @@ class FakeNixl:
         # remote agent -> the regions its loaded metadata described (every load adds)
         self._remote_agents: dict[str, frozenset[tuple[int, int]]] = {}
         self._closed = False
+        self._released_live: list[FakeRead] = []  # released in progress, still landing
         self._fabric.join(self)
 
     @property
@@ -277,6 +286,7 @@ class FakeNixl:
 
     def post(self, transfer: FakeRead) -> TransferState:
         self._live()
+        self._progress_released()
         if transfer.phase != "prepared":
             raise TransferFailed(f"cannot post the {transfer.describe()}: it is {transfer.phase}")
         transfer.phase = "posted"
@@ -290,6 +300,7 @@ class FakeNixl:
 
     def check(self, transfer: FakeRead) -> TransferState:
         self._live()
+        self._progress_released()
         if transfer.phase == "done":
             return TransferState.DONE
         if transfer.phase != "posted":
@@ -297,7 +308,10 @@ class FakeNixl:
         return self._advance(transfer)
 
     def release(self, transfer: FakeRead) -> None:
-        """Free the READ; one still in progress is cancelled: no bytes, no notification."""
+        """Free the READ; one still in progress is cancelled (no bytes, no notification),
+        unless ``faults.land_after_release``: then it goes on and lands later."""
+        if transfer.phase == "posted" and self.faults.land_after_release:
+            self._released_live.append(transfer)
         transfer.phase = "released"
 
     def send_notif(self, remote_agent: str, message: bytes) -> None:
@@ -308,6 +322,7 @@ class FakeNixl:
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         self._live()
+        self._progress_released()
         with self._fabric.lock:
             notifs, self._inbox = self._inbox, {}
         return notifs
@@ -339,6 +354,20 @@ class FakeNixl:
                 self._deliver(peer, transfer.notif)
         transfer.phase = "done"
         return TransferState.DONE
+
+    def _progress_released(self) -> None:
+        """One poll of every released READ still in progress: the bytes land when its stall
+        runs out (or it fails, as it would have, silently: nobody holds its handle)."""
+        for transfer in list(self._released_live):
+            if transfer.polls_left > 0:
+                transfer.polls_left -= 1
+                continue
+            self._released_live.remove(transfer)
+            transfer.notif = b""
+            transfer.phase = "posted"
+            with contextlib.suppress(TransferFailed):  # nobody holds its handle to hear it
+                self._advance(transfer)
+            transfer.phase = "released"
 
     def _check_ranges(self, transfer: FakeRead) -> FakeNixl:
         """Both sides' descriptors inside their agent's registered memory; call under lock.

@@ -3,10 +3,12 @@
     WAITING ──────────────► READING ──────────► CONFIRMING ──► SUCCEEDED
        │  \\                  │   \\                │  \\
        │   └─► FAILING ◄─────┘    └─► ABORT_READING ◄┘   └─► FAILED
-       │         │  \\                    │   ▲
-       │         ▼   └────────────────────┼───┘
-       ├──────► FAILED ◄── (READING,       ▼
-       │                   nothing live)  ABORTED
+       │         │  \\                    │   ▲   ▲
+       │         ▼   └────────────────────┼───┘   │
+       ├──────► FAILED ◄── (READING,       ▼       │
+       │          ▲        nothing live)  ABORTED  │
+       │          └──── QUARANTINED ──────────────┘
+       │               (from READING or FAILING, on the transfer timeout)
        └─► ABORT_WAITING ──────────────────► ABORTED
 
 A load waits for its peer's handshake (WAITING), posts its READs (READING), then, with every
@@ -14,6 +16,11 @@ READ landed, waits for prefill's word that the lease still holds (CONFIRMING: th
 worker/lease_proof.py) and ends once: SUCCEEDED, FAILED or ABORTED. A failure or an abort while READs are live waits for them
 (FAILING, ABORT_READING): decode blocks are never handed back under a READ. An abort before
 anything was posted still waits for the handshake (ABORT_WAITING), to notify prefill.
+
+A READ past the transfer timeout is not released: NIXL's release of an unfinished READ over
+UCX returns success without stopping it (a paused peer's bytes still land later). The load
+fails but stays QUARANTINED, not reported and its blocks held, until the backend says every
+READ ended (DONE, or an error such as the peer's disconnect); only then is it FAILED.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class RankLoadState(enum.Enum):
     CONFIRMING = enum.auto()  # every READ landed; asking prefill whether the lease held
     FAILING = enum.auto()  # failed (``failure`` says why); READs still live
     ABORT_READING = enum.auto()  # aborted while READs are live
+    QUARANTINED = enum.auto()  # timed out; READs the backend has not ended may still land
     SUCCEEDED = enum.auto()
     FAILED = enum.auto()
     ABORTED = enum.auto()
@@ -53,9 +61,10 @@ RANK_LOAD_LIFECYCLE = TransitionTable(
     {
         _L.WAITING: {_L.READING, _L.FAILING, _L.SUCCEEDED, _L.FAILED, _L.ABORT_WAITING},
         _L.ABORT_WAITING: {_L.ABORTED},
-        _L.READING: {_L.CONFIRMING, _L.FAILING, _L.FAILED, _L.ABORT_READING},
+        _L.READING: {_L.CONFIRMING, _L.FAILING, _L.FAILED, _L.ABORT_READING, _L.QUARANTINED},
         _L.CONFIRMING: {_L.SUCCEEDED, _L.FAILED, _L.ABORT_READING},
-        _L.FAILING: {_L.FAILED, _L.ABORT_READING},
+        _L.FAILING: {_L.FAILED, _L.ABORT_READING, _L.QUARANTINED},
+        _L.QUARANTINED: {_L.FAILED, _L.ABORT_READING},
         _L.ABORT_READING: {_L.ABORTED},
         _L.SUCCEEDED: (),
         _L.FAILED: (),
@@ -64,7 +73,7 @@ RANK_LOAD_LIFECYCLE = TransitionTable(
 )
 _ABORTING = frozenset({_L.ABORT_WAITING, _L.ABORT_READING})
 _TERMINAL = RANK_LOAD_LIFECYCLE.terminal  # a property that builds its set: once here
-_POSTED = frozenset({_L.READING, _L.FAILING, _L.ABORT_READING})
+_POSTED = frozenset({_L.READING, _L.FAILING, _L.ABORT_READING, _L.QUARANTINED})
 
 
 @dataclass(eq=False)
@@ -86,6 +95,8 @@ class Load:
     proof_ticket: int | None = None  # the lease check in flight (WAITING or CONFIRMING)
     prechecked: bool = False  # the check before posting said the lease holds, or was skipped
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
+    quarantined_s: float | None = None  # when a READ outlived the transfer timeout
+    stuck_logged: bool = False  # the quarantine outlasted its bound and said so once
     timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
 
     def __post_init__(self) -> None:
@@ -128,8 +139,19 @@ class Load:
     def abort(self) -> None:
         if self.state is _L.WAITING:
             self.move(_L.ABORT_WAITING)
-        elif self.state in (_L.READING, _L.FAILING, _L.CONFIRMING):
+        elif self.state in (_L.READING, _L.FAILING, _L.CONFIRMING, _L.QUARANTINED):
             self.move(_L.ABORT_READING)
+
+    def quarantine(self, reason: str, now_s: float) -> bool:
+        """A live READ outlived the transfer timeout: fail, but keep the blocks until the
+        backend ends it. True the first time (for metrics and the log)."""
+        self.fail(reason)
+        if self.state in (_L.READING, _L.FAILING):
+            self.move(_L.QUARANTINED)
+        if self.quarantined_s is not None:
+            return False
+        self.quarantined_s = now_s
+        return True
 
     def end(self) -> None:
         """End now, nothing live: aborted if it was, else failed or succeeded."""

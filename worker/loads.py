@@ -8,6 +8,13 @@ covered remote rank gets its free notification: none rides a READ, so this rank'
 notification cannot end the lease before the proof. It ends once, with success or a reason,
 and only when no posted READ is live: decode blocks are never handed back under a READ.
 
+A READ past the transfer timeout is never released while NIXL says it is in progress: over
+UCX, release() of an unfinished READ returns success and the READ still lands. The load is
+failed but QUARANTINED: unreported, its blocks held by the engine, counted in
+nixl_pd_quarantined_* metrics, until every READ is DONE or in error (a resumed or dead peer).
+A quarantine longer than QUARANTINE_WARN_TIMEOUTS transfer timeouts is logged as an error
+once; the blocks stay held however long it lasts.
+
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
 A failed load notifies the covered ranks too (best effort), so prefill does not hold its
@@ -28,7 +35,13 @@ from collections.abc import Callable, Sequence
 from connector.errors import ConnectorError
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
-from connector.observability.metrics import MetricsRecorder, default_recorder
+from connector.observability.metrics import (
+    QUARANTINED_BLOCKS,
+    QUARANTINED_LOADS,
+    UNQUARANTINED_BLOCKS,
+    MetricsRecorder,
+    default_recorder,
+)
 from connector.protocol import DigestClaim
 from worker.lease_proof import BEFORE_READS, PREFILL_RESTARTED, LeaseProofs, unprovable_reason
 from worker.load_lifecycle import ABORTED_REASON, Load, OnMove, RankLoadState, ReadKey
@@ -43,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 ABORTED = ABORTED_REASON
 MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
+QUARANTINE_WARN_TIMEOUTS = 4  # a quarantine this many transfer timeouts long is logged as stuck
 
 Outcome = tuple[str, str | None]  # (request id, failure reason or None for success)
 
@@ -73,6 +87,7 @@ class LoadTable:
         self._local_memory = local_memory
         self._clock = clock
         self._transfer_timeout_s = transfer_timeout_s
+        self._quarantine_warn_s = QUARANTINE_WARN_TIMEOUTS * transfer_timeout_s
         self._handshake_wait_s = handshake_wait_s
         self._on_peer_failure = on_peer_failure
         self._proofs = proofs
@@ -142,6 +157,13 @@ class LoadTable:
 
     def abandon_all(self) -> None:
         """Shutdown: release every live READ handle (best effort) and drop the records."""
+        live = [load.request_id for load in self._loads.values() if load.posted]
+        if live:  # NIXL does not stop them: their bytes may still land in this memory
+            logger.error(
+                "shutting down with READs in flight for requests %s; NIXL cannot cancel them, "
+                "so their blocks must not be reused before this process exits",
+                live[:8],
+            )
         for load in self._loads.values():
             self._drop_handles(load)
             load.peer.load_detached()
@@ -293,12 +315,35 @@ class LoadTable:
                 load.timeline.done_s = self._clock()
                 self._release(load, key)
             elif self._clock() - load.created_s > self._transfer_timeout_s:
-                load.fail(
+                # Not released: releasing an unfinished READ does not stop it (UCX).
+                self._quarantine(
+                    load,
                     f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} did not "
-                    f"finish within {self._transfer_timeout_s} s"
+                    f"finish within {self._transfer_timeout_s} s",
                 )
-                # A READ the backend cannot cancel stays live: keep waiting for it.
-                self._release(load, key, keep_if_live=True)
+
+    def _quarantine(self, load: Load, reason: str) -> None:
+        """Hold a timed-out load, unreported with its blocks, until its READs end."""
+        now_s = self._clock()
+        if load.quarantine(reason, now_s):
+            self._metrics.inc(QUARANTINED_LOADS)
+            self._metrics.inc(QUARANTINED_BLOCKS, amount=_num_blocks(load))
+            logger.warning(
+                "request %s: %s; its %d blocks stay quarantined (not reported to the engine) "
+                "until NIXL says the READ ended",
+                load.request_id, reason, _num_blocks(load),
+            )  # fmt: skip
+            return
+        held_s = now_s - (load.quarantined_s or now_s)
+        if held_s > self._quarantine_warn_s and not load.stuck_logged:
+            load.stuck_logged = True
+            logger.error(
+                "request %s: a READ from prefill engine %s at %s has not ended %.0f s after its "
+                "timeout; its %d blocks stay held until it does. NIXL cannot cancel a READ: "
+                "resume or stop that prefill engine (its disconnect ends the READ in an error)",
+                load.request_id, load.peer.engine_id, load.peer.address, held_s,
+                _num_blocks(load),
+            )  # fmt: skip
 
     def _finish(self, load: Load) -> Outcome:
         del self._loads[load.request_id]
@@ -319,6 +364,13 @@ class LoadTable:
             self._on_peer_failure(load.peer)
         if load.state is RankLoadState.FAILED:
             logger.warning("request %s failed: %s", load.request_id, reason)
+        if load.quarantined_s is not None:
+            self._metrics.inc(UNQUARANTINED_BLOCKS, amount=_num_blocks(load))
+            held_s = self._clock() - load.quarantined_s
+            logger.warning(
+                "request %s: its READs ended %.1f s into quarantine; its blocks go back",
+                load.request_id, held_s,
+            )  # fmt: skip
         record_outcome(self._metrics, self._agent.name, load, reason, self._clock())
         return load.request_id, reason
 
@@ -328,13 +380,15 @@ class LoadTable:
         )
         self._on_peer_failure(load.peer)
 
-    def _release(self, load: Load, key: ReadKey, *, keep_if_live: bool = False) -> None:
-        """Release a READ handle; with ``keep_if_live`` a handle that will not release stays."""
+    def _release(self, load: Load, key: ReadKey) -> None:
+        """Release the handle of a READ that ended (DONE, failed, or never posted)."""
         try:
             self._agent.release(load.posted[key])
         except ConnectorError as error:
             logger.warning("request %s: releasing READ handle failed: %s", load.request_id, error)
-            if keep_if_live:
-                return
         del load.posted[key]
         load.peer.transfer_ended()
+
+
+def _num_blocks(load: Load) -> int:
+    return 0 if load.spec is None else sum(len(ids) for ids in load.spec.local_block_ids)

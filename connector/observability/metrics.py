@@ -180,6 +180,26 @@ HANDSHAKE_FAILURES = MetricSpec(
     label="reason",
     label_values=HANDSHAKE_FAILURE_KINDS,
 )
+QUARANTINED_LOADS = MetricSpec(
+    "nixl_pd_quarantined_loads_total",
+    COUNTER,
+    "requests",
+    "Decode: loads whose READ outlived the transfer timeout. NIXL cannot cancel a READ, so "
+    "such a load is reported (failed) only once the backend says its READs ended.",
+)
+QUARANTINED_BLOCKS = MetricSpec(
+    "nixl_pd_quarantined_blocks_total",
+    COUNTER,
+    "blocks",
+    "Decode: blocks of quarantined loads, held from the engine while a READ may still write "
+    "them. Minus nixl_pd_unquarantined_blocks_total: the blocks held in quarantine now.",
+)
+UNQUARANTINED_BLOCKS = MetricSpec(
+    "nixl_pd_unquarantined_blocks_total",
+    COUNTER,
+    "blocks",
+    "Decode: blocks of quarantined loads given back once every READ of the load ended.",
+)
 
 METRICS: tuple[MetricSpec, ...] = (
     TRANSFER_SECONDS,
@@ -198,6 +218,9 @@ METRICS: tuple[MetricSpec, ...] = (
     LEASES_RELEASED,
     LEASES_READER_RESTARTED,
     HANDSHAKE_FAILURES,
+    QUARANTINED_LOADS,
+    QUARANTINED_BLOCKS,
+    UNQUARANTINED_BLOCKS,
 )
 METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
 
