@@ -30,6 +30,7 @@ from connector.vllm.semantics import (
     kv_transfer_params,
     loads_from_remote,
     ssm_scratch_blocks,
+    transferred_prompt_tokens,
 )
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import FinishedRequests, RequestInfo
@@ -71,7 +72,9 @@ class SchedulerSide:
         self.connector = connector
         self._holds_finished = connector.holds_finished_requests  # fixed by its config
         self._kv_cache_config = kv_cache_config
-        self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (vllm_semantics)
+        self._backoff = (
+            backoff_tokens  # prompt tokens prefill leaves to decode (connector/vllm/semantics.py)
+        )
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
         self._has_ssm = any(scratch is not None for scratch in self._ssm_scratch)
         self._num_groups = len(kv_cache_config.kv_cache_groups)
@@ -83,14 +86,13 @@ class SchedulerSide:
 
     def _request_info(self, request: Request, params: dict[str, Any] | None = None) -> RequestInfo:
         """The request as our connector sees it (``params``: its kv_transfer_params, if read
-        already): a decode load covers the prompt less the tokens prefill left to decode
-        (``backoff``, vllm_semantics)."""
+        already): a decode load covers the prompt tokens prefill computed for it
+        (``transferred_prompt_tokens``, whatever either request asked)."""
         if params is None:
             params = kv_transfer_params(request)
         num_tokens = request.num_prompt_tokens
-        backoff = self._backoff
-        if backoff and num_tokens > backoff and loads_from_remote(params):
-            num_tokens -= backoff
+        if self._backoff and loads_from_remote(params):  # prefill counted it the same way
+            num_tokens = transferred_prompt_tokens(num_tokens, self._backoff)
         # A load's ids: it covers prompt tokens only, and vLLM's own prompt list (a plain
         # list, the ids ``all_token_ids`` begins with) packs without ConstantList's slice.
         prompt_ids = None if request.prompt_embeds is not None else request.prompt_token_ids

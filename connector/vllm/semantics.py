@@ -7,6 +7,14 @@ tokens short and decode loads ``N - backoff`` tokens, deriving h(N) itself. Mult
 prediction keeps its lookahead window off the prefiller the same way. With speculative
 decoding vLLM co-allocates scratch SSM slots after the running state: only the running
 state is transferred.
+
+A state is the state after exactly its tokens, so both sides count the transfer with one
+function, ``transferred_prompt_tokens``, of what both see alike: the prompt's length and the
+model's back-off. No request option enters it: prompt logprobs, sampling parameters and
+prompt embeddings back off like any request. (A decode request that skips reading the prefix
+cache, prompt logprobs there, loads nothing: vLLM's scheduler zeroes its external tokens and
+our connector releases the lease.) Engines whose back-offs differ (one runs multi-token
+prediction, the other not) count differently; the holder's count check then fails the load.
 """
 
 from __future__ import annotations
@@ -76,22 +84,35 @@ def offers_to_decode(params: Mapping[str, Any] | None) -> bool:
     return raw_flag(params, "do_remote_decode")
 
 
-def truncate_for_prefill(request: Request, backoff: int) -> bool:
-    """Prefill side: drop the last ``backoff`` prompt tokens of a do_remote_decode request.
+def transferred_prompt_tokens(num_prompt_tokens: int, backoff: int) -> int:
+    """The prompt tokens a prefill->decode transfer covers: prefill computes them, decode loads
+    them. All but the last ``backoff``; none when the prompt has no more than that (decode
+    computes it whole: a state for all of it would take its last token twice)."""
+    if backoff <= 0:
+        return num_prompt_tokens
+    return max(num_prompt_tokens - backoff, 0)
 
-    Returns whether it did. A request that skips the prefix cache (prompt logprobs) is left
-    whole: decode recomputes its whole prompt and loads nothing.
+
+def truncate_for_prefill(request: Request, backoff: int) -> bool:
+    """Prefill side: drop the prompt tokens of a do_remote_decode request that decode computes
+    (``transferred_prompt_tokens``); returns whether it did.
+
+    Every such request, whatever it asks (prompt logprobs included: their values for the
+    dropped tokens are decode's to give), so that the state prefill leases is the one decode
+    loads. A prompt no longer than ``backoff`` stays whole: decode loads none of it.
     """
+    num_tokens = transferred_prompt_tokens(request.num_prompt_tokens, backoff)
     if (
-        backoff <= 0
+        num_tokens in (0, request.num_prompt_tokens)
         or not offers_to_decode(kv_transfer_params(request))
-        or request.num_prompt_tokens <= backoff
-        or request.prompt_token_ids is None
-        or request.get_skip_reading_prefix_cache()
+        or (request.prompt_token_ids is None and request.prompt_embeds is None)
     ):
         return False
-    del request.prompt_token_ids[-backoff:]
-    del request._all_token_ids[-backoff:]
-    request.num_prompt_tokens -= backoff
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[num_tokens:]
+    if request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:num_tokens]
+    del request._all_token_ids[num_tokens:]
+    request.num_prompt_tokens = num_tokens
     request.max_tokens = 1
     return True
