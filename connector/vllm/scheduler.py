@@ -27,6 +27,7 @@ from connector.vllm.messages import (
 )
 from connector.vllm.semantics import (
     clip_ssm_groups,
+    kv_salt,
     kv_transfer_params,
     loads_from_remote,
     ssm_scratch_blocks,
@@ -96,7 +97,9 @@ class SchedulerSide:
         # A load's ids: it covers prompt tokens only, and vLLM's own prompt list (a plain
         # list, the ids ``all_token_ids`` begins with) packs without ConstantList's slice.
         prompt_ids = None if request.prompt_embeds is not None else request.prompt_token_ids
-        return RequestInfo(request.request_id, num_tokens, params, token_ids=prompt_ids)
+        return RequestInfo(
+            request.request_id, num_tokens, params, token_ids=prompt_ids, kv_salt=kv_salt(request)
+        )
 
     def start_side_channel(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         handshakes = []
@@ -190,7 +193,13 @@ class SchedulerSide:
             info = RequestInfo(request_id, num_prompt_tokens, params, aborted, num_computed_tokens)
             return self.connector.request_finished(info, ())
         info = RequestInfo(
-            request_id, num_prompt_tokens, params, aborted, num_computed_tokens, _ids(request)
+            request_id,
+            num_prompt_tokens,
+            params,
+            aborted,
+            num_computed_tokens,
+            _ids(request),
+            kv_salt(request),
         )
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 

@@ -1,4 +1,4 @@
-"""vLLM's decode semantics the adapter mirrors: the prefill backoff and SSM scratch slots.
+"""vLLM's request semantics the adapter mirrors: what a transfer covers, and of which state.
 
 After a full external load vLLM's decode recomputes the last loaded prompt token to get its
 logits. Attention does not mind (the slot is rewritten with the same values), but a recurrent
@@ -15,6 +15,9 @@ prompt embeddings back off like any request. (A decode request that skips readin
 cache, prompt logprobs there, loads nothing: vLLM's scheduler zeroes its external tokens and
 our connector releases the lease.) Engines whose back-offs differ (one runs multi-token
 prediction, the other not) count differently; the holder's count check then fails the load.
+
+A LoRA adapter, a cache salt and multimodal inputs change a prompt's KV without changing its
+ids: ``kv_salt`` names them for the lease's token binding (connector/token_digest.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from connector.params import raw_flag
+from connector.token_digest import KVSalt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,6 +69,30 @@ def clip_ssm_groups(
 def _running_state(group: Sequence[int], num_scratch: int) -> Sequence[int]:
     keep = len(group) - min(num_scratch, len(group) - 1)
     return group[keep - 1 : keep]
+
+
+def kv_salt(request: Request) -> KVSalt:
+    """What the request's KV depends on besides its ids, as vLLM's prefix cache hashes it
+    (the "extra keys" of its block hashes): the LoRA adapter's name, the cache salt (both from
+    token 0 on), and each multimodal item's hash and placeholder length, from its offset on.
+    () for a plain request. Prompt embeddings are not here: their leases bind no ids at all.
+
+    The adapter is named, not located: engines may keep one adapter at different paths, so
+    they must give one name to one adapter.
+    """
+    lora, cache_salt, features = request.lora_request, request.cache_salt, request.mm_features
+    if lora is None and not cache_salt and not features:
+        return ()
+    parts: list[tuple[int, bytes]] = []
+    if lora is not None:
+        parts.append((0, b"lora\0" + lora.lora_name.encode()))
+    if cache_salt:
+        parts.append((0, b"cache_salt\0" + cache_salt.encode()))
+    for feature in features:
+        position = feature.mm_position
+        identity = f"{feature.identifier}\0{position.length}".encode()
+        parts.append((position.offset, b"mm\0" + identity))
+    return tuple(parts)
 
 
 def kv_transfer_params(request: Request) -> dict[str, Any] | None:
