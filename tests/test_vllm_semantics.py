@@ -21,12 +21,14 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
     )
 
 import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
 )
+from vllm.v1.request import Request  # noqa: E402
 
 from connector.errors import UnsupportedConfiguration  # noqa: E402
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
@@ -219,6 +221,22 @@ def test_a_plain_request_is_not_truncated(hybrid: Any) -> None:
     request = h.make_request("plain", 20, block_size=BLOCK_SIZE)
     assert not truncate_for_prefill(request, 1)
     assert request.num_prompt_tokens == 20
+
+
+def test_a_prompt_of_embeddings_backs_off_like_one_of_ids() -> None:
+    """Decode counts an embeddings prompt as any other (transferred_prompt_tokens), so prefill
+    must stop short of it too: the state it leases is the one decode loads."""
+    request = Request(
+        request_id="embeds",
+        prompt_token_ids=None,
+        prompt_embeds=torch.ones(20, 8),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+    )
+    request.kv_transfer_params = {"do_remote_decode": True}
+    assert truncate_for_prefill(request, 1)
+    assert request.num_prompt_tokens == len(request.all_token_ids) == 19
+    assert request.prompt_embeds is not None and request.prompt_embeds.shape[0] == 19
 
 
 def test_decode_context_parallel_is_refused_at_start(tmp_path: Path) -> None:

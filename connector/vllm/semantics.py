@@ -14,7 +14,8 @@ model's back-off. No request option enters it: prompt logprobs, sampling paramet
 prompt embeddings back off like any request. (A decode request that skips reading the prefix
 cache, prompt logprobs there, loads nothing: vLLM's scheduler zeroes its external tokens and
 our connector releases the lease.) Engines whose back-offs differ (one runs multi-token
-prediction, the other not) count differently; the holder's count check then fails the load.
+prediction, the other not) count differently: the state prefill leased is then not the one
+decode needs, and a state lease is readable only for its exact count (scheduler/leases.py).
 
 A LoRA adapter, a cache salt and multimodal inputs change a prompt's KV without changing its
 ids: ``kv_salt`` names them for the lease's token binding (connector/token_digest.py).
