@@ -73,9 +73,7 @@ class SchedulerSide:
         self.connector = connector
         self._holds_finished = connector.holds_finished_requests  # fixed by its config
         self._kv_cache_config = kv_cache_config
-        self._backoff = (
-            backoff_tokens  # prompt tokens prefill leaves to decode (connector/vllm/semantics.py)
-        )
+        self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (semantics.py)
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
         self._has_ssm = any(scratch is not None for scratch in self._ssm_scratch)
         self._num_groups = len(kv_cache_config.kv_cache_groups)

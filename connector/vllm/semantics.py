@@ -141,6 +141,9 @@ def truncate_for_prefill(request: Request, backoff: int) -> bool:
         del request.prompt_token_ids[num_tokens:]
     if request.prompt_embeds is not None:
         request.prompt_embeds = request.prompt_embeds[:num_tokens]
+    is_token_ids = getattr(request, "prompt_is_token_ids", None)  # ids and embeddings mixed
+    if is_token_ids is not None:
+        request.prompt_is_token_ids = is_token_ids[:num_tokens]
     del request._all_token_ids[num_tokens:]
     request.num_prompt_tokens = num_tokens
     request.max_tokens = 1
