@@ -194,6 +194,7 @@ class SchedulerConnector:
             num_computed_tokens,
             parsed,
             token_ids=request.token_ids,
+            kv_salt=request.kv_salt,
         )
 
     def _ask_before_allocation(
@@ -309,7 +310,11 @@ class SchedulerConnector:
         if params is None or request.aborted or not params.do_remote_decode:
             return False, None
         return self._producer.request_finished(
-            request.request_id, block_ids, request.num_prompt_tokens, token_ids=request.token_ids
+            request.request_id,
+            block_ids,
+            request.num_prompt_tokens,
+            token_ids=request.token_ids,
+            kv_salt=request.kv_salt,
         )
 
     def _hold_for_next_turn(
@@ -332,6 +337,7 @@ class SchedulerConnector:
             num_tokens,
             hold_s=self._config.decoder_kv_blocks_ttl_s,
             token_ids=request.token_ids,
+            kv_salt=request.kv_salt,
         )
 
     def update_connector_output(self, reports: Sequence[WorkerReport]) -> None:

@@ -42,7 +42,7 @@ from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
 from connector.protocol import ReaderId, lease_key
-from connector.token_digest import token_digest
+from connector.token_digest import KVSalt, token_digest
 from scheduler.heartbeat_registry import HeartbeatRegistry
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
@@ -102,6 +102,7 @@ class RequestLoad:
     failures: dict[int, str] = dataclasses.field(default_factory=dict)  # tp_rank -> reason
     finished: bool = False  # request_finished was called: forget the record once it is quiet
     token_ids: Sequence[int] | None = None  # the request's ids, digested once, at its LoadSpec
+    kv_salt: KVSalt = ()  # what else their KV depends on, digested with them
 
 
 class Consumer:
@@ -154,13 +155,19 @@ class Consumer:
         num_cached_tokens: int,
         parsed: ParsedParams | None = None,
         token_ids: Sequence[int] | None = None,  # the request's; its first num_tokens are loaded
+        kv_salt: KVSalt = (),  # what else their KV depends on (connector/token_digest.py)
     ) -> tuple[int, bool]:
         """The read params' answer: ``source`` holds tokens [0, num_tokens) of the prompt."""
         load = self._loads.get(request_id)
         num_new_tokens = num_tokens - num_cached_tokens
         if load is None:
             load = RequestLoad(
-                source, num_tokens, num_cached_tokens, parsed=parsed, token_ids=token_ids
+                source,
+                num_tokens,
+                num_cached_tokens,
+                parsed=parsed,
+                token_ids=token_ids,
+                kv_salt=kv_salt,
             )
             self._loads.start(request_id, load, MATCHED)
             self._keepalive.hold(request_id, source)
@@ -171,7 +178,7 @@ class Consumer:
                 self._keepalive.hold(request_id, source)
             load.source, load.num_tokens = source, num_tokens
             load.num_cached_tokens, load.parsed = num_cached_tokens, parsed
-            load.token_ids = token_ids
+            load.token_ids, load.kv_salt = token_ids, kv_salt
             if load.state is CLAIMED:
                 self._loads.move(request_id, MATCHED)
         else:
@@ -348,7 +355,7 @@ class Consumer:
         """The load's source as its ranks check it: naming this reader and the tokens the
         load expects the remote blocks to hold (its request's first ``num_tokens``)."""
         source = _source_of(load)
-        tokens = token_digest(load.token_ids, load.num_tokens)
+        tokens = token_digest(load.token_ids, load.num_tokens, load.kv_salt)
         load.token_ids = None  # digested: keep no engine list past this step
         if tokens is None and self._reader is None:
             return source

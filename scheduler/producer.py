@@ -39,7 +39,7 @@ from connector.observability.metrics import (
 )
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
-from connector.token_digest import HeldTokens
+from connector.token_digest import HeldTokens, KVSalt
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
@@ -121,13 +121,15 @@ class Producer:
         *,
         hold_s: float | None = None,
         token_ids: Sequence[int] | None = None,
+        kv_salt: KVSalt = (),
     ) -> tuple[bool, dict[str, Any] | None]:
         """Lease the blocks and return the params their reader needs; (False, None) if we
         cannot.
 
         ``num_tokens``: the tokens whose KV the blocks hold, returned as remote_num_tokens.
         ``token_ids``: the request's ids, its first ``num_tokens`` those tokens: the lease is
-        bound to them (a reader expecting others is refused); None: not bound.
+        bound to them (a reader expecting others is refused); None: not bound. ``kv_salt``:
+        what else their KV depends on, bound with them (connector/token_digest.py).
         ``hold_s`` (a decode engine in bidirectional mode): hold the finished request's
         blocks that long for the next turn's prefill, and return the params it needs.
         """
@@ -147,7 +149,7 @@ class Producer:
         key = lease_key(request_id, lease_id)
         # Bound to the engine's ids as they are: the side-channel thread packs them when a
         # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
-        tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0)
+        tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0, kv_salt)
         expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens)
         digest = None
         if self._verify_kv:

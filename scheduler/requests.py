@@ -10,6 +10,7 @@ import msgspec
 
 from connector.metadata import RemoteSource
 from connector.params import KVTransferParams
+from connector.token_digest import KVSalt
 
 
 class Role(enum.Enum):
@@ -49,6 +50,12 @@ class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cyc
     # None: unknown (prompt embeddings, an engine that does not pass them): leases are not
     # bound.
     token_ids: Sequence[int] | None = None
+    # What the KV of those ids depends on besides them (a LoRA adapter, a cache salt,
+    # multimodal inputs), as parts (first token position affected, bytes): bound with the ids,
+    # so a reader whose request differs in any is refused (connector/token_digest.py KVSalt).
+    # Both sides of a transfer must derive the parts alike from their requests. (): the ids'
+    # KV depends on nothing else.
+    kv_salt: KVSalt = ()
 
 
 class FinishedRequests(msgspec.Struct):

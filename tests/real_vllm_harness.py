@@ -485,11 +485,15 @@ def complete_streamed(
 
 
 def prefill_params(
-    prefill_url: str, prompt_ids: Sequence[int], *, timeout_s: float = REQUEST_TIMEOUT_S
+    prefill_url: str,
+    prompt_ids: Sequence[int],
+    *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+    **extra: Any,
 ) -> dict[str, Any]:
     """Ask a prefill engine directly, as the proxy does, for the kv_transfer_params that a
-    decode engine needs for ``prompt_ids``."""
-    body = completion_body(prompt_ids, 1, kv_transfer_params={"do_remote_decode": True})
+    decode engine needs for ``prompt_ids`` (``extra``: more request fields, prefill's only)."""
+    body = completion_body(prompt_ids, 1, kv_transfer_params={"do_remote_decode": True}, **extra)
     with _open(prefill_url, body, timeout_s) as response:
         params = json.loads(response.read()).get("kv_transfer_params")
     if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:

@@ -39,6 +39,7 @@ from tests.real_vllm_harness import (
     Deployment,
     build_model,
     complete,
+    prefill_params,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
@@ -221,3 +222,33 @@ def test_same_prompts_again_hit_decode_prefix_cache_as_vllms_connector_does(
     )
     # Whatever the cache did not serve was loaded again, digest-checked.
     assert external_tokens(hybrid.ours) - loaded_before + ours >= sum(len(p) - 1 for p in prompts)
+
+
+def test_prefill_asking_prompt_logprobs_decodes_like_vllms_connector(hybrid: Hybrid) -> None:
+    """Prefill alone asks for prompt logprobs (which skip vLLM's prefix cache): it still stops
+    where decode's load starts, so decode takes the state of exactly the tokens it loads and
+    decodes as vLLM's pair does for the plain request (once prefill kept the whole prompt
+    then, and decode applied the last token to a state that had it already). Both pairs see
+    the prompt first: each prefill computes it from scratch. One engine is compared and
+    reported, as for every prompt here."""
+    num_tokens = hybrid.block_size + 37
+    prompt_ids = prompt(seed=4242, num_tokens=num_tokens)
+    params = prefill_params(hybrid.ours.prefill.url, prompt_ids, prompt_logprobs=1)
+    assert params["remote_num_tokens"] == num_tokens - 1
+    loaded_before = external_tokens(hybrid.ours)
+
+    ours = complete(hybrid.ours.decode.url, prompt_ids, MAX_TOKENS, kv_transfer_params=params)
+
+    assert external_tokens(hybrid.ours) > loaded_before  # decode loaded, digest-checked
+    (theirs,) = through(hybrid.theirs, [prompt_ids])
+    (single,) = through_url(hybrid.ours.reference.url, [prompt_ids])
+    hybrid.seen.add(tuple(prompt_ids))
+    hybrid.compared += 1
+    if single.token_ids == ours.token_ids:
+        hybrid.agree_with_single += 1
+    else:
+        hybrid.disagreements.append(
+            f"{num_tokens} tokens, prefill with prompt_logprobs: P/D {list(ours.token_ids)} "
+            f"single {list(single.token_ids)}"
+        )
+    assert ours.token_ids == theirs.token_ids

@@ -21,17 +21,23 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
     )
 
 import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
 )
+from vllm.v1.request import Request  # noqa: E402
 
 from connector.errors import UnsupportedConfiguration  # noqa: E402
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
-from connector.vllm.semantics import clip_ssm_groups, truncate_for_prefill  # noqa: E402
+from connector.vllm.semantics import (  # noqa: E402
+    clip_ssm_groups,
+    transferred_prompt_tokens,
+    truncate_for_prefill,
+)
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -95,9 +101,12 @@ def hybrid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         engine.shutdown()
 
 
-def _prefill(prefill: h.Engine, num_tokens: int) -> tuple[Any, dict[str, Any]]:
+def _prefill(
+    prefill: h.Engine, num_tokens: int, prompt_logprobs: int | None = None
+) -> tuple[Any, dict[str, Any]]:
     request = h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=4,
-                             kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+                             kv_transfer_params={"do_remote_decode": True},
+                             prompt_logprobs=prompt_logprobs)  # fmt: skip
     prefill.add(request)
     prefill.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
     return request, dict(prefill.finished("r").kv_transfer_params)
@@ -123,6 +132,61 @@ def test_with_mamba_prefill_stops_one_token_short_and_decode_derives_the_last_st
     (decode_state,) = loaded[1][-1:]
     assert h.block_bytes(decode, 0, 1, [decode_state]) == expected_state
     assert h.block_bytes(decode, 0, 0, loaded[0][:2]) == h.block_bytes(prefill, 0, 0, attention_blocks)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("num_prompt_tokens", "backoff", "expected"),
+    [(33, 0, 33), (33, 1, 32), (33, 3, 30), (1, 1, 0), (2, 3, 0), (1, 0, 1)],
+    ids=["no-backoff-all", "mamba-one-short", "mtp-window-short", "one-token-mamba-none",
+         "shorter-than-window-none", "one-token-attention-all"],
+)  # fmt: skip
+def test_one_count_for_both_sides(num_prompt_tokens: int, backoff: int, expected: int) -> None:
+    assert transferred_prompt_tokens(num_prompt_tokens, backoff) == expected
+
+
+NUM_PROMPT_TOKENS = 2 * BLOCK_SIZE + 5  # 37: prefill computes 36, decode computes the 37th
+
+
+@pytest.mark.parametrize(
+    ("prefill_logprobs", "decode_logprobs"),
+    [(1, None), (None, None), (1, 1)],
+    ids=["only-prefill-asks-prompt-logprobs", "neither-asks", "both-ask"],
+)
+def test_decode_loads_exactly_the_state_prefill_leased(
+    hybrid: Any, prefill_logprobs: int | None, decode_logprobs: int | None
+) -> None:
+    """A state is the state after exactly its tokens: prefill's lease and decode's load count
+    the same tokens whatever the prefill request asked (prompt logprobs skip the prefix cache,
+    which once also skipped the back-off: decode took the state of 37 tokens as 36's)."""
+    prefill, decode = hybrid()
+    request, params = _prefill(prefill, NUM_PROMPT_TOKENS, prompt_logprobs=prefill_logprobs)
+    assert request.num_prompt_tokens == params["remote_num_tokens"] == NUM_PROMPT_TOKENS - 1
+    h.fill_blocks(prefill, params["remote_block_ids"], seed=3)
+    expected_state = h.block_bytes(prefill, 0, 1, params["remote_block_ids"][1])
+
+    decode.add(h.make_request("r", NUM_PROMPT_TOKENS, block_size=BLOCK_SIZE, kv_transfer_params=params,
+                              prompt_logprobs=decode_logprobs))  # fmt: skip
+    loaded = h.run_until_loaded(decode, "r", timeout_s=30)
+    if decode_logprobs is not None:  # vLLM does not read a cache for it: decode computes all
+        assert decode.load_specs == [] and decode.stats.get("loads_finished", 0) == 0
+        return
+    (load,) = decode.load_specs
+    assert load.num_tokens == params["remote_num_tokens"]
+    assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
+    assert h.block_bytes(decode, 0, 1, loaded[1][-1:]) == expected_state
+
+
+def test_a_prompt_no_longer_than_the_backoff_is_computed_by_decode(hybrid: Any) -> None:
+    """One token with a Mamba back-off of one: no state could be loaded that decode would not
+    then apply the token to again, so decode loads nothing and prefill's lease is released."""
+    prefill, decode = hybrid()
+    request, params = _prefill(prefill, 1)
+    assert request.num_prompt_tokens == 1
+    num_free_before = prefill.num_free_blocks()
+    decode.add(h.make_request("r", 1, block_size=BLOCK_SIZE, kv_transfer_params=params))
+    decode.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
+    assert decode.load_specs == []
+    prefill.run_until(lambda e: e.num_free_blocks() > num_free_before, timeout_s=30)
 
 
 def test_speculative_scratch_slots_never_travel(hybrid: Any) -> None:
@@ -157,6 +221,22 @@ def test_a_plain_request_is_not_truncated(hybrid: Any) -> None:
     request = h.make_request("plain", 20, block_size=BLOCK_SIZE)
     assert not truncate_for_prefill(request, 1)
     assert request.num_prompt_tokens == 20
+
+
+def test_a_prompt_of_embeddings_backs_off_like_one_of_ids() -> None:
+    """Decode counts an embeddings prompt as any other (transferred_prompt_tokens), so prefill
+    must stop short of it too: the state it leases is the one decode loads."""
+    request = Request(
+        request_id="embeds",
+        prompt_token_ids=None,
+        prompt_embeds=torch.ones(20, 8),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+    )
+    request.kv_transfer_params = {"do_remote_decode": True}
+    assert truncate_for_prefill(request, 1)
+    assert request.num_prompt_tokens == len(request.all_token_ids) == 19
+    assert request.prompt_embeds is not None and request.prompt_embeds.shape[0] == 19
 
 
 def test_decode_context_parallel_is_refused_at_start(tmp_path: Path) -> None:

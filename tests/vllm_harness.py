@@ -50,7 +50,9 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
+from connector.metadata import LoadSpec  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
+from connector.vllm.messages import NixlPDMetadata  # noqa: E402
 from worker.fake import FakeNixl  # noqa: E402
 
 MODEL_KV_HEADS = 2
@@ -159,8 +161,10 @@ def make_request(
     max_tokens: int = 4,
     first_token: int = 1,
     token_ids: Sequence[int] | None = None,  # the prompt (then num_tokens is its length)
+    prompt_logprobs: int | None = None,
+    **request_options: Any,  # more of vLLM's Request arguments: cache_salt, lora_request, ...
 ) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     prompt = [first_token + i for i in range(num_tokens)] if token_ids is None else token_ids
     request = Request(
         request_id=request_id,
@@ -168,6 +172,7 @@ def make_request(
         sampling_params=params,
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
+        **request_options,
     )
     request.kv_transfer_params = kv_transfer_params
     return request
@@ -196,6 +201,7 @@ class Engine:
     outputs: list[Any] = field(default_factory=list)
     call_start_load_kv: bool = True  # False: like an engine step that skips the load hook
     stats: dict[str, int] = field(default_factory=dict)  # connector stats, summed over steps
+    load_specs: list[LoadSpec] = field(default_factory=list)  # every LoadSpec the ranks got
 
     @property
     def connector(self) -> NixlPDConnector:
@@ -209,6 +215,8 @@ class Engine:
     def step(self) -> list[Any]:
         """One engine step; returns this step's EngineCoreOutput records."""
         scheduled = self.scheduler.schedule()
+        if isinstance(scheduled.kv_connector_metadata, NixlPDMetadata):
+            self.load_specs.extend(scheduled.kv_connector_metadata.step.loads)
         rank_outputs = [self._run_rank(worker, scheduled) for worker in self.workers]
         merged = self.aggregator.aggregate(rank_outputs)
         assert merged is not None

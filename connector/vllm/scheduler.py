@@ -27,9 +27,11 @@ from connector.vllm.messages import (
 )
 from connector.vllm.semantics import (
     clip_ssm_groups,
+    kv_salt,
     kv_transfer_params,
     loads_from_remote,
     ssm_scratch_blocks,
+    transferred_prompt_tokens,
 )
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import FinishedRequests, RequestInfo
@@ -71,7 +73,7 @@ class SchedulerSide:
         self.connector = connector
         self._holds_finished = connector.holds_finished_requests  # fixed by its config
         self._kv_cache_config = kv_cache_config
-        self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (vllm_semantics)
+        self._backoff = backoff_tokens  # prompt tokens prefill leaves to decode (semantics.py)
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
         self._has_ssm = any(scratch is not None for scratch in self._ssm_scratch)
         self._num_groups = len(kv_cache_config.kv_cache_groups)
@@ -83,18 +85,19 @@ class SchedulerSide:
 
     def _request_info(self, request: Request, params: dict[str, Any] | None = None) -> RequestInfo:
         """The request as our connector sees it (``params``: its kv_transfer_params, if read
-        already): a decode load covers the prompt less the tokens prefill left to decode
-        (``backoff``, vllm_semantics)."""
+        already): a decode load covers the prompt tokens prefill computed for it
+        (``transferred_prompt_tokens``, whatever either request asked)."""
         if params is None:
             params = kv_transfer_params(request)
         num_tokens = request.num_prompt_tokens
-        backoff = self._backoff
-        if backoff and num_tokens > backoff and loads_from_remote(params):
-            num_tokens -= backoff
+        if self._backoff and loads_from_remote(params):  # prefill counted it the same way
+            num_tokens = transferred_prompt_tokens(num_tokens, self._backoff)
         # A load's ids: it covers prompt tokens only, and vLLM's own prompt list (a plain
         # list, the ids ``all_token_ids`` begins with) packs without ConstantList's slice.
         prompt_ids = None if request.prompt_embeds is not None else request.prompt_token_ids
-        return RequestInfo(request.request_id, num_tokens, params, token_ids=prompt_ids)
+        return RequestInfo(
+            request.request_id, num_tokens, params, token_ids=prompt_ids, kv_salt=kv_salt(request)
+        )
 
     def start_side_channel(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         handshakes = []
@@ -188,7 +191,13 @@ class SchedulerSide:
             info = RequestInfo(request_id, num_prompt_tokens, params, aborted, num_computed_tokens)
             return self.connector.request_finished(info, ())
         info = RequestInfo(
-            request_id, num_prompt_tokens, params, aborted, num_computed_tokens, _ids(request)
+            request_id,
+            num_prompt_tokens,
+            params,
+            aborted,
+            num_computed_tokens,
+            _ids(request),
+            kv_salt(request),
         )
         return self.connector.request_finished(info, self._transfer_block_ids(block_ids))
 
