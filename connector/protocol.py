@@ -221,6 +221,12 @@ class LeaseStatus(
     held: tuple[bool, ...]
     digests: tuple[str, ...] = ()
     refused: tuple[str, ...] = ()
+    # Host staging (both empty unless some ref names a staged lease; omitted on the wire then).
+    # ``pending``: per ref, the lease is held but its blocks' device->host copy is not done
+    # yet: not readable, ``held`` is False; ask again. ``staged``: per ref, the lease was
+    # not readable at first (pending), so a reader must have seen it held before its READs.
+    pending: tuple[bool, ...] = ()
+    staged: tuple[bool, ...] = ()
 
 
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):

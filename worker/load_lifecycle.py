@@ -85,6 +85,7 @@ class Load:
     posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
     proof_ticket: int | None = None  # the lease check in flight (WAITING or CONFIRMING)
     prechecked: bool = False  # the check before posting said the lease holds, or was skipped
+    seen_held: bool = False  # the check before posting said the lease holds (not skipped)
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
     timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
 
