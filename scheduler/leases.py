@@ -201,8 +201,8 @@ class LeaseTable:
     def _staging(
         self, refs: Sequence[LeaseRef], held: Sequence[bool]
     ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        """Per ref (both empty when no ref names a staged lease): is its held lease's copy
-        still pending, and did that lease start not readable?"""
+        """Per ref: is its held lease's copy still pending (empty when none is), and did that
+        lease start not readable (empty when none did)?"""
         with self._lock:
             if not self._staged:
                 return (), ()
@@ -216,7 +216,7 @@ class LeaseTable:
                 is_staged and ref.remote_request_id in self._copying
                 for ref, is_staged in zip(refs, staged, strict=True)
             )
-        return pending, staged
+        return (pending if any(pending) else ()), staged
 
     def _refused(self, refs: Sequence[LeaseRef], held: Sequence[bool]) -> tuple[str, ...]:
         """Per ref: why its held lease's tokens are not the ones it expects, or ""."""

@@ -27,8 +27,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from connector.metadata import LoadSpec  # noqa: E402
 from connector.net.side_channel_client import check_leases_status  # noqa: E402
-from connector.protocol import LeaseRef, LeaseStatus  # noqa: E402
 from connector.observability.metrics import PULLED_TOKENS, default_recorder  # noqa: E402
+from connector.protocol import LeaseRef, LeaseStatus  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm
