@@ -169,7 +169,9 @@ class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="l
 
     The answer is the proof a load needs (DESIGN: block ids are addresses, not capabilities):
     a lease that is held after the last READ landed was held during every READ, because a
-    lease never revives and its id is never reused. Changes nothing on the server.
+    lease never revives and its id is never reused; except a host-staged lease, which starts
+    not readable (``LeaseStatus.staged``: the reader must have seen it held before its first
+    READ too). Changes nothing on the server.
     """
 
     engine_id: EngineId

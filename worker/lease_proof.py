@@ -169,7 +169,7 @@ class LeaseProofs:
         self._on_answer = on_answer
         self._check_digests = check_digests
         self._digest_wait_s = digest_wait_s
-        self._closing = threading.Event()  # ends digest retries at shutdown
+        self._closing = threading.Event()  # ends digest and staged-copy retries at shutdown
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
         # (ticket, failure reason, the side channel that answered or None if none did, and
