@@ -124,8 +124,9 @@ class LeaseTable:
             elif request_id in self._own_duration_s:
                 del self._own_duration_s[request_id]
             self._lease_ids[request_id] = lease_id
-            self._staged.discard(request_id)  # the id leased again: readable unless marked
-            self._copying.discard(request_id)
+            if self._staged:  # the id leased again: readable unless marked again
+                self._staged.discard(request_id)
+                self._copying.discard(request_id)
             heapq.heappush(self._due, (expiry_s, request_id, lease_id))
             self._by_name[name] = request_id
             if name in self._ended:

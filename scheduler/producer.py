@@ -162,10 +162,13 @@ class Producer:
         # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
         tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0)
         expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens)
-        blocks: BlockIds = tuple(tuple(group) for group in block_ids)
+        staged = hold_s is not None and self._stage_holds
+        blocks: BlockIds = ()
+        if self._verify_kv or staged:
+            blocks = tuple(tuple(group) for group in block_ids)
         digest = DigestSpec(key, blocks, num_tokens or 0) if self._verify_kv else None
         lease = _Lease(now_s, key, lease_id, digest, hold_s)
-        if hold_s is not None and self._stage_holds:
+        if staged:
             self._leases.await_copy(request_id)  # before its params leave: never seen readable
             lease.stage = StageSpec(key, request_id, blocks)
             lease.ranks_staged = frozenset()
