@@ -176,9 +176,7 @@ class LeaseTable:
         """Answer a LeaseCheck: each lease held (for a reader expecting the tokens the ref
         names)? and, for refs with digest claims, do they match the ranks' digests
         (verify_kv)?"""
-        pairs = [(ref.remote_request_id, ref.lease_id) for ref in refs]
-        held = self.held(pairs, now)
-        pending, staged = self._staging(refs, held)
+        held, pending, staged = self._held_and_staging(refs, now)
         if pending:
             held = tuple(is_held and not wait for is_held, wait in zip(held, pending, strict=True))
         refused = self._refused(refs, held)
@@ -199,25 +197,32 @@ class LeaseTable:
             )
         return LeaseStatus(held, verdicts, refused, pending, staged)
 
-    def _staging(
-        self, refs: Sequence[LeaseRef], held: Sequence[bool]
-    ) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        """Per ref: is its held lease's copy still pending (empty when none is), and did that
-        lease start not readable (empty when none did)?"""
+    def _held_and_staging(
+        self, refs: Sequence[LeaseRef], now: float
+    ) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+        """Per ref, at one instant (one hold of the lock, so a lease that ends in between
+        cannot mix its answers with a later lease's): is it held (as ``held`` answers), is
+        its copy still pending (empty when none is), and did it start not readable (empty
+        when none did)?"""
         with self._lock:
+            held = tuple(
+                self._lease_ids.get(ref.remote_request_id) == ref.lease_id
+                and self._expiry_s[ref.remote_request_id] > now
+                for ref in refs
+            )
             if not self._staged:
-                return (), ()
+                return held, (), ()
             staged = tuple(
                 is_held and ref.remote_request_id in self._staged
                 for ref, is_held in zip(refs, held, strict=True)
             )
             if not any(staged):
-                return (), ()
+                return held, (), ()
             pending = tuple(
                 is_staged and ref.remote_request_id in self._copying
                 for ref, is_staged in zip(refs, staged, strict=True)
             )
-        return (pending if any(pending) else ()), staged
+        return held, (pending if any(pending) else ()), staged
 
     def _refused(self, refs: Sequence[LeaseRef], held: Sequence[bool]) -> tuple[str, ...]:
         """Per ref: why its held lease's tokens are not the ones it expects, or ""."""
