@@ -70,6 +70,16 @@ class DigestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fal
     num_tokens: int  # the tokens whose KV they hold
 
 
+class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """Host staging: copy this lease's blocks device->host, then report its key in
+    ``WorkerReport.staged`` (a decode engine's hold: its answer's KV exists only on the device
+    when the lease starts, and no reader is told the lease holds until every rank copied it)."""
+
+    key: str  # the lease key (request id @ lease id), as in ``sends``
+    request_id: str
+    block_ids: BlockIds  # the leased logical blocks, per transfer group, in the lease's order
+
+
 class GroupDigests(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """One rank's digests of one group of a lease: uint64 little-endian [units, heads]."""
 
@@ -92,6 +102,8 @@ class ConnectorMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     forgotten: tuple[str, ...] = ()
     # Prefill with verify_kv: the leases of ``sends`` to digest.
     digests: tuple[DigestSpec, ...] = ()
+    # Host staging: held leases whose blocks the engine adapter copies device->host this step.
+    stage_out: tuple[StageSpec, ...] = ()
 
 
 class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -109,3 +121,5 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Prefill with host staging and verify_kv: requests whose device->host copy left host
     # blocks that differ from their device blocks; their leases end (nothing is read).
     unsaved: tuple[str, ...] = ()
+    # Host staging: lease keys of ``stage_out`` whose device->host copy this rank finished.
+    staged: tuple[str, ...] = ()

@@ -169,7 +169,9 @@ class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="l
 
     The answer is the proof a load needs (DESIGN: block ids are addresses, not capabilities):
     a lease that is held after the last READ landed was held during every READ, because a
-    lease never revives and its id is never reused. Changes nothing on the server.
+    lease never revives and its id is never reused; except a host-staged lease, which starts
+    not readable (``LeaseStatus.staged``: the reader must have seen it held before its first
+    READ too). Changes nothing on the server.
     """
 
     engine_id: EngineId
@@ -221,6 +223,12 @@ class LeaseStatus(
     held: tuple[bool, ...]
     digests: tuple[str, ...] = ()
     refused: tuple[str, ...] = ()
+    # Host staging (both empty unless some ref names a staged lease; omitted on the wire then).
+    # ``pending``: per ref, the lease is held but its blocks' device->host copy is not done
+    # yet: not readable, ``held`` is False; ask again. ``staged``: per ref, the lease was
+    # not readable at first (pending), so a reader must have seen it held before its READs.
+    pending: tuple[bool, ...] = ()
+    staged: tuple[bool, ...] = ()
 
 
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):

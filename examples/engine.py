@@ -5,7 +5,8 @@ One engine = one scheduler-side ``SchedulerConnector`` plus, per TP rank, its ow
 
 1. schedule waiting requests: local prefix-cache hit, then
    ``get_num_new_matched_tokens``; allocate blocks (hits first); ``update_state_after_alloc``;
-2. ``build_connector_meta`` and every rank's ``start_load_kv``;
+2. ``build_connector_meta`` (host staging: copy the holds it names device->host) and every
+   rank's ``start_load_kv``;
 3. run the model for running requests (one token each, or the whole uncomputed prompt);
 4. every rank's ``get_finished`` -> ``update_connector_output`` -> ``take_finished``: loaded
    requests start running, failed loads fail their request, sent requests free their blocks;
@@ -24,8 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, UnsupportedConfiguration
+from connector.metadata import WorkerReport
 from examples.engine_api import EngineConfig, EngineRequest, RequestOutput, parse_engine_config
 from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, build_spec
 from examples.metering import MeteredAgent, TransferStats
@@ -156,7 +160,9 @@ class Engine:
             spec=self.spec,
             tp_size=self.config.tp_size,
             clock=clock,
+            host_staging=self.staging is not None,
         )
+        self._verify_kv = connector_config.verify_kv
         self.scheduler.start_side_channel([w.get_handshake_metadata() for w in self.workers])
 
     # ---- requests in and out -------------------------------------------------------------
@@ -190,16 +196,28 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._schedule()
+        staged: list[
+            WorkerReport
+        ] = []  # host staging: the ranks' reports of this step's hold copies
         if self.scheduler is not None:
             metadata = self.scheduler.build_connector_meta()
             self.stats.note_loads(metadata)
             if self.staging is not None:
                 self.staging.note_loads(metadata)
+                if metadata.stage_out:
+                    staged = self.staging.save_holds(
+                        self.ranks, metadata.stage_out, verify=self._verify_kv
+                    )
             for worker in self.workers:
                 worker.start_load_kv(metadata)
         outputs += self._run_model()
         if self.scheduler is not None:
             reports = [worker.get_finished() for worker in self.workers]
+            if staged:
+                reports = [
+                    _with_staged(report, copied)
+                    for report, copied in zip(reports, staged, strict=True)
+                ]
             self.scheduler.update_connector_output(reports)
             outputs += self._apply_finished(self.scheduler.take_finished())
         return outputs
@@ -393,6 +411,13 @@ class Engine:
                 step()
             except Exception:
                 logger.exception("engine %s: shutdown step failed", self.config.engine_id)
+
+
+def _with_staged(report: WorkerReport, copied: WorkerReport) -> WorkerReport:
+    """A rank's report with what its host staging copied this step added."""
+    return msgspec.structs.replace(
+        report, staged=report.staged + copied.staged, unsaved=report.unsaved + copied.unsaved
+    )
 
 
 def _check_request(request: EngineRequest, num_tokens: int) -> str | None:

@@ -62,6 +62,7 @@ class SchedulerConnector:
         heartbeat_sender: HeartbeatSender | None = None,
         bind_params_at_allocation: bool = False,
         on_move: OnMove | None = None,  # sees every decode record's move (tests)
+        host_staging: bool = False,  # NIXL reads a host copy: holds are copied there first
     ) -> None:
         if not engine_id or tp_size < 1:
             raise UnsupportedConfiguration(
@@ -98,6 +99,7 @@ class SchedulerConnector:
             address=self._side_channel_address,
             boot_id=self._side_channel_boot_id,
             verify_kv=config.verify_kv,
+            stage_holds=host_staging,
         )
         # Heartbeats run on the sender thread's timer, not on engine-thread hooks. Its limit:
         # an engine thread that ran no step for one of its own leases is taken as wedged and
@@ -276,9 +278,15 @@ class SchedulerConnector:
 
     def build_connector_meta(self) -> ConnectorMetadata:
         sends, forgotten, digests = self._producer.take_step()
+        stage_out = self._producer.take_stage_out()
         loads, releases = self._consumer.take_step()
         return ConnectorMetadata(
-            loads=loads, releases=releases, sends=sends, forgotten=forgotten, digests=digests
+            loads=loads,
+            releases=releases,
+            sends=sends,
+            forgotten=forgotten,
+            digests=digests,
+            stage_out=stage_out,
         )
 
     def request_finished(

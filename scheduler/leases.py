@@ -23,6 +23,14 @@ LeaseCheck ref that says which tokens its reader expects gets "held" only when t
 prefix of those ids; otherwise it is refused for that reader, with the reason. A lease
 taken without ids (an older engine, a prompt without ids) answers as before.
 
+With host staging a lease may start not readable (a decode engine's hold: its blocks' latest
+KV is on the device until the ranks copy it to the host buffer NIXL reads, a step after the
+params left). ``await_copy`` marks it so; ``copy_done`` makes it readable once every rank
+copied. Until then a LeaseCheck answers it as ``pending`` (not held; ask again), and always
+after as ``staged``: such a lease goes from not held to held once, so "held after the READs"
+no longer implies "held during them", and the reader must also have seen it held before its
+first READ (worker/lease_proof.py).
+
 Readers that name themselves claim the held leases their messages name (scheduler/readers.py);
 a message from a new boot of a reader engine ends the leases only its earlier boot claimed,
 handed to the engine thread by ``take_reader_restarted``.
@@ -73,6 +81,8 @@ class LeaseTable:
         # verify_kv: held leases -> tp_rank -> that rank's digest tables
         self._digests: dict[str, dict[int, tuple[GroupDigests, ...]]] = {}
         self._tokens: dict[str, HeldTokens] = {}  # held leases bound to token ids: their ids
+        self._staged: set[str] = set()  # held leases that started not readable (host staging)
+        self._copying: set[str] = set()  # of those, the ones whose copy is not done yet
         self._readers = ReaderBoots()  # which reader boot claimed which held lease
         self._released: list[str] = []  # released over the side channel, not yet taken
         self._reader_restarted: list[str] = []  # ended for their reader's restart, not yet taken
@@ -114,6 +124,9 @@ class LeaseTable:
             elif request_id in self._own_duration_s:
                 del self._own_duration_s[request_id]
             self._lease_ids[request_id] = lease_id
+            if self._staged:  # the id leased again: readable unless marked again
+                self._staged.discard(request_id)
+                self._copying.discard(request_id)
             heapq.heappush(self._due, (expiry_s, request_id, lease_id))
             self._by_name[name] = request_id
             if name in self._ended:
@@ -132,6 +145,23 @@ class LeaseTable:
                 for request_id, lease_id in refs
             )
 
+    def await_copy(self, request_id: str) -> None:
+        """Host staging: the held lease of ``request_id`` is not readable until ``copy_done``
+        (call it before the lease's params leave, so no reader ever saw it readable)."""
+        with self._lock:
+            if request_id in self._expiry_s:
+                self._staged.add(request_id)
+                self._copying.add(request_id)
+
+    def copy_done(self, request_id: str, lease_id: str) -> bool:
+        """Every rank copied the lease's blocks to the host: readable from now on. False if
+        that very lease is not held."""
+        with self._lock:
+            if self._lease_ids.get(request_id) != lease_id:
+                return False
+            self._copying.discard(request_id)
+            return True
+
     def add_digests(
         self, request_id: str, lease_id: str, tp_rank: int, tables: tuple[GroupDigests, ...]
     ) -> bool:
@@ -146,15 +176,16 @@ class LeaseTable:
         """Answer a LeaseCheck: each lease held (for a reader expecting the tokens the ref
         names)? and, for refs with digest claims, do they match the ranks' digests
         (verify_kv)?"""
-        pairs = [(ref.remote_request_id, ref.lease_id) for ref in refs]
-        held = self.held(pairs, now)
+        held, pending, staged = self._held_and_staging(refs, now)
+        if pending:
+            held = tuple(is_held and not wait for is_held, wait in zip(held, pending, strict=True))
         refused = self._refused(refs, held)
         if any(refused):
             held = tuple(is_held and not why for is_held, why in zip(held, refused, strict=True))
         else:
             refused = ()
         if not any(ref.claims for ref in refs):
-            return LeaseStatus(held, refused=refused)
+            return LeaseStatus(held, refused=refused, pending=pending, staged=staged)
         with self._lock:
             verdicts = tuple(
                 verify_claims(
@@ -164,7 +195,34 @@ class LeaseTable:
                 else ""
                 for ref, is_held in zip(refs, held, strict=True)
             )
-        return LeaseStatus(held, verdicts, refused)
+        return LeaseStatus(held, verdicts, refused, pending, staged)
+
+    def _held_and_staging(
+        self, refs: Sequence[LeaseRef], now: float
+    ) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+        """Per ref, at one instant (one hold of the lock, so a lease that ends in between
+        cannot mix its answers with a later lease's): is it held (as ``held`` answers), is
+        its copy still pending (empty when none is), and did it start not readable (empty
+        when none did)?"""
+        with self._lock:
+            held = tuple(
+                self._lease_ids.get(ref.remote_request_id) == ref.lease_id
+                and self._expiry_s[ref.remote_request_id] > now
+                for ref in refs
+            )
+            if not self._staged:
+                return held, (), ()
+            staged = tuple(
+                is_held and ref.remote_request_id in self._staged
+                for ref, is_held in zip(refs, held, strict=True)
+            )
+            if not any(staged):
+                return held, (), ()
+            pending = tuple(
+                is_staged and ref.remote_request_id in self._copying
+                for ref, is_staged in zip(refs, staged, strict=True)
+            )
+        return held, (pending if any(pending) else ()), staged
 
     def _refused(self, refs: Sequence[LeaseRef], held: Sequence[bool]) -> tuple[str, ...]:
         """Per ref: why its held lease's tokens are not the ones it expects, or ""."""
@@ -284,6 +342,8 @@ class LeaseTable:
         del self._by_name[name]
         self._digests.pop(request_id, None)
         self._tokens.pop(request_id, None)
+        self._staged.discard(request_id)
+        self._copying.discard(request_id)
         self._readers.forget(name)
         self._ended[name] = None
         if len(self._ended) > MAX_ENDED_IDS:

@@ -16,6 +16,13 @@ request ids: a notification for an ended lease or another boot counts towards no
 A decode engine in multi-turn mode holds its finished requests through this same class
 (``request_finished(..., hold_s=...)``): a lease of its own duration, whose reader is the
 next turn's prefill; it returns the params that prefill needs instead of decode's.
+
+With host staging (``stage_holds``) such a hold starts not readable: its answer's KV is on the
+device only. The next metadata's ``stage_out`` tells the ranks to copy its blocks to the host
+buffer NIXL reads; once every rank reported it in ``WorkerReport.staged``, the lease table
+makes it readable and (verify_kv) the ranks digest it: the digests are of the copy, so they
+wait for it. Prefill's own leases need none of this: their copy ran in the step prefill
+completed, before request_finished.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from connector.metadata import BlockIds, DigestSpec, WorkerReport
+from connector.metadata import BlockIds, DigestSpec, StageSpec, WorkerReport
 from connector.observability.metrics import (
     LEASES_COMPLETED,
     LEASES_EXPIRED,
@@ -80,6 +87,8 @@ class _Lease:
     hold_s: float | None = None  # decode's hold for a next turn (its own duration)
     state: LeaseState = LeaseState.NEW
     ranks_done: frozenset[int] = frozenset()  # reported finished_sending (replaced, not grown)
+    stage: StageSpec | None = None  # host staging: the copy the ranks run, until sent
+    ranks_staged: frozenset[int] | None = None  # host staging: ranks that copied (None: ready)
 
 
 class Producer:
@@ -95,9 +104,13 @@ class Producer:
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         on_move: OnMove | None = None,  # sees every state change (tests)
         verify_kv: bool = False,  # the ranks digest every lease's blocks
+        stage_holds: bool = False,  # host staging: holds are copied device->host first
     ) -> None:
         self._engine_id = engine_id
         self._verify_kv = verify_kv
+        self._stage_holds = stage_holds
+        self._ready_digests: list[DigestSpec] = []  # staged leases' digests, once copied
+        self._stage_out: list[StageSpec] = []  # staged leases announced, copy not yet asked
         self._metrics = metrics or default_recorder()
         self._tp_size = tp_size
         self._leases = leases  # expiry times and side-channel releases, shared across threads
@@ -151,11 +164,17 @@ class Producer:
         # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
         tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0, kv_salt)
         expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens)
-        digest = None
-        if self._verify_kv:
-            blocks: BlockIds = tuple(tuple(group) for group in block_ids)
-            digest = DigestSpec(key, blocks, num_tokens or 0)
-        self._book.start(request_id, _Lease(now_s, key, lease_id, digest, hold_s), LEASED)
+        staged = hold_s is not None and self._stage_holds
+        blocks: BlockIds = ()
+        if self._verify_kv or staged:
+            blocks = tuple(tuple(group) for group in block_ids)
+        digest = DigestSpec(key, blocks, num_tokens or 0) if self._verify_kv else None
+        lease = _Lease(now_s, key, lease_id, digest, hold_s)
+        if staged:
+            self._leases.await_copy(request_id)  # before its params leave: never seen readable
+            lease.stage = StageSpec(key, request_id, blocks)
+            lease.ranks_staged = frozenset()
+        self._book.start(request_id, lease, LEASED)
         self._by_key[key] = request_id
         self._num_started += 1  # counted at the step's end: one metrics call, not one a lease
         if hold_s is None:
@@ -185,22 +204,35 @@ class Producer:
 
     def take_step(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[DigestSpec, ...]]:
         """(sends, forgotten, digests) for the next metadata, as lease keys, after ending
-        expired and released leases."""
+        expired and released leases. Host staging: ``take_stage_out`` right after."""
         self.end_lapsed_leases()
         announced = [
             self._book.move(request_id, ANNOUNCED) for request_id in self._book.ids(LEASED)
         ]
         sends = tuple(lease.key for lease in announced)
-        digests = tuple(lease.digest for lease in announced if lease.digest is not None)
+        digests = self._ready_digests  # staged leases copied since the last step
+        self._ready_digests = []
         for lease in announced:
-            lease.digest = None  # sent once; the ranks keep nothing of it
+            if lease.stage is not None:
+                self._stage_out.append(lease.stage)
+                lease.stage = None  # sent once
+            if lease.digest is not None and lease.ranks_staged is None:
+                digests.append(lease.digest)
+                lease.digest = None  # sent once; the ranks keep nothing of it
         forgotten, self._pending_forgotten = tuple(self._pending_forgotten), []
-        return sends, forgotten, digests
+        return sends, forgotten, tuple(digests)
+
+    def take_stage_out(self) -> tuple[StageSpec, ...]:
+        """Host staging: the holds announced by the last ``take_step``, for the ranks to copy."""
+        stage_out, self._stage_out = tuple(self._stage_out), []
+        return stage_out
 
     def on_reports(self, reports: Iterable[WorkerReport]) -> None:
         for report in reports:
             for unsaved in report.unsaved:
                 self._end_unsaved(unsaved, report.tp_rank)
+            for key in report.staged:
+                self._on_staged(key, report.tp_rank)
             for key, tables in report.digests.items():
                 request_id = self._by_key.get(key)
                 lease = None if request_id is None else self._book.get(request_id)
@@ -256,6 +288,22 @@ class Producer:
                 )
                 self._metrics.inc(LEASES_READER_RESTARTED)
                 self._end_early(request_id, RELEASED)
+
+    def _on_staged(self, key: str, tp_rank: int) -> None:
+        """A rank copied a staged lease's blocks to the host; with every rank's copy done the
+        lease becomes readable, and (verify_kv) its digests go out with the next step."""
+        request_id = self._by_key.get(key)
+        lease = None if request_id is None else self._book.get(request_id)
+        if request_id is None or lease is None or lease.ranks_staged is None:
+            return  # ended meanwhile (expired, released, unsaved), or not staged
+        lease.ranks_staged |= {tp_rank}
+        if len(lease.ranks_staged) < self._tp_size:
+            return
+        lease.ranks_staged = None
+        self._leases.copy_done(request_id, lease.lease_id)
+        if lease.digest is not None:
+            self._ready_digests.append(lease.digest)
+            lease.digest = None
 
     def _end_unsaved(self, request_id: str, tp_rank: int) -> None:
         """A rank's staged copy of the request's blocks differs from its device blocks (host

@@ -44,9 +44,11 @@ from tests.test_lifecycle import (
     run_until,
 )
 from tests.test_worker_connector import Rig
+from worker import lease_checks
 from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
-from worker.lease_checks import SilentSideChannels, asked_again, side_channel_checks
+from worker.lease_checks import SilentSideChannels, Staging, asked_again, side_channel_checks
+from worker.lease_proof import AFTER_READS, BEFORE_READS, lease_failure
 from worker.nixl_api import TransferState
 
 DURATION_S = 30.0
@@ -692,3 +694,67 @@ def test_a_side_channel_silent_through_every_retry_fails_the_next_checks_at_once
     assert len(asks) == 2, "asked a side channel known silent"
     now[0] += 6.0  # the window is over: asked again
     assert asked_again(config, lambda: True, remote, silence) is True
+
+
+# --- host-staged leases: not readable at first, so held after the READs is not enough -----
+
+STAGED_CASES = [
+    pytest.param(LeaseStatus((True,)), [True], id="plain-held"),
+    pytest.param(LeaseStatus((False,)), [False], id="plain-not-held"),
+    pytest.param(
+        LeaseStatus((False,), pending=(True,), staged=(True,)), [Staging.PENDING], id="pending"
+    ),
+    pytest.param(
+        LeaseStatus((True,), staged=(True,)), [Staging.HELD_AFTER_COPY], id="ready-after-copy"
+    ),
+    pytest.param(
+        LeaseStatus((True, True, False), pending=(False, True, False), staged=(False, True, False)),
+        [True, Staging.PENDING, False],
+        id="each-ref-its-own-answer",
+    ),
+]
+
+
+@pytest.mark.parametrize(("status", "expected"), STAGED_CASES)
+def test_a_staged_leases_answer_per_ref(status: LeaseStatus, expected: list[Any]) -> None:
+    assert lease_checks.answers(status) == expected
+
+
+PROOF_CASES = [
+    pytest.param(True, AFTER_READS, False, None, id="plain-held-after-reads-skipped-check"),
+    pytest.param(Staging.HELD_AFTER_COPY, BEFORE_READS, False, None, id="ready-before-reads"),
+    pytest.param(Staging.HELD_AFTER_COPY, AFTER_READS, True, None, id="ready-after-seen-before"),
+    pytest.param(
+        Staging.HELD_AFTER_COPY,
+        AFTER_READS,
+        False,
+        r"lease not proven: .*staged copy not proven ready before the READs",
+        id="ready-after-reads-never-seen-before",
+    ),
+    pytest.param(
+        Staging.PENDING,
+        BEFORE_READS,
+        False,
+        r"lease not proven: .*copy was not done within 10.0 s before any READ",
+        id="pending-past-the-wait",
+    ),
+    pytest.param(
+        Staging.PENDING,
+        AFTER_READS,
+        True,
+        r"lease not proven: .*staged copy not proven ready before the READs",
+        id="pending-after-reads",
+    ),
+]
+
+
+@pytest.mark.parametrize(("answer", "when", "seen_held", "reason"), PROOF_CASES)
+def test_a_staged_lease_proves_a_load_only_if_seen_held_before_its_reads(
+    answer: Any, when: str, seen_held: bool, reason: str | None
+) -> None:
+    failure = lease_failure(remote_of(), answer, when, seen_held=seen_held)
+    if reason is None:
+        assert failure is None
+    else:
+        assert failure is not None and re.match(reason, failure), failure
+        assert load_failure_kind(failure) == load_failure_kind("lease not proven: x")

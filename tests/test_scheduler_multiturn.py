@@ -13,8 +13,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from connector.net.side_channel_client import check_leases
-from connector.protocol import lease_key
+from connector.metadata import StageSpec, WorkerReport
+from connector.net.side_channel_client import check_leases, check_leases_status
+from connector.protocol import LeaseRef, LeaseStatus, lease_key
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
     CONFIG,
@@ -45,7 +46,11 @@ def heartbeats() -> RecordingHeartbeats:
 
 
 def _connector(
-    clock: FakeClock, heartbeats: RecordingHeartbeats, engine_id: str, **config: Any
+    clock: FakeClock,
+    heartbeats: RecordingHeartbeats,
+    engine_id: str,
+    host_staging: bool = False,
+    **config: Any,
 ) -> SchedulerConnector:
     return SchedulerConnector(
         msgspec.structs.replace(MODE, side_channel_port=0, **config),
@@ -55,6 +60,7 @@ def _connector(
         tp_size=2,
         clock=clock,
         heartbeat_sender=heartbeats,
+        host_staging=host_staging,
     )
 
 
@@ -254,3 +260,66 @@ def test_a_skipped_pull_releases_decode_at_once(
         assert heartbeats.released == [("decode-0", "127.0.0.1", 5700, (lease_key("d1", "abc"),))]
     finally:
         prefill.shutdown()
+
+
+def _status(params: dict[str, Any]) -> LeaseStatus:
+    return check_leases_status(
+        params["remote_host"],
+        params["remote_port"],
+        [LeaseRef(params["remote_request_id"], params["remote_lease_id"])],
+        engine_id=params["remote_engine_id"],
+        boot_id=params["remote_boot_id"],
+        secret=None,
+        timeout_s=2.0,
+    )
+
+
+@pytest.mark.parametrize("verify_kv", [False, True], ids=["plain", "verify-kv"])
+def test_with_host_staging_a_hold_is_readable_only_once_every_rank_copied_it(
+    clock: FakeClock, heartbeats: RecordingHeartbeats, verify_kv: bool
+) -> None:
+    """A staged hold's answer is on the device only: the next metadata asks the ranks to
+    copy its blocks to the host (stage_out); until both ranks reported the copy its lease
+    answers pending (not held), then held and staged (it was not readable at first). With
+    verify_kv its digests go out only after the copy: they must digest the copy."""
+    decode = _connector(clock, heartbeats, "decode-0", host_staging=True, verify_kv=verify_kv)
+    decode.start_side_channel(handshakes("decode-0"))
+    try:
+        params = _finish_turn1(decode)
+        key = lease_key("d1", params["remote_lease_id"])
+        assert _status(params) == LeaseStatus((False,), pending=(True,), staged=(True,))
+        meta = decode.build_connector_meta()
+        assert meta.stage_out == (StageSpec(key, "d1", ((10, 11, 12),)),)
+        assert meta.sends == (key,) and meta.digests == ()
+        decode.update_connector_output([WorkerReport(0, staged=(key,)), WorkerReport(1)])
+        assert _status(params).pending == (True,), "one rank's copy is not the lease's"
+        assert decode.build_connector_meta().stage_out == ()  # asked once
+        decode.update_connector_output([WorkerReport(1, staged=(key,))])
+        assert _status(params) == LeaseStatus((True,), staged=(True,))
+        digests = decode.build_connector_meta().digests
+        assert [spec.key for spec in digests] == ([key] if verify_kv else [])
+    finally:
+        decode.shutdown()
+
+
+def test_a_staged_hold_a_rank_reports_unsaved_ends_at_once(
+    clock: FakeClock, heartbeats: RecordingHeartbeats
+) -> None:
+    decode = _connector(clock, heartbeats, "decode-0", host_staging=True, verify_kv=True)
+    decode.start_side_channel(handshakes("decode-0"))
+    try:
+        params = _finish_turn1(decode)
+        key = decode.build_connector_meta().stage_out[0].key
+        decode.update_connector_output(
+            [WorkerReport(0, staged=(key,)), WorkerReport(1, unsaved=("d1",))]
+        )
+        assert _status(params) == LeaseStatus((False,))
+        assert decode.take_finished().finished_sending == ("d1",)
+    finally:
+        decode.shutdown()
+
+
+def test_without_host_staging_a_hold_is_readable_at_once(decode: SchedulerConnector) -> None:
+    params = _finish_turn1(decode)
+    assert _status(params) == LeaseStatus((True,))
+    assert decode.build_connector_meta().stage_out == ()

@@ -26,7 +26,9 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from connector.metadata import LoadSpec  # noqa: E402
+from connector.net.side_channel_client import check_leases_status  # noqa: E402
 from connector.observability.metrics import PULLED_TOKENS, default_recorder  # noqa: E402
+from connector.protocol import LeaseRef, LeaseStatus  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -283,3 +285,80 @@ def test_without_the_mode_decode_holds_nothing_and_prefill_pulls_nothing(
     free_decode = decode.num_free_blocks()
     assert _turn1(prefill, decode) is None
     assert decode.num_free_blocks() == free_decode
+
+
+STAGED = {**BIDIRECTIONAL, "kv_buffer_device": "cpu"}
+
+
+def _lease_status(engine: h.Engine, held: dict[str, Any]) -> LeaseStatus:
+    """What the holder's side channel answers a reader about the lease ``held`` names."""
+    return check_leases_status(
+        "127.0.0.1",
+        held["remote_port"],
+        [LeaseRef(held["remote_request_id"], held["remote_lease_id"])],
+        engine_id=held["remote_engine_id"],
+        boot_id=held["remote_boot_id"],
+        secret=None,
+        timeout_s=5.0,
+    )
+
+
+@pytest.mark.parametrize("tp_sizes", [(1, 1), (1, 2)], ids=["tp1-tp1", "prefill-tp1-decode-tp2"])
+def test_with_host_staging_a_hold_is_copied_to_the_host_before_its_lease_is_readable(
+    make_pair: Any, tp_sizes: tuple[int, int]
+) -> None:
+    """Decode computed the answer's KV on the device; NIXL reads the host buffer. The hold's
+    lease answers pending (not held) until every decode rank copied its blocks device->host
+    (the step after request_finished), and the next turn's pull then reads the answer's KV."""
+    prefill, decode = make_pair(prefill_extra=STAGED, decode_extra=STAGED, tp_sizes=tp_sizes)
+    for engine in (prefill, decode):
+        engine.call_wait_for_save = True
+    held = _turn1(prefill, decode)
+    assert held is not None
+    h.fill_blocks(decode, held["remote_block_ids"], seed=2)  # the answer's KV, on the device
+    answer_block = [held["remote_block_ids"][0][2]]
+    decode_answer_kv = h.heads_bytes(decode, answer_block)
+
+    waiting = _lease_status(decode, held)
+    assert waiting.held == (False,) and waiting.pending == (True,), waiting
+    decode.step()  # the ranks copy the hold device->host and report it
+    ready = _lease_status(decode, held)
+    assert ready.held == (True,) and ready.staged == (True,) and not any(ready.pending), ready
+
+    for_decode = _prefill_turn2(prefill, decode, held)
+    assert prefill.stats["loads_finished"] == tp_sizes[0]
+    assert h.heads_bytes(prefill, [for_decode["remote_block_ids"][0][2]]) == decode_answer_kv
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["copy-right", "copy-changes-a-value"])
+def test_with_verify_kv_a_hold_whose_copy_to_the_host_differs_ends_and_the_pull_fails(
+    make_pair: Any, broken: bool
+) -> None:
+    """verify_kv compares a hold's device->host copy as it does prefill's: one that differs
+    ends the hold's lease (WorkerReport.unsaved), so the next turn's pull fails and prefill
+    recomputes instead of reading the bad copy."""
+    extra = {**STAGED, "verify_kv": True}
+    prefill, decode = make_pair(prefill_extra=extra, decode_extra=extra)
+    for engine in (prefill, decode):
+        engine.call_wait_for_save = True
+
+    def copy_op(src: Any, dst: Any, src_ids: list[int], dst_ids: list[int], direction: str) -> None:
+        for name, tensor in src.items():
+            dst[name][dst_ids] = tensor[src_ids].to(dst[name].device)
+        if broken and direction == "d2h":
+            first_layer = dst[sorted(dst)[0]]
+            first_layer[(dst_ids[-1],) + (0,) * (first_layer.dim() - 1)] += 1.0  # one value
+
+    for worker in decode.workers:
+        worker.set_host_xfer_buffer_ops(copy_op)
+    held = _turn1(prefill, decode)
+    assert held is not None
+    h.fill_blocks(decode, held["remote_block_ids"], seed=2)
+    pulled_before = _pulled_tokens()
+    _prefill_turn2(prefill, decode, held)  # finishes either way (policy recompute)
+    if broken:
+        assert _pulled_tokens() == pulled_before
+        assert prefill.stats["loads_failed"] == 1 and prefill.stats.get("loads_finished", 0) == 0
+    else:
+        assert _pulled_tokens() - pulled_before == BLOCK_SIZE
+        assert prefill.stats["loads_finished"] == 1 and prefill.stats.get("loads_failed", 0) == 0

@@ -30,10 +30,13 @@ from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
-from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
+from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
+from scheduler.leases import LeaseTable
 from tests.test_worker_parts import BASE, Clock, make_spec
+from worker import lease_proof
 from worker.compat import fingerprint
 from worker.connector import WorkerConnector
+from worker.lease_checks import Staging, answers
 from worker.nixl_api import TransferState
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
@@ -213,17 +216,20 @@ class LeaseChecks:
     ``answers``: False, or an exception to raise); records each check and its thread."""
 
     def __init__(self) -> None:
-        self.answers: dict[str, bool | Exception] = {}
+        # an answer, or a callable asked for it at each check (e.g. a real LeaseTable's)
+        self.answers: dict[str, bool | Staging | Exception | Callable[[], Any]] = {}
         self.checked: list[tuple[str, str, str]] = []  # (remote request id, lease id, boot id)
         self.threads: set[str] = set()
         self.gate = threading.Event()  # checks wait for it; tests clear it to stall them
         self.gate.set()
 
-    def __call__(self, remote: RemoteSource) -> bool:
+    def __call__(self, remote: RemoteSource) -> bool | Staging:
         self.gate.wait(5.0)
         self.checked.append((remote.remote_request_id, remote.lease_id, remote.boot_id))
         self.threads.add(threading.current_thread().name)
         answer = self.answers.get(remote.remote_request_id, True)
+        if callable(answer):
+            answer = answer()
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -575,6 +581,76 @@ def test_a_load_that_skipped_the_first_check_still_fails_when_the_lease_is_gone(
     rig.until(lambda: rig.reported("b"))
     assert rig.finished == ["a"]
     assert re.match(r"lease expired: .* no longer held when this rank's READs", rig.failed["b"])
+
+
+def _staged_lease(request_id: str) -> tuple[LeaseTable, Callable[[], Any]]:
+    """A holder's real lease table with ``request_id`` leased under host staging (not
+    readable until copy_done), and the answer its side channel gives this rig's checks."""
+    table = LeaseTable(60.0)
+    table.lease(request_id, 0.0, LEASE_ID, 60.0)
+    table.await_copy(request_id)
+    return table, lambda: answers(table.check([LeaseRef(request_id, LEASE_ID)], 1.0))[0]
+
+
+def test_a_load_that_skipped_the_first_check_fails_on_a_staged_lease_ready_after_its_reads(
+    rig: Rig,
+) -> None:
+    """The proof after the READs is not enough for a lease that was not readable at first
+    (a host-staged hold): load b skipped the check before its READs (prefill was heard
+    moments ago), READ while the holder's copy was still pending, and the lease became
+    readable before the proof. Held after the READs, yet b fails: nothing showed the copy
+    was done before the first READ."""
+    _load_a_proven(rig)
+    table, answer = _staged_lease("pb")
+    rig.leases.answers["pb"] = answer
+    rig.step(loads=(load("b", source("pb")),))
+    rig.until(lambda: len(rig.agent.reads) == 2)  # posted at once: no check before
+    assert [checked[0] for checked in rig.leases.checked] == ["pa", "pa"]
+    table.copy_done("pb", LEASE_ID)  # the holder's copy ends only now
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("b"))
+    assert rig.finished == ["a"]
+    assert "staged copy not proven ready before the READs" in rig.failed["b"]
+    assert rig.failed["b"].startswith("lease not proven")
+
+
+def test_a_check_before_the_reads_waits_while_a_staged_copy_is_pending(rig: Rig) -> None:
+    """A host-staged lease answers pending until its holder's copy is done: the check
+    before the READs asks again (bounded) and posts nothing meanwhile; once readable the
+    load reads and is proven. That side channel is then always checked before the READs."""
+    rig.channels.serve("p", 1)
+    table, answer = _staged_lease("pa")
+    rig.leases.answers["pa"] = answer
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: len(rig.leases.checked) >= 3)  # asked again while pending
+    rig.collect()
+    assert rig.agent.reads == []
+    table.copy_done("pa", LEASE_ID)
+    rig.until(lambda: bool(rig.agent.reads))
+    rig.finish_reads()
+    rig.until(lambda: rig.reported("a"))
+    assert rig.finished == ["a"], rig.failed
+    num_checks = len(rig.leases.checked)
+    rig.leases.answers["pb"] = _staged_lease("pb")[1]  # pending, and never copied
+    rig.leases.gate.clear()  # b's check stalls: if b skipped it, its READs would go out
+    rig.step(loads=(load("b", source("pb")),))  # a pass: a skipping load posts in it
+    assert len(rig.agent.reads) == 1, "b posted READs without checking a staging holder"
+    rig.leases.gate.set()
+    rig.until(lambda: len(rig.leases.checked) > num_checks)
+    rig.worker.start_load_kv(ConnectorMetadata(releases=(ReleaseSpec("b", source("pb")),)))
+    rig.until(lambda: rig.reported("b"), timeout_s=15.0)
+
+
+def test_a_staged_copy_pending_past_its_bound_fails_the_load_before_any_read(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lease_proof, "STAGED_WAIT_S", 0.05)
+    rig.channels.serve("p", 1)
+    rig.leases.answers["pa"] = _staged_lease("pa")[1]
+    rig.step(loads=(load("a", source("pa")),))
+    rig.until(lambda: rig.reported("a"))
+    assert rig.agent.reads == []
+    assert re.match(r"lease not proven: .* copy was not done within 0.05 s", rig.failed["a"])
 
 
 def test_a_side_channel_not_heard_within_the_window_is_checked_before_the_reads(

@@ -200,6 +200,7 @@ class Engine:
     aggregator: KVOutputAggregator
     outputs: list[Any] = field(default_factory=list)
     call_start_load_kv: bool = True  # False: like an engine step that skips the load hook
+    call_wait_for_save: bool = False  # True: call it after the (absent) forward, as vLLM does
     stats: dict[str, int] = field(default_factory=dict)  # connector stats, summed over steps
     load_specs: list[LoadSpec] = field(default_factory=list)  # every LoadSpec the ranks got
 
@@ -265,6 +266,8 @@ class Engine:
         worker.bind_connector_metadata(_across_processes(scheduled.kv_connector_metadata))
         if self.call_start_load_kv:
             worker.start_load_kv(None)  # type: ignore[arg-type]  # no forward context here
+        if self.call_wait_for_save:
+            worker.wait_for_save()
         results = worker.get_transfer_results(scheduled.finished_req_ids)
         kv_output = KVConnectorOutput(
             kv_connector_stats=_across_processes(worker.get_kv_connector_stats()),

@@ -10,6 +10,7 @@ Runs on the check threads; ``SilentSideChannels`` is thread-safe.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import threading
@@ -31,17 +32,35 @@ from connector.protocol import DIGEST_OK, DigestClaim, LeaseRef, LeaseStatus
 logger = logging.getLogger(__name__)
 _Answer = TypeVar("_Answer")
 
+
+class Staging(enum.Enum):
+    """A holder's answer for a host-staged lease (scheduler/leases.py), besides held or not."""
+
+    PENDING = enum.auto()  # held, but its device->host copy is not done: not readable yet
+    HELD_AFTER_COPY = enum.auto()  # held and readable, but it was not readable at first
+
+
+# Held (True), not held (False), a staged lease's answer, or the error that kept it from being
+# asked (TokensMismatch: held, but for other tokens).
+Answer = bool | Staging | ConnectorError
+
+
+def is_held(answer: Answer) -> bool:
+    """Whether the holder said the lease is held and readable now."""
+    return answer is True or answer is Staging.HELD_AFTER_COPY
+
+
 # Is the lease ``remote`` names held by its prefill engine right now? Raises ConnectorError
 # when prefill cannot be asked (PeerRestarted: it is another boot, so the lease is gone).
-LeaseCheck = Callable[[RemoteSource], bool]
+LeaseCheck = Callable[[RemoteSource], bool | Staging]
 # The same question for many leases of one prefill engine boot (one side channel): one answer
-# per remote, in order, each held or not, or the error that kept it from being asked. The flag
-# says whether a silent side channel is asked again (after the READs: a paused prefill may
-# still prove the lease) or not (before: the load fails after one timeout).
-BatchCheck = Callable[[Sequence[RemoteSource], bool], list[bool | ConnectorError]]
+# per remote, in order. The flag says whether a silent side channel is asked again (after the
+# READs: a paused prefill may still prove the lease) or not (before: the load fails after one
+# timeout).
+BatchCheck = Callable[[Sequence[RemoteSource], bool], list[Answer]]
 # verify_kv: the same question with the reader's digest claims: (held?, DIGEST_OK, DIGEST_PENDING
 # or why the claims do not match).
-DigestCheck = Callable[[RemoteSource, tuple[DigestClaim, ...]], tuple[bool, str]]
+DigestCheck = Callable[[RemoteSource, tuple[DigestClaim, ...]], tuple[bool | Staging, str]]
 
 MAX_REFS_PER_MESSAGE = 4096  # ~100 bytes per ref: well under max_message_bytes' 64 KiB floor x 8
 
@@ -119,7 +138,7 @@ def side_channel_checks(
 
     silence = silence or SilentSideChannels(config.handshake_timeout_s)
 
-    def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
+    def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool | Staging, str]:
         status = check_leases_status(
             remote.host,
             remote.port,
@@ -136,10 +155,12 @@ def side_channel_checks(
             raise held
         return held, status.digests[0] if claims else DIGEST_OK
 
-    def check_digests(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool, str]:
+    def check_digests(
+        remote: RemoteSource, claims: tuple[DigestClaim, ...]
+    ) -> tuple[bool | Staging, str]:
         return asked_again(config, lambda: ask(remote, claims), remote, silence)
 
-    def check(remote: RemoteSource) -> bool:
+    def check(remote: RemoteSource) -> bool | Staging:
         return check_digests(remote, ())[0]
 
     return check, check_digests
@@ -150,7 +171,7 @@ def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannel
     MAX_REFS_PER_MESSAGE), asked again while unanswered, as ``side_channel_checks`` does."""
     from connector.net.side_channel_client import check_leases_status
 
-    def ask(remotes: Sequence[RemoteSource]) -> list[bool | ConnectorError]:
+    def ask(remotes: Sequence[RemoteSource]) -> list[Answer]:
         first = remotes[0]
         return answers(
             check_leases_status(
@@ -166,8 +187,8 @@ def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannel
             )
         )
 
-    def check(remotes: Sequence[RemoteSource], patient: bool) -> list[bool | ConnectorError]:
-        results: list[bool | ConnectorError] = []
+    def check(remotes: Sequence[RemoteSource], patient: bool) -> list[Answer]:
+        results: list[Answer] = []
         for start in range(0, len(remotes), MAX_REFS_PER_MESSAGE):
             part = remotes[start : start + MAX_REFS_PER_MESSAGE]
             asking = functools.partial(ask, part)
@@ -186,20 +207,37 @@ def lease_ref(remote: RemoteSource, claims: tuple[DigestClaim, ...] = ()) -> Lea
     return LeaseRef(remote.remote_request_id, remote.lease_id, claims, remote.tokens)
 
 
-def answers(status: LeaseStatus) -> list[bool | ConnectorError]:
-    """Per ref: held, not held, or TokensMismatch with the holder's reason (a lease held, but
-    not for this reader: its blocks hold other tokens)."""
+def answers(status: LeaseStatus) -> list[Answer]:
+    """Per ref: held, not held, TokensMismatch with the holder's reason (a lease held, but
+    not for this reader: its blocks hold other tokens), or a staged lease's Staging answer."""
     refused = status.refused or ("",) * len(status.held)
+    if not status.staged:
+        return [
+            TokensMismatch(why) if why else held
+            for held, why in zip(status.held, refused, strict=True)
+        ]
+    pending = status.pending or (False,) * len(status.held)
     return [
-        TokensMismatch(why) if why else held for held, why in zip(status.held, refused, strict=True)
+        _staged_answer(held, why, wait, staged)
+        for held, why, wait, staged in zip(
+            status.held, refused, pending, status.staged, strict=True
+        )
     ]
+
+
+def _staged_answer(held: bool, refused: str, pending: bool, staged: bool) -> Answer:
+    if refused:
+        return TokensMismatch(refused)
+    if pending:
+        return Staging.PENDING
+    return Staging.HELD_AFTER_COPY if held and staged else held
 
 
 def one_by_one(check: LeaseCheck) -> BatchCheck:
     """A BatchCheck that asks ``check`` once per remote (an injected single check: tests)."""
 
-    def batch(remotes: Sequence[RemoteSource], patient: bool) -> list[bool | ConnectorError]:
-        answers: list[bool | ConnectorError] = []
+    def batch(remotes: Sequence[RemoteSource], patient: bool) -> list[Answer]:
+        answers: list[Answer] = []
         for remote in remotes:
             try:
                 answers.append(check(remote))

@@ -17,6 +17,15 @@ so a later lease of a repeated request id cannot answer for an earlier one. The 
 notifications go out only after the answer, so this rank's own notification cannot end the
 lease before it is checked.
 
+A host-staged lease (a decode engine's hold, scheduler/leases.py) starts not readable and
+becomes readable once its holder's copy is done: the one lease that goes from not held to
+held. For it "held after the READs" does not imply "held during them", so the holder says
+which leases started so (``Staging.HELD_AFTER_COPY``) and such a load succeeds only if a
+check before its first READ saw the lease held: the check before the READs waits (bounded)
+while the answer is pending, and a load that skipped it fails ("staged copy not proven ready
+before the READs"), whatever the proof after says. A side channel that answered for a staged
+lease is never a reason to skip the check before the READs again.
+
 Checks are batched: the transfer thread collects the checks one pass submits and
 ``dispatch`` sends them as one LeaseCheck per prefill engine boot (worker/lease_checks.py), so
 a burst of loads from one prefill costs it one message per pass, not one per load. Each load
@@ -36,11 +45,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from connector.errors import ConnectorError, PeerRestarted, TokensMismatch
 from connector.metadata import RemoteSource
 from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
-from worker.lease_checks import BatchCheck, DigestCheck
+from worker.lease_checks import Answer, BatchCheck, DigestCheck, Staging, is_held
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +62,8 @@ MAX_HEARD = 4096  # side channels remembered as recently heard; the oldest is fo
 
 DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
 DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without verify_kv)
+STAGED_RETRY_S = 0.01  # a staged lease's copy runs in the holder's next step or two
+STAGED_WAIT_S = 10.0  # give up on a staged copy that never ends (the holder stopped stepping)
 
 # Failure reasons start with these (connector/observability/metrics.py maps them to bounded kinds).
 LEASE_EXPIRED = "lease expired"
@@ -79,15 +91,22 @@ AFTER_READS = "when this rank's READs completed"
 
 
 def lease_failure(
-    remote: RemoteSource, held: bool | ConnectorError, when: str = AFTER_READS
+    remote: RemoteSource, held: Answer, when: str = AFTER_READS, *, seen_held: bool = False
 ) -> str | None:
-    """The load's failure reason for a check's answer, or None when the lease held."""
+    """The load's failure reason for a check's answer, or None when the lease held.
+
+    ``seen_held``: a check before the load's first READ said the lease was held (needed, after
+    the READs, for a lease that was not readable at first)."""
     if held is True:
+        return None
+    if held is Staging.HELD_AFTER_COPY and (when == BEFORE_READS or seen_held):
         return None
     what = (
         f"prefill engine {remote.engine_id!r} request {remote.remote_request_id!r} "
         f"(lease {remote.lease_id})"
     )
+    if isinstance(held, Staging):
+        return _staged_failure(what, held, when)
     if held is False:
         return (
             f"{LEASE_EXPIRED}: {what} was no longer held {when} (expired, released, or "
@@ -104,6 +123,19 @@ def lease_failure(
             "is read from those blocks"
         )
     return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
+
+
+def _staged_failure(what: str, held: Staging, when: str) -> str:
+    if held is Staging.PENDING and when == BEFORE_READS:
+        return (
+            f"{LEASE_UNPROVEN}: {what} stages its KV through host memory, and its copy was "
+            f"not done within {STAGED_WAIT_S} s {when}; nothing is read from its blocks"
+        )
+    return (
+        f"{LEASE_UNPROVEN}: {what} was not readable when leased (its KV was still being "
+        "copied to the host memory NIXL reads) and this load did not see it held before its "
+        "first READ: staged copy not proven ready before the READs, so nothing read is used"
+    )
 
 
 def digest_failure(remote: RemoteSource, verdict: str) -> str:
@@ -137,34 +169,44 @@ class LeaseProofs:
         self._on_answer = on_answer
         self._check_digests = check_digests
         self._digest_wait_s = digest_wait_s
-        self._closing = threading.Event()  # ends digest retries at shutdown
+        self._closing = threading.Event()  # ends digest and staged-copy retries at shutdown
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
-        # (ticket, failure reason, the side channel that answered or None if none did)
-        self._answers: queue.SimpleQueue[tuple[int, str | None, SideChannelBoot | None]] = (
+        # (ticket, failure reason, the side channel that answered or None if none did, and
+        # whether it answered for a staged lease)
+        self._answers: queue.SimpleQueue[tuple[int, str | None, SideChannelBoot | None, bool]] = (
             queue.SimpleQueue()
         )
         # The transfer thread only: checks not yet dispatched, answers arrived, tickets whose
-        # load no longer waits, and when each side channel last answered.
-        self._batches: dict[Destination, list[tuple[int, RemoteSource, str]]] = {}
+        # load no longer waits, when each side channel last answered, and the side channels
+        # that answered for a staged lease (their loads always check before the READs).
+        self._batches: dict[Destination, list[_Item]] = {}
         self._arrived: dict[int, str | None] = {}
         self._abandoned: set[int] = set()
         self._heard_s: dict[SideChannelBoot, float] = {}
+        self._staging: dict[SideChannelBoot, None] = {}
         self.num_batches = 0  # LeaseCheck batches dispatched (tests, benchmarks)
 
     def submit(
-        self, remote: RemoteSource, when: str = AFTER_READS, claims: tuple[DigestClaim, ...] = ()
+        self,
+        remote: RemoteSource,
+        when: str = AFTER_READS,
+        claims: tuple[DigestClaim, ...] = (),
+        *,
+        seen_held: bool = False,
     ) -> int:
         """Queue a check of ``remote``'s lease (and, with ``claims``, of the digests of what
         was read: asked alone, at once); ``dispatch`` sends the queued ones, and the answer
-        comes back from ``take(ticket)``."""
+        comes back from ``take(ticket)``. ``seen_held`` (after the READs): a check before the
+        load's first READ said the lease was held."""
         ticket = next(self._tickets)
+        item = _Item(ticket, remote, when, seen_held)
         if claims:
-            self._pool.submit(self._run_digests, ticket, remote, when, claims)
+            self._pool.submit(self._run_digests, item, claims)
             return ticket
         patient = when != BEFORE_READS
         destination = (remote.host, remote.port, remote.engine_id, remote.boot_id, patient)
-        self._batches.setdefault(destination, []).append((ticket, remote, when))
+        self._batches.setdefault(destination, []).append(item)
         return ticket
 
     def dispatch(self) -> None:
@@ -172,18 +214,22 @@ class LeaseProofs:
         waiting (abandoned) are answered at once without asking."""
         batches, self._batches = self._batches, {}
         for destination, batch in batches.items():
-            wanted = [item for item in batch if item[0] not in self._abandoned]
-            self._abandoned.difference_update(item[0] for item in batch)
+            wanted = [item for item in batch if item.ticket not in self._abandoned]
+            self._abandoned.difference_update(item.ticket for item in batch)
             if wanted:
                 self.num_batches += 1
                 self._pool.submit(self._run_batch, wanted, destination[-1])
 
     def heard_within(self, remote: RemoteSource, window_s: float) -> bool:
         """Whether the side channel ``remote`` names, as the boot it names, answered a lease
-        check in the last ``window_s`` seconds (held or not: it is alive and that boot)."""
+        check in the last ``window_s`` seconds (held or not: it is alive and that boot), and
+        never answered for a staged lease (whose loads must check before their READs)."""
         self._collect()
-        heard_s = self._heard_s.get((remote.host, remote.port, remote.boot_id))
-        return heard_s is not None and self._clock() - heard_s <= window_s
+        side_channel = (remote.host, remote.port, remote.boot_id)
+        heard_s = self._heard_s.get(side_channel)
+        if heard_s is None or side_channel in self._staging:
+            return False
+        return self._clock() - heard_s <= window_s
 
     def take(self, ticket: int) -> tuple[bool, str | None]:
         """(answered?, failure reason or None if the lease held) for ``ticket``."""
@@ -207,24 +253,36 @@ class LeaseProofs:
 
     def _collect(self) -> None:
         while not self._answers.empty():  # one consumer (the transfer thread): empty() is exact
-            ticket, reason, heard = self._answers.get_nowait()
+            ticket, reason, heard, staged = self._answers.get_nowait()
             if heard is not None:
-                self._heard(heard)
+                self._heard(heard, staged)
             if ticket in self._abandoned:
                 self._abandoned.discard(ticket)
             else:
                 self._arrived[ticket] = reason
 
-    def _heard(self, side_channel: SideChannelBoot) -> None:
+    def _heard(self, side_channel: SideChannelBoot, staged: bool) -> None:
         self._heard_s.pop(side_channel, None)  # re-inserted last: the dict stays oldest-first
         self._heard_s[side_channel] = self._clock()
         if len(self._heard_s) > MAX_HEARD:
             del self._heard_s[next(iter(self._heard_s))]
+        if staged and side_channel not in self._staging:
+            self._staging[side_channel] = None
+            if len(self._staging) > MAX_HEARD:
+                del self._staging[next(iter(self._staging))]
 
-    def _run_batch(self, batch: list[tuple[int, RemoteSource, str]], patient: bool) -> None:
-        answers: list[bool | ConnectorError]
+    def _run_batch(self, batch: list[_Item], patient: bool) -> None:
+        answers = self._ask_batch(batch, patient)
+        if not patient:  # before the READs: a staged lease's pending copy is waited for
+            answers = self._while_pending(batch, answers)
+        for item, held in zip(batch, answers, strict=True):
+            self._put(item, held)
+        self._answered()
+
+    def _ask_batch(self, batch: list[_Item], patient: bool) -> list[Answer]:
+        answers: list[Answer]
         try:
-            answers = self._check([remote for _, remote, _ in batch], patient)
+            answers = self._check([item.remote for item in batch], patient)
             if len(answers) != len(batch):
                 raise ConnectorError(f"{len(answers)} answers to {len(batch)} lease checks")
         except ConnectorError as error:
@@ -232,27 +290,41 @@ class LeaseProofs:
         except Exception as error:  # a bug must still answer, never leave a load waiting
             logger.exception("a lease check of %d lease(s) crashed", len(batch))
             answers = [ConnectorError(f"lease check crashed: {error!r}")] * len(batch)
-        for (ticket, remote, when), held in zip(batch, answers, strict=True):
-            heard = _answered_by(remote, held)
-            self._answers.put((ticket, lease_failure(remote, held, when), heard))
-        self._answered()
+        return answers
 
-    def _run_digests(
-        self, ticket: int, remote: RemoteSource, when: str, claims: tuple[DigestClaim, ...]
-    ) -> None:
-        held: bool | ConnectorError
+    def _while_pending(self, batch: list[_Item], answers: list[Answer]) -> list[Answer]:
+        """Ask again for the leases whose staged copy is pending, until it is done (bounded
+        by STAGED_WAIT_S); the other answers stand."""
+        waited_s = 0.0
+        answers = list(answers)
+        while waited_s < STAGED_WAIT_S:
+            waiting = [index for index, held in enumerate(answers) if held is Staging.PENDING]
+            if not waiting or self._closing.wait(STAGED_RETRY_S):
+                break
+            waited_s += STAGED_RETRY_S
+            again = self._ask_batch([batch[index] for index in waiting], False)
+            for index, held in zip(waiting, again, strict=True):
+                answers[index] = held
+        return answers
+
+    def _put(self, item: _Item, held: Answer, verdict: str = DIGEST_OK) -> None:
+        reason = lease_failure(item.remote, held, item.when, seen_held=item.seen_held)
+        if reason is None and verdict != DIGEST_OK:
+            reason = digest_failure(item.remote, verdict)
+        staged = isinstance(held, Staging)
+        self._answers.put((item.ticket, reason, _answered_by(item.remote, held), staged))
+
+    def _run_digests(self, item: _Item, claims: tuple[DigestClaim, ...]) -> None:
+        held: Answer
         verdict = DIGEST_OK
         try:
-            held, verdict = self._held_and_digests(remote, claims)
+            held, verdict = self._held_and_digests(item.remote, claims)
         except ConnectorError as error:
             held = error
         except Exception as error:  # a bug must still answer, never leave a load waiting
-            logger.exception("lease check of %s crashed", remote.remote_request_id)
+            logger.exception("lease check of %s crashed", item.remote.remote_request_id)
             held = ConnectorError(f"lease check crashed: {error!r}")
-        reason = lease_failure(remote, held, when)
-        if reason is None and verdict != DIGEST_OK:
-            reason = digest_failure(remote, verdict)
-        self._answers.put((ticket, reason, _answered_by(remote, held)))
+        self._put(item, held, verdict)
         self._answered()
 
     def _answered(self) -> None:
@@ -261,24 +333,34 @@ class LeaseProofs:
 
     def _held_and_digests(
         self, remote: RemoteSource, claims: tuple[DigestClaim, ...]
-    ) -> tuple[bool, str]:
+    ) -> tuple[bool | Staging, str]:
         """Ask until prefill's ranks have reported their digests (bounded)."""
         if self._check_digests is None:
             raise ConnectorError("verify_kv is on but this rank has no digest check")
         waited_s = 0.0
         while True:
             held, verdict = self._check_digests(remote, claims)
-            if not held or verdict != DIGEST_PENDING or waited_s >= self._digest_wait_s:
+            if not is_held(held) or verdict != DIGEST_PENDING or waited_s >= self._digest_wait_s:
                 return held, verdict
             if self._closing.wait(DIGEST_RETRY_S):
                 return held, "shutting down before prefill reported its digests"
             waited_s += DIGEST_RETRY_S
 
 
-def _answered_by(remote: RemoteSource, held: bool | ConnectorError) -> SideChannelBoot | None:
+class _Item(NamedTuple):
+    """One submitted check: its ticket, the lease, when it is asked (BEFORE_READS or after),
+    and (after the READs) whether a check before them saw the lease held."""
+
+    ticket: int
+    remote: RemoteSource
+    when: str
+    seen_held: bool
+
+
+def _answered_by(remote: RemoteSource, held: Answer) -> SideChannelBoot | None:
     """The side channel (as the boot ``remote`` names) when this answer came from it: held,
-    not held, or held for other tokens; None when it did not answer (silent, restarted,
-    refused)."""
-    if isinstance(held, bool | TokensMismatch):
+    not held, held for other tokens, or a staged lease's answer; None when it did not answer
+    (silent, restarted, refused)."""
+    if isinstance(held, bool | TokensMismatch | Staging):
         return (remote.host, remote.port, remote.boot_id)
     return None

@@ -94,6 +94,7 @@ class Load:
     posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
     proof_ticket: int | None = None  # the lease check in flight (WAITING or CONFIRMING)
     prechecked: bool = False  # the check before posting said the lease holds, or was skipped
+    seen_held: bool = False  # the check before posting said the lease holds (not skipped)
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
     quarantined_s: float | None = None  # when a READ outlived the transfer timeout
     stuck_logged: bool = False  # the quarantine outlasted its bound and said so once

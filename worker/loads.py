@@ -198,7 +198,9 @@ class LoadTable:
             claims: tuple[DigestClaim, ...] = ()
             if self._claims is not None and load.spec is not None:
                 claims = self._claims(load.spec)
-            load.proof_ticket = self._proofs.submit(load.source, claims=claims)
+            load.proof_ticket = self._proofs.submit(
+                load.source, claims=claims, seen_held=load.seen_held
+            )
             return  # asked at the end of this pass, with the other checks for that prefill
         answered, reason = self._proofs.take(load.proof_ticket)
         if not answered:
@@ -248,7 +250,7 @@ class LoadTable:
             load.fail(reason)
             load.end()
             return False
-        load.prechecked = True
+        load.prechecked = load.seen_held = True
         return True
 
     def _post(self, load: Load, spec: LoadSpec, link: PeerLink) -> None:

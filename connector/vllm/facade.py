@@ -18,8 +18,9 @@ Who decides what (one request's journey through vLLM):
   failure never crashes the engine.
 - Host staging (kv_buffer_device "cpu", connector/vllm/staging.py): the scheduler adds to
   each step's metadata the requests whose prefill completes in it (their transfer groups'
-  blocks, as the lease names them); ranks copy those blocks device->host in wait_for_save,
-  and loaded blocks host->device before reporting a load.
+  blocks, as the lease names them) and, multi-turn, the holds leased since the last step
+  (``stage_out``: not readable until every rank reports its copy); ranks copy those blocks
+  device->host in wait_for_save, and loaded blocks host->device before reporting a load.
 - Malformed kv_transfer_params fail only their request: SchedulerConnector (built with
   ``bind_params_at_allocation``, as vLLM binds a request at allocation) answers "tokens will
   arrive", and the adapter announces the request as a failed load in the same step; vLLM then
@@ -143,7 +144,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         self._saves: SaveTracker | None = SaveTracker() if staging else None
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self._connector(config, _ROLES[transfer.kv_role]),
+                self._connector(config, _ROLES[transfer.kv_role], host_staging=staging),
                 kv_cache_config,
                 backoff_tokens=self._backoff,
             )
@@ -207,7 +208,9 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             block_formats=block_formats,
         )
 
-    def _connector(self, config: ConnectorConfig, role: Role) -> SchedulerConnector:
+    def _connector(
+        self, config: ConnectorConfig, role: Role, *, host_staging: bool
+    ) -> SchedulerConnector:
         return SchedulerConnector(
             config,
             engine_id=self._engine_id,
@@ -215,6 +218,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             spec=self.kv_cache_spec(),
             tp_size=self._tp_size,
             bind_params_at_allocation=True,  # vLLM binds a request at allocation
+            host_staging=host_staging,
         )
 
     def _create_agent(self, tp_rank: int) -> NixlAgent:

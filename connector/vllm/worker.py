@@ -91,6 +91,7 @@ class WorkerSide:
         self._staged_loads: dict[str, BlockIds] = {}  # staging: blocks each awaited load fills
         self._last_saved: NixlPDMetadata | None = None
         self._unsaved: list[str] = []  # staging + verify_kv: saves whose host copy differs
+        self._staged: list[str] = []  # staging: lease keys of holds copied device->host
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the KV tensors (host or one GPU), or with staging a host mirror of them."""
@@ -120,21 +121,30 @@ class WorkerSide:
             self._host.copy_op = copy_op
 
     def wait_for_save(self, metadata: NixlPDMetadata) -> None:
-        """Prefill with staging: copy the blocks of requests whose prefill completed this step
-        device->host, before the step ends (their params reach decode only after it)."""
+        """Staging: copy device->host, before the step ends, the blocks of requests whose
+        prefill completed this step (their params reach decode only after it) and of holds
+        for a next turn (``stage_out``: their leases become readable once every rank copied)."""
         if self._host is None or metadata is self._last_saved:
             return
         self._last_saved = metadata
+        request_ids = [save.request_id for save in metadata.saves]
+        request_ids += [hold.request_id for hold in metadata.step.stage_out]
         blocks = [save.block_ids for save in metadata.saves]
+        blocks += [hold.block_ids for hold in metadata.step.stage_out]
         self._host.to_host(blocks)
+        unsaved: set[str] = set()
         if self._config.verify_kv:  # the digests will prove the host copy: it must be right
             for index in self._host.copies_differ(blocks):
                 logger.warning(
                     "request %s: the device->host copy of its KV differs from the device "
                     "blocks; its lease ends",
-                    metadata.saves[index].request_id,
+                    request_ids[index],
                 )
-                self._unsaved.append(metadata.saves[index].request_id)
+                unsaved.add(request_ids[index])
+            self._unsaved.extend(unsaved)
+        self._staged.extend(
+            hold.key for hold in metadata.step.stage_out if hold.request_id not in unsaved
+        )
 
     def get_handshake_metadata(self) -> NixlPDHandshakeMetadata:
         handshake = self._require().get_handshake_metadata()
@@ -162,9 +172,12 @@ class WorkerSide:
         if metadata is not None:
             self.start_load_kv(metadata)
         report = self._require().get_finished()
-        if self._unsaved:
-            report = msgspec.structs.replace(report, unsaved=tuple(self._unsaved))
+        if self._unsaved or self._staged:
+            report = msgspec.structs.replace(
+                report, unsaved=tuple(self._unsaved), staged=tuple(self._staged)
+            )
             self._unsaved.clear()
+            self._staged.clear()
         echo, self._echo = self._echo, FinishedRequests()
         # Loads this rank ran are reported to vLLM now, by every rank (vLLM's aggregator waits
         # for all of them, as for its own connector); the scheduler never echoes those.
