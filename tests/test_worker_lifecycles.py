@@ -54,7 +54,12 @@ class ScriptedProofs:
         self.proven: collections.Counter[str] = collections.Counter()  # held after the READs
 
     def submit(
-        self, remote: RemoteSource, when: str = AFTER_READS, claims: tuple[object, ...] = ()
+        self,
+        remote: RemoteSource,
+        when: str = AFTER_READS,
+        claims: tuple[object, ...] = (),
+        *,
+        seen_held: bool = False,
     ) -> int:
         ticket = next(self._tickets)
         self.pending[ticket] = (remote, when)
