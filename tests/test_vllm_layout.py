@@ -573,3 +573,42 @@ def test_a_view_that_strides_past_its_padded_page_is_refused() -> None:
     dense = {name: torch.zeros(4, 1, 1, 68, dtype=torch.int8) for name in views}  # no padding
     with pytest.raises(UnsupportedConfiguration, match="block stride 68 != 128 bytes"):
         region_addresses(build_rank_layout(spec, 0, 1), spec, dense)
+
+
+def test_vllms_own_fp8_attention_layers_translate_with_their_scales(tmp_path: Any) -> None:
+    """Attention layers vLLM builds for --kv-cache-dtype fp8 (the CPU backend): their cache
+    spec is uint8 FP8_PER_TENSOR, and the worker reads each layer's host scales."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from connector.vllm.scales import kv_scales_of
+    from tests import vllm_harness as h
+
+    model = h.model_config(h.write_tiny_model(tmp_path))
+    config = h.vllm_config(model, kv_role="kv_producer", tp_size=1, block_size=16)
+    config.cache_config.cache_dtype = "fp8"
+    with set_current_vllm_config(config):
+        layers = [
+            Attention(
+                4,
+                32,
+                0.1,
+                num_kv_heads=2,
+                cache_config=config.cache_config,
+                prefix=f"g0.l{i}",
+                attn_backend=CPUAttentionBackend,
+            )  # fmt: skip
+            for i in range(2)
+        ]
+    layers[1]._k_scale_float = 0.5  # as a checkpoint's k_scale would set it
+    cache = _cache(layers[0].get_kv_cache_spec(config))
+
+    spec = _translate_fp8(
+        cache.kv_cache_groups[0].kv_cache_spec, kv_scales=kv_scales_of(config, cache)
+    )
+
+    assert [(layer.dtype_bytes, layer.kv_scales) for layer in spec.groups[0].layers] == [
+        (1, (1.0, 1.0)),
+        (1, (0.5, 1.0)),
+    ]
