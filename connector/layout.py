@@ -105,6 +105,12 @@ class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     MLA: one plane, one replicated "head" holding the latent of ``head_dim`` elements.
     SSM: one plane holding a request's recurrent state: ``num_kv_heads`` state heads of
     ``head_dim`` elements, one state per block (there is no token axis).
+
+    ``dtype_bytes`` is the cache element's size (1 for an FP8 cache, whatever the model's
+    dtype). ``kv_scales``: a cache quantized per tensor (vLLM's ``fp8``) stores each element
+    as value / scale with one K and one V scale per layer, kept by the attention layer, not
+    in the pages; bytes mean the same values on two engines only under equal scales. None:
+    unquantized, or not known on this side (vLLM's scheduler process).
     """
 
     name: str
@@ -112,6 +118,7 @@ class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_dim: int
     dtype_bytes: int
     num_planes: int = 2
+    kv_scales: tuple[float, float] | None = None  # (k_scale, v_scale)
 
 
 class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -51,8 +51,17 @@ def _block_sizes(draw: st.DrawFn, kind: GroupKind) -> tuple[int, int]:
     return block, kernel
 
 
+FP8_KINDS = [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MLA]  # attention caches only
+FP8_SCALES = (0.5, 1.0)  # (k_scale, v_scale): the planner must never need them
+
+
 @st.composite
-def _layers(draw: st.DrawFn, kind: GroupKind) -> tuple[LayerSpec, ...]:
+def _layers(draw: st.DrawFn, kind: GroupKind, fp8: bool = False) -> tuple[LayerSpec, ...]:
+    if fp8:  # one byte per element: heads of 1 to 3 bytes start at odd offsets
+        return tuple(
+            msgspec.structs.replace(layer, dtype_bytes=1, kv_scales=FP8_SCALES)
+            for layer in draw(_layers(kind))
+        )
     count = draw(st.integers(1, 2))
     heads = (
         [1] * count
@@ -83,13 +92,17 @@ class Case:
     request: oracle.Request
 
 
-def _spec(side: Side, kinds, layers, windows, pools) -> KVCacheSpec:
+def _spec(side: Side, kinds, layers, windows, pools, cache_dtype: str = "bf16") -> KVCacheSpec:
     groups = tuple(
         GroupSpec(kind=kind, block_size=block, kernel_block_size=kernel, num_blocks=pool, layers=layer, window=window, block_format=side.block_format)
         for kind, (block, kernel), layer, window, pool in zip(kinds, side.blocks, layers, windows, pools, strict=True)
     )  # fmt: skip
     return KVCacheSpec(
-        model="m", dtype="bf16", cache_dtype="bf16", groups=groups, memory_layout=side.memory_layout
+        model="m",
+        dtype="bf16",
+        cache_dtype=cache_dtype,
+        groups=groups,
+        memory_layout=side.memory_layout,
     )
 
 
@@ -138,9 +151,9 @@ def _opaque_sides(draw: st.DrawFn, kinds: list[GroupKind]) -> tuple[Side, Side, 
 
 
 @st.composite
-def cases(draw: st.DrawFn, packed: str = "any", opaque: bool = False) -> Case:
-    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=3))
-    layers = [draw(_layers(kind)) for kind in kinds]
+def cases(draw: st.DrawFn, packed: str = "any", opaque: bool = False, fp8: bool = False) -> Case:
+    kinds = draw(st.lists(st.sampled_from(FP8_KINDS if fp8 else KINDS), min_size=1, max_size=3))
+    layers = [draw(_layers(kind, fp8)) for kind in kinds]
     windows = [draw(st.integers(1, 24)) if k is GroupKind.SLIDING_WINDOW else None for k in kinds]
     if opaque:
         prefill, decode, prefill_tp, decode_tp = draw(_opaque_sides(kinds))
@@ -177,12 +190,26 @@ def cases(draw: st.DrawFn, packed: str = "any", opaque: bool = False) -> Case:
     request = oracle.Request(
         num_tokens, cached, tuple(map(tuple, local_ids)), tuple(map(tuple, remote_block_ids))
     )
-    return Case(_spec(prefill, kinds, layers, windows, pools), _spec(decode, kinds, layers, windows, pools), prefill_tp, decode_tp, request)  # fmt: skip
+    cache_dtype = "fp8_e4m3" if fp8 else "bf16"
+    return Case(_spec(prefill, kinds, layers, windows, pools, cache_dtype), _spec(decode, kinds, layers, windows, pools, cache_dtype), prefill_tp, decode_tp, request)  # fmt: skip
 
 
 @settings(max_examples=250)
 @given(cases())
 def test_plans_are_byte_exact_merged_and_notify_every_prefill_rank(case: Case) -> None:
+    oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)
+
+
+@settings(max_examples=200)
+@given(data=st.data())
+def test_fp8_caches_are_byte_exact_at_one_byte_per_element(data: st.DataObject) -> None:
+    """FP8 with per-tensor scales: every element one byte, so heads of 1-3 bytes sit at odd
+    offsets. TP pairs, block and kernel sizes, layouts (packed or not, either side), partial
+    last blocks and prefix hits (a multi-turn pull reads a cached prefix's suffix the same
+    way) vary; the reader must hold exactly the oracle's bytes, merged as always."""
+    case = data.draw(cases(packed=data.draw(st.sampled_from(["any", "both"])), fp8=True))
+    for spec in (case.prefill, case.decode):
+        assert {layer.dtype_bytes for group in spec.groups for layer in group.layers} == {1}
     oracle.run_all_ranks(case.prefill, case.decode, case.prefill_tp, case.decode_tp, case.request)
 
 

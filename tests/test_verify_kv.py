@@ -76,6 +76,24 @@ def _digestible(case: Case) -> bool:
     return True
 
 
+def assert_one_wrong_read_byte_is_caught(
+    case: Case, digests: dict[int, Any], decoded: list[Any], data: st.DataObject
+) -> None:
+    # A byte decode READ: where its memory differs from the sentinel it started from.
+    read = [
+        (rank, region, int(offset))
+        for rank, (layout, buffers) in enumerate(decoded)
+        for region, expected in enumerate(oracle.sentinel(layout))
+        for offset in np.flatnonzero(buffers[region] != expected)
+    ]
+    assume(read)
+    rank, region, offset = data.draw(st.sampled_from(read))
+    layout, buffers = decoded[rank]
+    buffers[region][offset] ^= data.draw(st.integers(1, 255))
+    verdict = verify_claims(_claims(case, layout, buffers), digests, case.prefill_tp)
+    assert verdict.startswith("digest mismatch"), verdict
+
+
 @settings(max_examples=200, deadline=None)
 @given(cases())
 def test_the_bytes_read_match_prefills_digests(case: Case) -> None:
@@ -100,19 +118,7 @@ def test_opaque_blocks_read_whole_match_prefills_digests(case: Case) -> None:
 def test_one_wrong_byte_that_was_read_is_caught(case: Case, data: st.DataObject) -> None:
     assume(_digestible(case))
     digests, decoded = _transfer(case)
-    # A byte decode READ: where its memory differs from the sentinel it started from.
-    read = [
-        (rank, region, int(offset))
-        for rank, (layout, buffers) in enumerate(decoded)
-        for region, expected in enumerate(oracle.sentinel(layout))
-        for offset in np.flatnonzero(buffers[region] != expected)
-    ]
-    assume(read)
-    rank, region, offset = data.draw(st.sampled_from(read))
-    layout, buffers = decoded[rank]
-    buffers[region][offset] ^= data.draw(st.integers(1, 255))
-    verdict = verify_claims(_claims(case, layout, buffers), digests, case.prefill_tp)
-    assert verdict.startswith("digest mismatch"), verdict
+    assert_one_wrong_read_byte_is_caught(case, digests, decoded, data)
 
 
 def test_a_rank_that_has_not_reported_yet_is_pending_not_a_mismatch() -> None:
@@ -182,3 +188,15 @@ def test_the_demo_matrix_passes_with_verify_kv_on(row: tuple[str, ...]) -> None:
     assert result.errors == []
     assert result.failed_requests == 0
     assert result.tokens_match and result.kv_match
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases(fp8=True), st.data())
+def test_fp8_bytes_read_match_and_one_wrong_byte_is_caught(case: Case, data: st.DataObject) -> None:
+    """FP8 pages (one byte per element, heads of 1-3 bytes: digested byte-wise, not as words):
+    what decode read matches prefill's digests, and one flipped byte of it does not."""
+    assume(_digestible(case))
+    digests, decoded = _transfer(case)
+    for layout, buffers in decoded:
+        assert verify_claims(_claims(case, layout, buffers), digests, case.prefill_tp) == DIGEST_OK
+    assert_one_wrong_read_byte_is_caught(case, digests, decoded, data)

@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -276,6 +277,92 @@ def test_our_packed_geometry_matches_vllm_kv_cache_views(vllm_layout: str) -> No
             assert torch.equal(ours_value, theirs), (plane, block, head, token)
 
 
+def _fp8(
+    spec_class: Any = FullAttentionSpec,
+    mode: KVQuantMode = KVQuantMode.FP8_PER_TENSOR,
+    **fields: Any,
+) -> Any:
+    """A vLLM cache spec as its FP8 attention layers publish it: uint8 elements."""
+    return spec_class(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.uint8, kv_quant_mode=mode, **fields)  # fmt: skip
+
+
+def _translate_fp8(
+    vllm_spec: Any, cache_dtype: str = "fp8", kv_scales: Any = None, **options: Any
+) -> Any:
+    return kv_cache_spec_from_vllm(
+        _cache(vllm_spec, num_blocks=options.pop("num_blocks", 8)),
+        model="m",
+        dtype="float32",
+        cache_dtype=cache_dtype,
+        model_kv_heads=2,
+        tp_size=1,
+        memory_layout=options.pop("memory_layout", MemoryLayout.HND_PACKED),
+        kv_scales=kv_scales,
+        **options,
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_per_tensor_translates_to_one_byte_elements_with_scales(cache_dtype: str) -> None:
+    scales = {"g0.l0": (0.5, 2.0), "g0.l1": (1.0, 1.0)}
+    spec = _translate_fp8(_fp8(), cache_dtype, scales)
+    assert spec.cache_dtype == cache_dtype
+    layers = spec.groups[0].layers
+    assert [(layer.dtype_bytes, layer.kv_scales) for layer in layers] == [
+        (1, (0.5, 2.0)),
+        (1, (1.0, 1.0)),
+    ]
+    assert build_rank_layout(spec, 0, 1).groups[0].planes[0].head_bytes == 32
+
+
+def test_fp8_scales_unknown_on_the_scheduler_and_required_on_workers() -> None:
+    assert {layer.kv_scales for layer in _translate_fp8(_fp8()).groups[0].layers} == {None}
+    with pytest.raises(UnsupportedConfiguration, match=r"layers \['g0.l1'\] have no k_scale"):
+        _translate_fp8(_fp8(), kv_scales={"g0.l0": (1.0, 1.0)})
+
+
+@pytest.mark.parametrize(
+    ("vllm_spec", "cache_dtype", "message"),
+    [
+        (_fp8(mode=KVQuantMode.FP8_PER_TOKEN_HEAD), "fp8_per_token_head", "KV cache quantization FP8_PER_TOKEN_HEAD (--kv-cache-dtype fp8_per_token_head), whose scales or packed codes live beside the K/V values"),
+        (_fp8(mode=KVQuantMode.INT8_PER_TOKEN_HEAD), "int8_per_token_head", "INT8_PER_TOKEN_HEAD"),
+        (_fp8(mode=KVQuantMode.NVFP4), "nvfp4", "NVFP4"),
+        (_fp8(mode=KVQuantMode.TURBOQUANT_K8V4), "turboquant_k8v4", "TURBOQUANT_K8V4"),
+        (_fp8(MLAAttentionSpec), "fp8_ds_mla", "KV cache dtype 'fp8_ds_mla' (FP8_PER_TENSOR), not one of fp8, fp8_e4m3, fp8_e5m2"),
+    ],
+    ids=["fp8-per-token-head", "int8-per-token-head", "nvfp4-block-scales", "turboquant-packed", "fp8-ds-mla-scales-in-page"],
+)  # fmt: skip
+def test_quantized_modes_with_scales_beside_pages_are_refused_by_name(
+    vllm_spec: Any, cache_dtype: str, message: str
+) -> None:
+    with pytest.raises(UnsupportedConfiguration, match=re.escape(message)):
+        _translate_fp8(vllm_spec, cache_dtype)
+
+
+def test_fp8_geometry_matches_vllm_kv_cache_views_byte_for_byte() -> None:
+    """vLLM's CPU layout (LBHNC) of a uint8 cache: our planes address its K|V bytes."""
+    num_blocks, kernel = 4, 8
+    spec = _fp8()
+    page_bytes = spec.page_size_bytes
+    raw = torch.zeros(page_bytes * num_blocks, dtype=torch.uint8)
+    tensor = KVCacheTensor(size=raw.numel(), layers=["g0.l0"], layer_stride=raw.numel(), block_stride=page_bytes)  # fmt: skip
+    (view,) = create_kv_cache_views(
+        raw, spec, num_blocks, KVCacheLayout.LBHNC, tensor, kernel_block_size=kernel
+    )
+    view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))  # fmt: skip
+    ours = _translate_fp8(spec, num_blocks=num_blocks, kernel_block_sizes=(kernel,))
+    for plane in build_rank_layout(ours, 0, 1).groups[0].planes[:2]:
+        for block, head, token in [(0, 0, 0), (1, 1, 3), (7, 1, 7), (5, 0, 2)]:
+            offset = (
+                plane.offset_bytes
+                + block * plane.kernel_block_stride_bytes
+                + token * plane.token_stride_bytes
+                + head * plane.head_stride_bytes
+            )
+            theirs = view[block, head, token, plane.plane * 32 : (plane.plane + 1) * 32]
+            assert torch.equal(raw[offset : offset + plane.head_bytes], theirs)
+
+
 def _vllm_planned(
     layout_name: str, groups: list[Any], *, num_blocks: int = 6, kernel: int | None = None
 ) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -486,3 +573,42 @@ def test_a_view_that_strides_past_its_padded_page_is_refused() -> None:
     dense = {name: torch.zeros(4, 1, 1, 68, dtype=torch.int8) for name in views}  # no padding
     with pytest.raises(UnsupportedConfiguration, match="block stride 68 != 128 bytes"):
         region_addresses(build_rank_layout(spec, 0, 1), spec, dense)
+
+
+def test_vllms_own_fp8_attention_layers_translate_with_their_scales(tmp_path: Any) -> None:
+    """Attention layers vLLM builds for --kv-cache-dtype fp8 (the CPU backend): their cache
+    spec is uint8 FP8_PER_TENSOR, and the worker reads each layer's host scales."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from connector.vllm.scales import kv_scales_of
+    from tests import vllm_harness as h
+
+    model = h.model_config(h.write_tiny_model(tmp_path))
+    config = h.vllm_config(model, kv_role="kv_producer", tp_size=1, block_size=16)
+    config.cache_config.cache_dtype = "fp8"
+    with set_current_vllm_config(config):
+        layers = [
+            Attention(
+                4,
+                32,
+                0.1,
+                num_kv_heads=2,
+                cache_config=config.cache_config,
+                prefix=f"g0.l{i}",
+                attn_backend=CPUAttentionBackend,
+            )  # fmt: skip
+            for i in range(2)
+        ]
+    layers[1]._k_scale_float = 0.5  # as a checkpoint's k_scale would set it
+    cache = _cache(layers[0].get_kv_cache_spec(config))
+
+    spec = _translate_fp8(
+        cache.kv_cache_groups[0].kv_cache_spec, kv_scales=kv_scales_of(config, cache)
+    )
+
+    assert [(layer.dtype_bytes, layer.kv_scales) for layer in spec.groups[0].layers] == [
+        (1, (1.0, 1.0)),
+        (1, (0.5, 1.0)),
+    ]

@@ -32,7 +32,7 @@ from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from scheduler.leases import LeaseTable
-from tests.test_worker_parts import BASE, Clock, make_spec
+from tests.test_worker_parts import BASE, FP8, Clock, make_spec
 from worker import lease_proof
 from worker.compat import fingerprint
 from worker.connector import WorkerConnector
@@ -712,6 +712,30 @@ def test_compat_mismatch_tolerated_when_not_enforced() -> None:
         rig.finish_reads()
         rig.until(lambda: rig.reported("a"))
         assert rig.finished == ["a"]
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize(
+    ("prefill_spec", "match"),
+    [
+        pytest.param(make_spec(), r"cache_dtype: local 'fp8', remote 'bfloat16'", id="cache-dtype"),
+        pytest.param(make_spec(cache_dtype="fp8", kv_scales=((0.5, 1.0), (0.5, 0.25))), r"group0.k_scale: local '1.0,0.5', remote '0.5'", id="k-scale"),
+    ],
+)  # fmt: skip
+def test_fp8_peer_with_other_dtype_or_scales_never_loads(
+    prefill_spec: KVCacheSpec, match: str
+) -> None:
+    """Two ranks whose cache bytes mean different values: refused at handshake with both
+    values, even with enforce_handshake_compat off, and nothing is read."""
+    config = ConnectorConfig(handshake_retries=0, enforce_handshake_compat=False)
+    rig = Rig(spec=FP8, config=config)
+    try:
+        rig.channels.serve("p", 1, spec=prefill_spec)
+        rig.step(loads=(load("a", source()),))
+        rig.until(lambda: rig.reported("a"))
+        assert rig.finished == [] and re.search(match, rig.failed["a"]), rig.failed
+        assert rig.agent.reads == []
     finally:
         rig.close()
 

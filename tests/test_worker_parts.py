@@ -31,12 +31,17 @@ def make_spec(
     num_blocks: int = 16,
     memory_layout: MemoryLayout = MemoryLayout.NHD,
     cache_dtype: str = "bfloat16",
+    kv_scales: tuple[tuple[float, float], ...] | None = None,  # per layer: FP8 per tensor
 ) -> KVCacheSpec:
     num_planes = 1 if kind is GroupKind.MLA else 2
+    dtype_bytes = 1 if kv_scales else 2
     layers = tuple(
-        LayerSpec(f"layer{i}", num_kv_heads, head_dim=4, dtype_bytes=2, num_planes=num_planes)
+        LayerSpec(
+            f"layer{i}", num_kv_heads, head_dim=4, dtype_bytes=dtype_bytes, num_planes=num_planes,
+            kv_scales=kv_scales[i] if kv_scales else None,
+        )
         for i in range(num_layers)
-    )
+    )  # fmt: skip
     group = GroupSpec(kind, block_size, block_size, num_blocks, layers)
     return KVCacheSpec(model, "bfloat16", cache_dtype, (group,), memory_layout)
 
@@ -114,6 +119,48 @@ def test_check_compatible_unenforced_returns_differences() -> None:
     reasons = check_compatible(fingerprint(BASE), fingerprint(make_spec(model="x")), False)
     assert reasons == ("model: local 'tiny', remote 'x'",)
     assert check_compatible(fingerprint(BASE), fingerprint(BASE), True) == ()
+
+
+FP8 = make_spec(cache_dtype="fp8", kv_scales=((1.0, 1.0), (0.5, 0.25)))
+
+
+@pytest.mark.parametrize(
+    ("remote", "match"),
+    [
+        pytest.param(make_spec(), r"cache_dtype: local 'fp8', remote 'bfloat16'", id="dtype"),
+        pytest.param(
+            make_spec(cache_dtype="fp8_e5m2", kv_scales=((1.0, 1.0), (0.5, 0.25))),
+            r"cache_dtype: local 'fp8', remote 'fp8_e5m2'",
+            id="fp8-flavour",
+        ),
+        pytest.param(
+            make_spec(cache_dtype="fp8", kv_scales=((1.0, 1.0), (0.5, 0.125))),
+            r"group0.v_scale: local '1.0,0.25', remote '1.0,0.125'",
+            id="one-layers-v-scale",
+        ),
+        pytest.param(
+            make_spec(cache_dtype="fp8", kv_scales=((1.0, 1.0), (0.5000001, 0.25))),
+            r"group0.k_scale: local '1.0,0.5', remote '1.0,0.5000001'",
+            id="k-scale-compared-exactly",
+        ),
+    ],
+)
+@pytest.mark.parametrize("enforce", [True, False], ids=["enforced", "not-enforced"])
+def test_cache_dtype_or_kv_scale_mismatch_is_refused_naming_both(
+    remote: KVCacheSpec, match: str, enforce: bool
+) -> None:
+    """What a cache byte means must agree: never tolerated, even with enforcement off."""
+    with pytest.raises(UnsupportedConfiguration, match=match) as refused:
+        check_compatible(fingerprint(FP8), fingerprint(remote), enforce)
+    assert "encode values differently" in str(refused.value)
+
+
+def test_fp8_fingerprint_carries_scales_and_unquantized_has_none() -> None:
+    facts = fingerprint(FP8).facts
+    assert (facts["group0.k_scale"], facts["group0.v_scale"]) == ("1.0,0.5", "1.0,0.25")
+    assert facts["group0.dtype_bytes"] == "1"
+    assert not any(key.endswith("_scale") for key in fingerprint(BASE).facts)
+    assert check_compatible(fingerprint(FP8), fingerprint(FP8), True) == ()
 
 
 # --- notifications ---------------------------------------------------------------------------

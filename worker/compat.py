@@ -1,7 +1,8 @@
 """Model-compatibility fingerprint of a KV cache, and the check two engines run at handshake.
 
 The fingerprint covers the facts both sides must share for a byte copy to mean the same thing:
-model, dtypes, protocol version and, per cache group, its kind, layers, heads and head sizes.
+model, dtypes, protocol version and, per cache group, its kind, layers, heads, head sizes and
+(a cache quantized per tensor) each layer's K and V scales.
 Tensor parallelism, block sizes and memory layout are deliberately left out: they may differ
 between engines and the transfer planner knows how to serve (or refuse) each difference.
 """
@@ -28,11 +29,24 @@ class Fingerprint(NamedTuple):
     facts: Mapping[str, str]
 
 
-def _per_layer(values: Sequence[int]) -> str:
-    """ "8" when every layer agrees, else "8,8,4" layer by layer."""
-    if len(set(values)) == 1:
-        return str(values[0])
-    return ",".join(str(value) for value in values)
+def _per_layer(values: Sequence[object]) -> str:
+    """ "8" when every layer agrees, else "8,8,4" layer by layer (floats exactly, as repr)."""
+    texts = [repr(value) if isinstance(value, float) else str(value) for value in values]
+    if len(set(texts)) == 1:
+        return texts[0]
+    return ",".join(texts)
+
+
+def _scale_facts(prefix: str, group: GroupSpec) -> dict[str, str]:
+    """Per-tensor quantized layers' K and V scales: equal bytes mean equal values only under
+    equal scales. None where no layer is quantized (or its scales are not known here)."""
+    scales = [layer.kv_scales for layer in group.layers]
+    if all(scale is None for scale in scales):
+        return {}
+    return {
+        f"{prefix}.k_scale": _per_layer([s[0] if s else None for s in scales]),
+        f"{prefix}.v_scale": _per_layer([s[1] if s else None for s in scales]),
+    }
 
 
 def _group_facts(index: int, group: GroupSpec) -> dict[str, str]:
@@ -47,6 +61,7 @@ def _group_facts(index: int, group: GroupSpec) -> dict[str, str]:
         f"{prefix}.dtype_bytes": _per_layer([layer.dtype_bytes for layer in layers] or [0]),
         f"{prefix}.num_planes": _per_layer([layer.num_planes for layer in layers] or [0]),
     }
+    facts.update(_scale_facts(prefix, group))
     if group.kind is GroupKind.SSM and not group.block_format.token_addressable:
         # An opaque state page is described per rank (its size follows TP): the pairing
         # compares it with both TP sizes in view and says so, instead of "models differ".
@@ -74,13 +89,26 @@ def fingerprint(spec: KVCacheSpec, protocol_version: int = PROTOCOL_VERSION) -> 
     return Fingerprint(digest_of(facts), facts)
 
 
-def _differences(local: Mapping[str, str], remote: Mapping[str, str]) -> list[str]:
+def _differences(
+    local: Mapping[str, str], remote: Mapping[str, str], keys: Sequence[str] | None = None
+) -> list[str]:
+    """One "key: local 'a', remote 'b'" per differing fact (of ``keys``, if given)."""
     missing = "<missing>"
     return [
         f"{key}: local {local.get(key, missing)!r}, remote {remote.get(key, missing)!r}"
-        for key in sorted(set(local) | set(remote))
+        for key in sorted(set(local) | set(remote) if keys is None else keys)
         if local.get(key) != remote.get(key)
     ]
+
+
+# Facts that say what a cache byte means. A difference is never tolerated: a load would
+# succeed and every value in it would be wrong.
+VALUE_FACTS = ("cache_dtype",)
+VALUE_FACT_SUFFIXES = (".dtype_bytes", ".k_scale", ".v_scale")
+
+
+def _is_value_fact(key: str) -> bool:
+    return key in VALUE_FACTS or key.endswith(VALUE_FACT_SUFFIXES)
 
 
 def check_compatible(
@@ -91,7 +119,8 @@ def check_compatible(
     Raises HandshakeError when the peer speaks another protocol version or its digest does not
     match its own facts (a corrupt or tampered handshake): these are never tolerated. Raises
     UnsupportedConfiguration naming every differing fact when ``enforce`` is set; otherwise
-    the differences are returned for the caller to log.
+    the differences are returned for the caller to log, except those of the facts saying what
+    a cache byte means (cache dtype, element size, KV scales): they always raise.
     """
     local_version = local.facts.get(PROTOCOL_FACT)
     remote_version = remote.facts.get(PROTOCOL_FACT)
@@ -107,6 +136,16 @@ def check_compatible(
         )
     if local.digest == remote.digest:
         return ()
+    value_keys = [key for key in set(local.facts) | set(remote.facts) if _is_value_fact(key)]
+    value_facts = _differences(local.facts, remote.facts, value_keys)
+    if value_facts:
+        raise UnsupportedConfiguration(
+            "prefill and decode KV caches encode values differently: "
+            + "; ".join(value_facts)
+            + ". The same bytes would load as other values, so this is refused even with "
+            "enforce_handshake_compat=false: serve both with the same --kv-cache-dtype and "
+            "the same checkpoint's KV scales"
+        )
     reasons = tuple(_differences(local.facts, remote.facts))
     if enforce:
         raise UnsupportedConfiguration(

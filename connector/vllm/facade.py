@@ -30,7 +30,7 @@ Who decides what (one request's journey through vLLM):
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -63,6 +63,7 @@ from connector.vllm.layout import (
     memory_layout_of,
 )
 from connector.vllm.messages import NixlPDMetadata, NixlPDStats
+from connector.vllm.scales import kv_scales_of
 from connector.vllm.scheduler import SchedulerSide
 from connector.vllm.semantics import (
     kv_transfer_params,
@@ -158,7 +159,9 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
                 agent=agent or self._create_agent(rank),
                 kv_cache_config=kv_cache_config,
                 spec_for=lambda kernels: self.kv_cache_spec(
-                    kernels, block_formats or block_formats_of(vllm_config, kv_cache_config)
+                    kernels,
+                    block_formats or block_formats_of(vllm_config, kv_cache_config),
+                    kv_scales_of(vllm_config, kv_cache_config),
                 ),
                 staging=staging,
             )
@@ -191,8 +194,9 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         self,
         kernel_block_sizes: tuple[int, ...] | None = None,
         block_formats: Sequence[BlockFormat] | None = None,
+        kv_scales: Mapping[str, tuple[float, float]] | None = None,
     ) -> KVCacheSpec:
-        """Our KVCacheSpec for this engine (kernel block sizes and formats: workers only)."""
+        """Our KVCacheSpec for this engine (kernel block sizes, formats, scales: workers only)."""
         model = self._vllm_config.model_config
         cache = self._vllm_config.cache_config
         dtype = dtype_name(model.dtype)
@@ -206,6 +210,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             memory_layout=memory_layout_of(self._kv_cache_config.kv_cache_layout),
             kernel_block_sizes=kernel_block_sizes,
             block_formats=block_formats,
+            kv_scales=kv_scales,
         )
 
     def _connector(

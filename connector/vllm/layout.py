@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import torch
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
+    KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -105,18 +107,46 @@ def _group_kind(spec: Any, index: int) -> tuple[GroupKind, int | None]:
     )
 
 
-def _check_attention(spec: AttentionSpec, index: int) -> None:
+# vLLM's KV cache dtypes quantized per tensor: each element is one FP8 byte, one K and one V
+# scale per layer live on the attention layer (compared at handshake), so pages hold plain
+# per-token K/V bytes and move like any other cache. Other FP8 names are refused: fp8_inc and
+# fp8_ds_mla are formats of other platforms' kernels (fp8_ds_mla keeps scales in the page).
+PER_TENSOR_FP8_CACHE_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2"})
+
+
+def _quantization_problem(spec: AttentionSpec, cache_dtype: str) -> str | None:
+    """Why this cache's quantization cannot move as plain pages, or None when it can."""
+    mode = KVQuantMode(spec.kv_quant_mode)
+    if mode is KVQuantMode.NONE:
+        return None
+    if mode is KVQuantMode.FP8_PER_TENSOR and cache_dtype in PER_TENSOR_FP8_CACHE_DTYPES:
+        return None
+    if mode is KVQuantMode.FP8_PER_TENSOR:
+        return (
+            f"KV cache dtype {cache_dtype!r} ({mode.name}), not one of "
+            f"{', '.join(sorted(PER_TENSOR_FP8_CACHE_DTYPES))}"
+        )
+    return (
+        f"KV cache quantization {mode.name} (--kv-cache-dtype {cache_dtype}), whose scales "
+        "or packed codes live beside the K/V values in the pages"
+    )
+
+
+def _check_attention(spec: AttentionSpec, index: int, cache_dtype: str) -> None:
     problems = []
     if spec.head_size_v not in (spec.head_size, 0):
         problems.append(f"head_size_v={spec.head_size_v} differs from head_size={spec.head_size}")
-    if spec.kv_quant_mode != 0 or spec.num_head_slots is not None:
-        problems.append(f"quantized or packed heads ({spec.kv_quant_mode!r})")
+    if (quantized := _quantization_problem(spec, cache_dtype)) is not None:
+        problems.append(quantized)
+    if spec.num_head_slots is not None:
+        problems.append(f"packed heads ({spec.num_head_slots} head slots)")
     if spec.tokens_per_state != 1:
         problems.append(f"tokens_per_state={spec.tokens_per_state}")
     if problems:
         raise UnsupportedConfiguration(
             f"KV cache group {index} ({type(spec).__name__}) has {'; '.join(problems)}: "
-            "NixlPDConnector transfers plain per-token K/V pages only"
+            "NixlPDConnector transfers plain per-token K/V pages only (unquantized, or FP8 "
+            "with per-tensor scales: --kv-cache-dtype fp8, fp8_e4m3 or fp8_e5m2)"
         )
 
 
@@ -130,6 +160,23 @@ def _attention_layers(
         )
     total_heads = _model_wide_heads(spec.num_kv_heads, model_kv_heads, tp_size)
     return tuple(LayerSpec(name, total_heads, spec.head_size, dtype_bytes) for name in names)
+
+
+def _with_scales(
+    layers: tuple[LayerSpec, ...], kv_scales: Mapping[str, tuple[float, float]], index: int
+) -> tuple[LayerSpec, ...]:
+    """A per-tensor quantized group's layers with their scales: every layer must have them,
+    or the handshake could not prove that two engines' bytes mean the same values."""
+    missing = [layer.name for layer in layers if layer.name not in kv_scales]
+    if missing:
+        raise UnsupportedConfiguration(
+            f"KV cache group {index} is FP8 with per-tensor scales, but layers {missing[:3]} "
+            "have no k_scale/v_scale on this worker; NixlPDConnector cannot tell a peer which "
+            "scales its bytes need"
+        )
+    return tuple(
+        msgspec.structs.replace(layer, kv_scales=kv_scales[layer.name]) for layer in layers
+    )
 
 
 def _model_wide_heads(rank_heads: int, model_kv_heads: int, tp_size: int) -> int:
@@ -197,13 +244,15 @@ def kv_cache_spec_from_vllm(
     memory_layout: MemoryLayout,
     kernel_block_sizes: Sequence[int] | None = None,
     block_formats: Sequence[BlockFormat] | None = None,
+    kv_scales: Mapping[str, tuple[float, float]] | None = None,
 ) -> KVCacheSpec:
     """Our model-wide spec for vLLM's transferable cache groups (in ``transfer_groups`` order).
 
-    ``kernel_block_sizes`` and ``block_formats`` (one per transfer group) are known on workers
-    only, from their tensors and attention layers (connector/vllm/backends.py); without them
-    (the scheduler process, which plans nothing) each group's kernel block is its logical
-    block and its format token-addressable.
+    ``kernel_block_sizes`` and ``block_formats`` (one per transfer group) and ``kv_scales``
+    (per layer name) are known on workers only, from their tensors and attention layers
+    (connector/vllm/backends.py, connector/vllm/scales.py); without them (the scheduler
+    process, which plans nothing) each group's kernel block is its logical block, its format
+    token-addressable and its layers' scales unknown.
     """
     groups = []
     for index, group in enumerate(kv_cache_config.transfer_groups):
@@ -212,8 +261,10 @@ def kv_cache_spec_from_vllm(
         if isinstance(spec, MambaSpec):
             layers = _mamba_layers(spec, group.layer_names, tp_size)
         elif isinstance(spec, AttentionSpec):
-            _check_attention(spec, index)
+            _check_attention(spec, index, cache_dtype)
             layers = _attention_layers(spec, group.layer_names, kind, model_kv_heads, tp_size)
+            if kv_scales is not None and spec.kv_quant_mode == KVQuantMode.FP8_PER_TENSOR:
+                layers = _with_scales(layers, kv_scales, index)
         else:  # _group_kind already refused every other spec type
             raise UnsupportedConfiguration(f"KV cache group {index}: unexpected {type(spec)}")
         block_size = int(spec.block_size)

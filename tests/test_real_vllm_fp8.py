@@ -1,0 +1,166 @@
+"""An FP8 KV cache on real engines: P->D with `--kv-cache-dtype fp8` must equal a single engine.
+
+vLLM's CPU platform stores an fp8 cache as one byte per element (uint8, e4m3) with one K and one
+V scale per layer (1.0 for this checkpoint-less model). Three engines start at once, all with
+`--kv-cache-dtype fp8`: a P/D pair with our connector (verify_kv on, so every load is also a
+byte-for-byte check of the FP8 pages) and one single engine, the reference. The prompts are the
+tier's (tests/test_real_vllm.py): its length cases, 16 prompts 8 in flight, then the same
+prompts again from decode's prefix cache. Greedy tokens must be equal and logprobs within the
+tier's LOGPROB_TOL: both paths attend over the same FP8 bytes (measured: equal to the bit).
+
+    .venv/bin/python -m pytest tests/test_real_vllm_fp8.py -m real_vllm
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.real_vllm_harness import (
+    VLLM_PYTHON,
+    Completion,
+    Deployment,
+    build_model,
+    complete,
+)
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("NIXL_PD_REQUIRE_REAL_VLLM") == "1":
+        raise RuntimeError(
+            f"{VLLM_PYTHON} is missing and NIXL_PD_REQUIRE_REAL_VLLM=1: "
+            "run scripts/setup_vllm_cpu.sh"
+        )
+    pytest.skip("no .venv-vllm: run scripts/setup_vllm_cpu.sh", allow_module_level=True)
+
+from tests.test_real_vllm import (  # noqa: E402  (after the skip: it needs .venv-vllm too)
+    LENGTH_CASES,
+    LOGPROB_TOL,
+    MAX_TOKENS,
+    concurrent_prompts,
+    prompt,
+)
+
+ENGINE_ARGS = ("--kv-cache-dtype", "fp8")
+
+
+@dataclass
+class Fp8:
+    """Our FP8 pair with its reference, and the worst logprob difference seen."""
+
+    deployment: Deployment
+    block_size: int
+    worst_logprob_diff: float = 0.0
+    compared: int = 0
+    notes: dict[str, object] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def fp8(request: pytest.FixtureRequest) -> Iterator[Fp8]:
+    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-fp8-"))
+    failed_before = request.session.testsfailed
+    keep_logs = True
+    logs = work_dir / "logs"
+    logs.mkdir()
+    try:
+        model_dir = build_model(work_dir / "model")
+        with Deployment.running_together(model_dir, ("nixlpd",), logs, extra_args=ENGINE_ARGS) as (
+            deployment,
+        ):
+            sizes = {engine.block_size() for engine in deployment.engines()}
+            assert len(sizes) == 1, f"engines disagree on block size: {sizes}"
+            for engine in deployment.engines():  # vLLM's cache_config_info says what it runs
+                assert 'cache_dtype="fp8"' in engine.metrics(), engine.spec.name
+            state = Fp8(deployment, sizes.pop())
+            yield state
+            keep_logs = request.session.testsfailed > failed_before
+            report(state)
+    finally:
+        shutil.rmtree(work_dir / "model", ignore_errors=True)
+        if keep_logs:
+            warnings.warn(f"real-vLLM FP8 engine logs kept in {logs}", stacklevel=1)
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def report(state: Fp8) -> None:
+    """A warning, so that pytest's summary shows it; NIXL_PD_REAL_VLLM_REPORT=FILE keeps it."""
+    summary = {
+        "kv_cache_dtype": "fp8",
+        "prompts": state.compared,
+        "worst_logprob_diff": state.worst_logprob_diff,
+        "block_size": state.block_size,
+        **state.notes,
+    }
+    warnings.warn(f"real-vLLM FP8: {json.dumps(summary)}", stacklevel=1)
+    if path := os.environ.get("NIXL_PD_REAL_VLLM_REPORT"):
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def through(url: str, prompts: Sequence[Sequence[int]]) -> list[Completion]:
+    """Prompts to one URL, 8 in flight (decode's --max-num-seqs)."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda p: complete(url, p, MAX_TOKENS), prompts))
+
+
+def check_against_single_engine(state: Fp8, prompts: Sequence[Sequence[int]]) -> None:
+    """P/D's greedy tokens equal the single engine's, logprobs within LOGPROB_TOL; the pair
+    and the reference run at once."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pd_f = pool.submit(through, state.deployment.proxy_url, prompts)
+        single_f = pool.submit(through, state.deployment.reference.url, prompts)
+        disaggregated, single = pd_f.result(), single_f.result()
+    differ = []
+    for p, a, b in zip(prompts, disaggregated, single, strict=True):
+        state.compared += 1
+        if a.token_ids != b.token_ids:
+            differ.append(f"{len(p)} tokens: P/D {list(a.token_ids)}, single {list(b.token_ids)}")
+            continue
+        worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+        state.worst_logprob_diff = max(state.worst_logprob_diff, worst)
+        if worst > LOGPROB_TOL:
+            differ.append(f"{len(p)} tokens: logprobs differ by up to {worst:.2e}")
+    assert not differ, f"{len(differ)} of {len(prompts)} differ:\n" + "\n".join(differ)
+
+
+def loaded_tokens(state: Fp8) -> float:
+    return state.deployment.decode.prompt_tokens_by_source().get("external_kv_transfer", 0.0)
+
+
+def cache_hit_tokens(state: Fp8) -> float:
+    return state.deployment.decode.prompt_tokens_by_source().get("local_cache_hit", 0.0)
+
+
+def test_fp8_prompt_lengths_match_single_engine(fp8: Fp8) -> None:
+    """One token, a block minus one, one, plus one, three plus a partial: partial FP8 blocks."""
+    prompts = [
+        prompt(seed=n, num_tokens=n) for n in (of(fp8.block_size) for of in LENGTH_CASES.values())
+    ]
+    loaded_before = loaded_tokens(fp8)
+
+    check_against_single_engine(fp8, prompts)
+
+    # Decode computes at most each prompt's last token: the rest came over NIXL, verified.
+    assert loaded_tokens(fp8) - loaded_before >= sum(len(p) - 1 for p in prompts)
+
+
+def test_fp8_16_requests_8_in_flight_then_from_decode_prefix_cache(fp8: Fp8) -> None:
+    prompts = concurrent_prompts(fp8.block_size)
+    check_against_single_engine(fp8, prompts)
+    hits_before = cache_hit_tokens(fp8)
+
+    check_against_single_engine(fp8, prompts)  # the prefix-cache round
+
+    hits = cache_hit_tokens(fp8) - hits_before
+    fp8.notes["prefix_round_decode_cache_hit_tokens"] = hits
+    assert hits >= sum((len(p) - 1) // fp8.block_size for p in prompts) * fp8.block_size
