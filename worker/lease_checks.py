@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from connector.config import ConnectorConfig
 from connector.errors import (
+    BlocksMismatch,
     ConnectorError,
     HandshakeError,
     PeerRestarted,
@@ -26,7 +27,7 @@ from connector.errors import (
     TokensMismatch,
 )
 from connector.metadata import RemoteSource
-from connector.protocol import DIGEST_OK, DigestClaim, LeaseRef, LeaseStatus
+from connector.protocol import DIGEST_OK, REFUSED_BLOCKS, DigestClaim, LeaseRef, LeaseStatus
 
 logger = logging.getLogger(__name__)
 _Answer = TypeVar("_Answer")
@@ -132,7 +133,7 @@ def side_channel_checks(
             reader=remote.reader,
         )
         held = answers(status)[0]
-        if isinstance(held, ConnectorError):  # TokensMismatch: fails the load, never retried
+        if isinstance(held, ConnectorError):  # LeaseRefused: fails the load, never retried
             raise held
         return held, status.digests[0] if claims else DIGEST_OK
 
@@ -181,18 +182,24 @@ def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannel
 
 
 def lease_ref(remote: RemoteSource, claims: tuple[DigestClaim, ...] = ()) -> LeaseRef:
-    """The LeaseRef a check of ``remote`` sends: the lease, the digest claims, and the tokens
-    the load expects the blocks to hold."""
-    return LeaseRef(remote.remote_request_id, remote.lease_id, claims, remote.tokens)
+    """The LeaseRef a check of ``remote`` sends: the lease, the digest claims, the tokens the
+    load expects the blocks to hold, and the blocks and token count its READs assume."""
+    return LeaseRef(remote.remote_request_id, remote.lease_id, claims, remote.tokens, remote.blocks)
 
 
 def answers(status: LeaseStatus) -> list[bool | ConnectorError]:
-    """Per ref: held, not held, or TokensMismatch with the holder's reason (a lease held, but
-    not for this reader: its blocks hold other tokens)."""
-    refused = status.refused or ("",) * len(status.held)
+    """Per ref: held, not held, or the holder's refusal (a lease held, but not for this
+    reader): BlocksMismatch (it reads other blocks or another token count) or TokensMismatch
+    (the blocks hold other tokens)."""
+    refused = status.refused or (None,) * len(status.held)
     return [
-        TokensMismatch(why) if why else held for held, why in zip(status.held, refused, strict=True)
+        held if why is None else _refusal_error(why.kind, why.reason)
+        for held, why in zip(status.held, refused, strict=True)
     ]
+
+
+def _refusal_error(kind: str, reason: str) -> ConnectorError:
+    return BlocksMismatch(reason) if kind == REFUSED_BLOCKS else TokensMismatch(reason)
 
 
 def one_by_one(check: LeaseCheck) -> BatchCheck:

@@ -37,7 +37,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from connector.errors import ConnectorError, PeerRestarted, TokensMismatch
+from connector.errors import (
+    BlocksMismatch,
+    ConnectorError,
+    LeaseRefused,
+    PeerRestarted,
+    TokensMismatch,
+)
 from connector.metadata import RemoteSource
 from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
 from worker.lease_checks import BatchCheck, DigestCheck
@@ -60,6 +66,7 @@ LEASE_UNPROVEN = "lease not proven"
 PREFILL_RESTARTED = "the prefill engine restarted since it leased"
 DIGEST_FAILED = "digest"
 TOKENS_MISMATCH = "tokens mismatch"  # the holder's blocks hold other tokens than the prompt
+BLOCKS_MISMATCH = "blocks mismatch"  # the READs came from other blocks than the lease holds
 
 
 def unprovable_reason(remote: RemoteSource) -> str | None:
@@ -102,6 +109,13 @@ def lease_failure(
             f"({held}): the kv_transfer_params were paired with another prompt (a router "
             "bug, a retried request with an edited prompt, an edited history), so nothing "
             "is read from those blocks"
+        )
+    if isinstance(held, BlocksMismatch):
+        return (
+            f"{BLOCKS_MISMATCH}: {what} does not hold the blocks this load reads ({held}): "
+            "the kv_transfer_params' remote_block_ids or remote_num_tokens were edited on "
+            "the way (a router, a client, another connector), so nothing read from those "
+            "blocks is used; pass the params on exactly as the engine returned them"
         )
     return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
 
@@ -277,8 +291,8 @@ class LeaseProofs:
 
 def _answered_by(remote: RemoteSource, held: bool | ConnectorError) -> SideChannelBoot | None:
     """The side channel (as the boot ``remote`` names) when this answer came from it: held,
-    not held, or held for other tokens; None when it did not answer (silent, restarted,
+    not held, or held for another reader's tokens or blocks; None when it did not answer (silent, restarted,
     refused)."""
-    if isinstance(held, bool | TokensMismatch):
+    if isinstance(held, bool | LeaseRefused):
         return (remote.host, remote.port, remote.boot_id)
     return None
