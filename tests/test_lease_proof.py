@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
+from connector.block_digest import bound_to_blocks
 from connector.config import ConnectorConfig
 from connector.errors import HandshakeError, PeerRestarted
 from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
-from connector.block_digest import bound_to_blocks
 from connector.net.side_channel_client import check_leases, send_release
 from connector.observability.metrics import load_failure_kind
 from connector.params import parse_kv_transfer_params

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
 from connector.net.side_channel_client import check_leases_status
 from connector.observability.metrics import load_failure_kind
-from connector.block_digest import block_digest
 from connector.protocol import (
     REFUSED_TOKENS,
     LeaseCheck,
