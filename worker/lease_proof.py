@@ -13,7 +13,10 @@ Block ids are addresses, not capabilities: a READ returns whatever the blocks ho
 runs. A load is therefore reported successful only when prefill says, after the last READ of
 this rank completed, that the lease the params name is still held. A held lease was held
 during every READ: prefill never revives an ended lease, and lease ids are random per lease,
-so a later lease of a repeated request id cannot answer for an earlier one. The free
+so a later lease of a repeated request id cannot answer for an earlier one. Both checks
+name what the load reads (connector/block_digest.py): the blocks, per group in order, and
+the tokens it assumes they hold, so prefill answers "held" only for a load that reads that
+lease's very blocks (``BLOCKS_MISMATCH`` otherwise). The free
 notifications go out only after the answer, so this rank's own notification cannot end the
 lease before it is checked.
 
