@@ -62,8 +62,9 @@ def blocks_verdict(held: BlockDigest, expected: BlockDigest | None) -> str:
         )
     if expected.num_tokens != held.num_tokens:
         return (
-            f"the lease's blocks hold {held.num_tokens} tokens, the reader's params say "
-            f"{expected.num_tokens}"
+            f"the lease's blocks hold {held.num_tokens} tokens, the reader assumes "
+            f"{expected.num_tokens} (a pull: its params' remote_num_tokens; else the tokens "
+            "it loads, which prefill's back-off must match)"
         )
     if expected.value != held.value:
         return (

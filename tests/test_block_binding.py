@@ -140,7 +140,7 @@ def test_a_reader_of_other_blocks_or_another_count_is_refused(
     refusal = status.refused[0]
     assert refusal is not None and refusal.kind == REFUSED_BLOCKS and status.refused[1] is None
     if edit == "other-token-count":
-        assert f"hold {num_tokens} tokens, the reader's params say {num_edited}" in refusal.reason
+        assert f"hold {num_tokens} tokens, the reader assumes {num_edited} " in refusal.reason
     else:
         assert "not the blocks the lease holds" in refusal.reason
 
