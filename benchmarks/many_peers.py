@@ -55,6 +55,7 @@ SPEC = make_spec(num_kv_heads=8, num_layers=4, num_blocks=32)
 PREFILL_TP = 8
 BURST_PER_ENGINE = 8  # loads from each prefill engine in one step, once handshaken
 CONFIG = ConnectorConfig(handshake_timeout_s=5.0, handshake_retries=0, kv_lease_duration_s=600.0)
+IDS = [1, 2, 3, 4]  # a finished request's token ids: a lease is bound to them
 
 
 @dataclass
@@ -266,12 +267,14 @@ def scheduler_section(sizes: list[int], steps: int) -> list[dict[str, object]]:
         with _started(_connector(Role.PRODUCER, "p-sched", clock)) as prefill:
             params = {"do_remote_decode": True}
             for i in range(n):
-                prefill.request_finished(RequestInfo(f"h{i}", 4, params), [[1]])
+                prefill.request_finished(RequestInfo(f"h{i}", 4, params, token_ids=IDS), [[1]])
             prefill.build_connector_meta()
             samples, decode_params = [], []
             for step in range(steps):
                 start = time.perf_counter()
-                _, returned = prefill.request_finished(RequestInfo(f"s{step}", 4, params), [[3]])
+                _, returned = prefill.request_finished(
+                    RequestInfo(f"s{step}", 4, params, token_ids=IDS), [[3]]
+                )
                 prefill.build_connector_meta()
                 prefill.update_connector_output([WorkerReport(0)])
                 prefill.take_finished()

@@ -37,9 +37,20 @@ class SideChannelTimeout(HandshakeError):
     """The remote side channel did not answer within the timeout (down, paused or unreachable)."""
 
 
-class TokensMismatch(ConnectorError):
+class LeaseRefused(ConnectorError):
+    """A lease's holder holds it, but not for this reader: its ref disagrees with what the
+    holder leased. The message carries the holder's verdict."""
+
+
+class TokensMismatch(LeaseRefused):
     """A lease's holder says its blocks hold other tokens than the reader's prompt: the
-    params were paired with another prompt. The message carries the holder's verdict."""
+    params were paired with another prompt."""
+
+
+class BlocksMismatch(LeaseRefused):
+    """A lease's holder says the reader reads other blocks (or assumes another token count)
+    than the lease holds: the params' remote_block_ids were edited or paired with another
+    request's."""
 
 
 class TransferFailed(ConnectorError):

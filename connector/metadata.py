@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from connector.protocol import ReaderId, TokenDigest
+from connector.protocol import BlockDigest, ReaderId, TokenDigest
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 # The largest block id anywhere on the path: vLLM's block tables are int32 tensors and the
@@ -38,6 +38,9 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     # and boot). Lease checks send both (connector/token_digest.py, scheduler/readers.py).
     tokens: TokenDigest | None = None
     reader: ReaderId | None = None
+    # Set by the reader's ranks (transfer thread) from the above: the digest of the blocks
+    # its READs come from and the tokens it assumes they hold (connector/block_digest.py).
+    blocks: BlockDigest | None = None
 
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

@@ -30,10 +30,12 @@ nothing and its reply says only the engine id and boot id.
 
 Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
 reading engine's id and its process's boot id, so the holder can tell a reader that
-restarted under its engine id (scheduler/readers.py). A LeaseRef may carry the digest of the
-tokens the reader expects the lease's blocks to hold (connector/token_digest.py); the holder
-refuses a held lease to a reader expecting other tokens (``LeaseStatus.refused``). Both are
-optional: an older peer's messages decode as before.
+restarted under its engine id (scheduler/readers.py). A LeaseRef carries the digest of the
+tokens the reader expects the lease's blocks to hold (connector/token_digest.py) and of the
+blocks and token count it reads (connector/block_digest.py); the holder refuses a held lease
+to a reader whose ref says other tokens or other blocks, or says neither
+(``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
+decode, but an older reader's refs are refused.
 
 Decoders never raise anything but ProtocolError (InvalidNotification for free notifications):
 msgspec also raises UnicodeDecodeError for bad UTF-8 and RecursionError for deep nesting, and
@@ -46,7 +48,7 @@ import hashlib
 import hmac
 import re
 import struct
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -145,6 +147,15 @@ class TokenDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     value: Annotated[int, msgspec.Meta(ge=0)]  # uint64 (msgspec bounds stop at int64)
 
 
+class BlockDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """What a reader's READs come from: the remote block ids it was given, per cache group in
+    order, and the tokens it assumes they hold, digested (connector/block_digest.py:
+    blake2b-64). The holder compares it with the blocks it leased (``Refusal``)."""
+
+    num_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+    value: Annotated[int, msgspec.Meta(ge=0)]  # uint64 (msgspec bounds stop at int64)
+
+
 class ReaderId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """Who sends a lease message: the reading engine's id and the boot of its process (a random
     id drawn when its scheduler-side connector starts; its worker ranks send the same one)."""
@@ -155,13 +166,16 @@ class ReaderId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_li
 
 class LeaseRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """One lease as its holder issued it: its request id and the lease id drawn for it,
-    (verify_kv) what the reader claims to have read from it, and the tokens the reader
-    expects its blocks to hold (None: an older reader, or one that knows no token ids)."""
+    (verify_kv) what the reader claims to have read from it, the tokens the reader expects
+    its blocks to hold, and the blocks (and token count) it reads them from. A ref without
+    ``tokens`` or ``blocks`` (an older reader, one that knows no token ids) is never held
+    for a lease bound to both, which every lease a holder offers is."""
 
     remote_request_id: RequestId
     lease_id: LeaseId
     claims: Annotated[tuple[DigestClaim, ...], msgspec.Meta(max_length=4096)] = ()
     tokens: TokenDigest | None = None
+    blocks: BlockDigest | None = None
 
 
 class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_check"):
@@ -208,21 +222,34 @@ DIGEST_OK = "ok"
 DIGEST_PENDING = "pending"  # prefill's ranks have not reported this lease's digests yet
 
 
+RefusalKind = Literal["tokens", "blocks"]
+REFUSED_TOKENS: RefusalKind = "tokens"  # the lease's blocks hold other tokens
+REFUSED_BLOCKS: RefusalKind = "blocks"  # the reader reads other blocks or another token count
+
+
+class Refusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Why a held lease is not held for one reader: ``kind`` says which part of its ref
+    disagrees with what the holder leased, ``reason`` says how (for the load's failure)."""
+
+    kind: RefusalKind
+    reason: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
 class LeaseStatus(
     msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag="lease_status"
 ):
     """Per LeaseRef of a LeaseCheck, in order: is that very lease held now, and (for refs with
     claims) do the claims match prefill's digests: "ok", "pending", or why not.
 
-    ``refused`` (empty unless some ref was refused; omitted on the wire then, so an older
-    reader decodes the reply): per ref, why a lease that is held is not held *for this
-    reader* ("" where it is): its blocks hold other tokens than the ref's ``tokens`` say.
-    Such a ref's ``held`` is False.
+    ``refused`` (empty unless some ref was refused; omitted on the wire then): per ref, why
+    a lease that is held is not held *for this reader* (None where it is): its blocks hold
+    other tokens than the ref's ``tokens`` say, or the ref's ``blocks`` are not the blocks
+    and token count the lease holds. Such a ref's ``held`` is False.
     """
 
     held: tuple[bool, ...]
     digests: tuple[str, ...] = ()
-    refused: tuple[str, ...] = ()
+    refused: tuple[Refusal | None, ...] = ()
     # Host staging (both empty unless some ref names a staged lease; omitted on the wire then).
     # ``pending``: per ref, the lease is held but its blocks' device->host copy is not done
     # yet: not readable, ``held`` is False; ask again. ``staged``: per ref, the lease was

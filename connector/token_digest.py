@@ -129,7 +129,8 @@ class HeldTokens:
         return cls(token_ids, num_tokens, salt)
 
     def packed(self) -> bytes | None:
-        """The ids as ``pack_tokens`` bytes; None if one does not fit int32 (unbound)."""
+        """The ids as ``pack_tokens`` bytes; None if one does not fit int32 (every reader is
+        refused then)."""
         ids = self._ids
         if ids is not None:
             self._packed = pack_tokens(ids, self._num_tokens)
@@ -137,6 +138,8 @@ class HeldTokens:
         return self._packed
 
     def verdict(self, expected: TokenDigest) -> str:
-        """``tokens_verdict`` of these ids; "" when they cannot be packed (unbound)."""
+        """``tokens_verdict`` of these ids; refused when they cannot be packed."""
         packed = self.packed()
-        return "" if packed is None else tokens_verdict(packed, expected, self._salt)
+        if packed is None:
+            return "the lease's token ids do not fit int32, so no reader can show it expects them"
+        return tokens_verdict(packed, expected, self._salt)

@@ -37,7 +37,7 @@ from scheduler.params_reader import ParamsReader
 from scheduler.producer import Producer
 from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role
 from scheduler.side_channel import SideChannelServer
-from scheduler.suffix import held_blocks
+from scheduler.suffix import PULLABLE_KINDS, held_blocks
 
 __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]
 
@@ -100,6 +100,7 @@ class SchedulerConnector:
             boot_id=self._side_channel_boot_id,
             verify_kv=config.verify_kv,
             stage_holds=host_staging,
+            exact_reads=any(group.kind not in PULLABLE_KINDS for group in spec.groups),
         )
         # Heartbeats run on the sender thread's timer, not on engine-thread hooks. Its limit:
         # an engine thread that ran no step for one of its own leases is taken as wedged and
@@ -332,9 +333,14 @@ class SchedulerConnector:
         prefill (decoder_kv_blocks_ttl), and return the params it needs; else free them."""
         if not self._config.bidirectional_kv_xfer:
             return False, None
-        num_tokens = request.num_computed_tokens
+        num_tokens = final_tokens(request)
         if num_tokens is None:
-            num_tokens = request.num_prompt_tokens
+            logger.info(
+                "request %s: the engine passed no token ids (prompt embeddings?), so its "
+                "blocks are not held for a next turn",
+                request.request_id,
+            )
+            return False, None
         held = held_blocks(block_ids, self._spec.groups, num_tokens)
         if held is None:
             logger.debug("request %s: its blocks cannot be held for a pull", request.request_id)
@@ -452,3 +458,22 @@ def _params_summary(raw: object) -> str:
     if not isinstance(raw, dict):
         return f"params are now {type(raw).__name__}"
     return f"do_remote_prefill is now {raw.get('do_remote_prefill')!r}"
+
+
+def final_tokens(request: RequestInfo) -> int | None:
+    """Decode, at request_finished: how many leading tokens have both an id and final KV in
+    the request's blocks; None without ids.
+
+    At most ``num_computed_tokens`` (None: the prompt), and never the last id: a sampled
+    token whose KV no step computed yet. Positions past the ids are scratch: vLLM 0.33's
+    async scheduling counts in-flight positions (speculative drafts among them) in
+    ``num_computed_tokens`` before their ids exist (``num_output_placeholders``).
+    Example: ids [p0..p9, a0, a1] with num_computed_tokens 14 (two draft positions) -> 11.
+    """
+    token_ids = request.token_ids
+    if token_ids is None:
+        return None
+    num_computed = request.num_computed_tokens
+    if num_computed is None:
+        num_computed = request.num_prompt_tokens
+    return min(num_computed, len(token_ids) - 1)

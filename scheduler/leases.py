@@ -18,10 +18,14 @@ Each lease also has a lease id, drawn at random when it starts and returned in t
 ``held`` answers decode's LeaseCheck for that very lease, so a later lease of a repeated
 request id never vouches for an earlier one's blocks.
 
-A lease may also be bound to the token ids its blocks hold (connector/token_digest.py): a
-LeaseCheck ref that says which tokens its reader expects gets "held" only when they are a
-prefix of those ids; otherwise it is refused for that reader, with the reason. A lease
-taken without ids (an older engine, a prompt without ids) answers as before.
+A lease is bound to the blocks it holds and the token ids they hold (connector/block_digest.py,
+connector/token_digest.py): a LeaseCheck ref gets "held" only when its reader reads exactly
+those blocks (per cache group, in order) for exactly the lease's token count, and expects
+tokens that are a prefix of the lease's ids: all of them for a lease with an SSM or
+sliding-window group (``HeldBlocks.exact``: its state is the one after the last token).
+Otherwise, or when the ref does not say (an older reader), it is refused for that reader,
+with the reason (``Refusal``). Producer binds every lease it takes; a lease taken without
+a binding (this table's own tests) answers for its id alone.
 
 With host staging a lease may start not readable (a decode engine's hold: its blocks' latest
 KV is on the device until the ranks copy it to the host buffer NIXL reads, a step after the
@@ -44,8 +48,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from connector.block_digest import HeldBlocks
 from connector.metadata import GroupDigests
-from connector.protocol import LeaseRef, LeaseStatus, ReaderId, lease_key
+from connector.protocol import (
+    REFUSED_BLOCKS,
+    REFUSED_TOKENS,
+    LeaseRef,
+    LeaseStatus,
+    ReaderId,
+    Refusal,
+    lease_key,
+)
 from connector.token_digest import HeldTokens
 from scheduler.digests import verify_claims
 from scheduler.readers import ReaderBoots
@@ -83,6 +96,7 @@ class LeaseTable:
         self._tokens: dict[str, HeldTokens] = {}  # held leases bound to token ids: their ids
         self._staged: set[str] = set()  # held leases that started not readable (host staging)
         self._copying: set[str] = set()  # of those, the ones whose copy is not done yet
+        self._blocks: dict[str, HeldBlocks] = {}  # held leases bound to blocks: their blocks
         self._readers = ReaderBoots()  # which reader boot claimed which held lease
         self._released: list[str] = []  # released over the side channel, not yet taken
         self._reader_restarted: list[str] = []  # ended for their reader's restart, not yet taken
@@ -106,10 +120,12 @@ class LeaseTable:
         lease_id: str = "",
         duration_s: float | None = None,
         tokens: HeldTokens | None = None,
+        blocks: HeldBlocks | None = None,
     ) -> float:
         """Hold ``request_id``'s blocks until ``now + duration_s`` (default: the table's; or
-        until extended), as lease ``lease_id``, bound to the token ids ``tokens`` (packed by
-        the first check that needs them; None: unbound); returns the expiry time."""
+        until extended), as lease ``lease_id``, bound to the token ids ``tokens`` and the
+        blocks ``blocks`` (digested by the first check that needs them; None: unbound);
+        returns the expiry time."""
         duration_s = self._duration_s if duration_s is None else duration_s
         expiry_s = now + duration_s
         name = lease_key(request_id, lease_id)
@@ -118,6 +134,10 @@ class LeaseTable:
                 self._tokens[request_id] = tokens
             elif request_id in self._tokens:  # the id leased again (an engine reusing ids)
                 del self._tokens[request_id]
+            if blocks is not None:
+                self._blocks[request_id] = blocks
+            elif request_id in self._blocks:
+                del self._blocks[request_id]
             self._expiry_s[request_id] = expiry_s
             if duration_s != self._duration_s:
                 self._own_duration_s[request_id] = duration_s
@@ -179,9 +199,11 @@ class LeaseTable:
         held, pending, staged = self._held_and_staging(refs, now)
         if pending:
             held = tuple(is_held and not wait for is_held, wait in zip(held, pending, strict=True))
-        refused = self._refused(refs, held)
+        refused: tuple[Refusal | None, ...] = self._refused(refs, held)
         if any(refused):
-            held = tuple(is_held and not why for is_held, why in zip(held, refused, strict=True))
+            held = tuple(
+                is_held and why is None for is_held, why in zip(held, refused, strict=True)
+            )
         else:
             refused = ()
         if not any(ref.claims for ref in refs):
@@ -224,16 +246,19 @@ class LeaseTable:
             )
         return held, (pending if any(pending) else ()), staged
 
-    def _refused(self, refs: Sequence[LeaseRef], held: Sequence[bool]) -> tuple[str, ...]:
-        """Per ref: why its held lease's tokens are not the ones it expects, or ""."""
-        with self._lock:  # pack and hash after releasing the lock (HeldTokens needs none)
+    def _refused(
+        self, refs: Sequence[LeaseRef], held: Sequence[bool]
+    ) -> tuple[Refusal | None, ...]:
+        """Per ref: why its held lease is not held for its reader, or None."""
+        with self._lock:  # pack and hash after releasing the lock (Held* need none)
             bound = [
-                self._tokens.get(ref.remote_request_id) if is_held and ref.tokens else None
+                (self._tokens.get(ref.remote_request_id), self._blocks.get(ref.remote_request_id))
+                if is_held
+                else (None, None)
                 for ref, is_held in zip(refs, held, strict=True)
             ]
         return tuple(
-            "" if tokens is None or ref.tokens is None else tokens.verdict(ref.tokens)
-            for ref, tokens in zip(refs, bound, strict=True)
+            refusal(ref, tokens, blocks) for ref, (tokens, blocks) in zip(refs, bound, strict=True)
         )
 
     def seen(self, reader: ReaderId, names: Iterable[str]) -> int:
@@ -344,7 +369,34 @@ class LeaseTable:
         self._tokens.pop(request_id, None)
         self._staged.discard(request_id)
         self._copying.discard(request_id)
+        self._blocks.pop(request_id, None)
         self._readers.forget(name)
         self._ended[name] = None
         if len(self._ended) > MAX_ENDED_IDS:
             self._ended.popitem(last=False)
+
+
+def refusal(ref: LeaseRef, tokens: HeldTokens | None, blocks: HeldBlocks | None) -> Refusal | None:
+    """Why a held lease bound to ``tokens`` and ``blocks`` is not held for ``ref``'s reader,
+    or None: the blocks first (edited params), then the tokens (another prompt)."""
+    if blocks is not None:
+        why = blocks.verdict(ref.blocks)
+        if why:
+            return Refusal(REFUSED_BLOCKS, why)
+    if tokens is None:
+        return None  # unbound: this table's own tests only (Producer binds every lease)
+    expected = ref.tokens
+    if expected is None:
+        return Refusal(
+            REFUSED_TOKENS,
+            "the reader does not say which tokens it expects (an engine that passes no token "
+            "ids, or an older nixl-pd-connector): a lease is read only by a reader that does",
+        )
+    if blocks is not None and blocks.exact and expected.num_tokens != blocks.num_tokens:
+        return Refusal(
+            REFUSED_TOKENS,
+            f"the lease holds an SSM or sliding-window state after exactly {blocks.num_tokens} "
+            f"tokens, the reader reads {expected.num_tokens}: a state is read only whole",
+        )
+    why = tokens.verdict(expected)
+    return Refusal(REFUSED_TOKENS, why) if why else None

@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from connector.block_digest import HeldBlocks
 from connector.metadata import BlockIds, DigestSpec, StageSpec, WorkerReport
 from connector.observability.metrics import (
     LEASES_COMPLETED,
@@ -105,8 +106,10 @@ class Producer:
         on_move: OnMove | None = None,  # sees every state change (tests)
         verify_kv: bool = False,  # the ranks digest every lease's blocks
         stage_holds: bool = False,  # host staging: holds are copied device->host first
+        exact_reads: bool = False,  # a group holds a state (SSM, sliding window): no prefixes
     ) -> None:
         self._engine_id = engine_id
+        self._exact_reads = exact_reads
         self._verify_kv = verify_kv
         self._stage_holds = stage_holds
         self._ready_digests: list[DigestSpec] = []  # staged leases' digests, once copied
@@ -141,7 +144,9 @@ class Producer:
 
         ``num_tokens``: the tokens whose KV the blocks hold, returned as remote_num_tokens.
         ``token_ids``: the request's ids, its first ``num_tokens`` those tokens: the lease is
-        bound to them (a reader expecting others is refused); None: not bound. ``kv_salt``:
+        bound to them and to ``block_ids`` (a reader expecting other tokens, or reading other
+        blocks, is refused). Without them (None, or fewer ids) nothing is offered: a lease
+        that could not say what its blocks hold would vouch for any reader. ``kv_salt``:
         what else their KV depends on, bound with them (connector/token_digest.py).
         ``hold_s`` (a decode engine in bidirectional mode): hold the finished request's
         blocks that long for the next turn's prefill, and return the params it needs.
@@ -157,17 +162,26 @@ class Producer:
                 request_id,
             )
             return False, None
-        now_s = self._clock()
-        lease_id = self._lease_ids.draw()
-        key = lease_key(request_id, lease_id)
         # Bound to the engine's ids as they are: the side-channel thread packs them when a
         # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
         tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0, kv_salt)
-        expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens)
+        if tokens is None:
+            logger.warning(
+                "request %s: %s, so its KV is not offered to another engine (it is computed there)",
+                request_id,
+                "the engine passed no token ids (prompt embeddings?)"
+                if token_ids is None
+                else f"the engine passed {len(token_ids)} token ids for {num_tokens} tokens",
+            )
+            return False, None
+        now_s = self._clock()
+        lease_id = self._lease_ids.draw()
+        key = lease_key(request_id, lease_id)
+        # Our own copy of the ids the params name: the params travel on and may be edited.
+        blocks: BlockIds = tuple(tuple(group) for group in block_ids)
+        held = HeldBlocks(blocks, num_tokens or 0, exact=self._exact_reads)
+        expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens, held)
         staged = hold_s is not None and self._stage_holds
-        blocks: BlockIds = ()
-        if self._verify_kv or staged:
-            blocks = tuple(tuple(group) for group in block_ids)
         digest = DigestSpec(key, blocks, num_tokens or 0) if self._verify_kv else None
         lease = _Lease(now_s, key, lease_id, digest, hold_s)
         if staged:

@@ -46,9 +46,9 @@ class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cyc
     # LoadSpec goes out, and by a holder's lease, unpacked, until a check first needs them:
     # the engine may append to the list, never change the ids a lease covers). They bind
     # leases to tokens (connector/token_digest.py): a reader's load expects its first tokens,
-    # a holder's lease holds its first ``num_prompt_tokens`` (or ``num_computed_tokens``).
-    # None: unknown (prompt embeddings, an engine that does not pass them): leases are not
-    # bound.
+    # a holder's lease holds its first ``num_prompt_tokens`` (a multi-turn hold: its final
+    # tokens, scheduler/connector.py ``final_tokens``). None: unknown (prompt embeddings, an
+    # engine that does not pass them): nothing is offered, since no lease is unbound.
     token_ids: Sequence[int] | None = None
     # What the KV of those ids depends on besides them (a LoRA adapter, a cache salt,
     # multimodal inputs), as parts (first token position affected, bytes): bound with the ids,

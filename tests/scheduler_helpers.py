@@ -7,11 +7,15 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
+from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec
 from connector.lifecycle import TransitionTable
 from connector.metadata import LoadSpec, RemoteSource, WorkerReport
-from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
+from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
+from connector.token_digest import token_digest
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from tests.test_protocol import make_handshake
@@ -127,8 +131,38 @@ def make_decode(
     )
 
 
+def prompt_ids(num_tokens: int, first: int = 100) -> list[int]:
+    """Token ids for a request: leases are bound to them, so every finishing request has some."""
+    return list(range(first, first + num_tokens))
+
+
+def bound_ref(
+    request_id: str, lease_id: str, params: dict[str, Any], num_tokens: int = 40
+) -> LeaseRef:
+    """A ref as a reader of ``params`` (a lease of ``prompt_ids(num_tokens)``) sends it: the
+    tokens it expects and the blocks and count it reads."""
+    return LeaseRef(
+        request_id,
+        lease_id,
+        (),
+        token_digest(prompt_ids(num_tokens), num_tokens),
+        block_digest(params["remote_block_ids"], num_tokens),
+    )
+
+
+def bound_source(source: RemoteSource, num_tokens: int = 40) -> RemoteSource:
+    """``source`` as a reader's rank checks it (``bound_ref``'s tokens and blocks)."""
+    return msgspec.structs.replace(
+        source,
+        tokens=token_digest(prompt_ids(num_tokens), num_tokens),
+        blocks=block_digest(source.remote_block_ids, num_tokens),
+    )
+
+
 def prefill_request(request_id: str = "p1", **extra: Any) -> RequestInfo:
-    return RequestInfo(request_id, 40, {"do_remote_decode": True, **extra})
+    return RequestInfo(
+        request_id, 40, {"do_remote_decode": True, **extra}, token_ids=prompt_ids(40)
+    )
 
 
 REMOTE_PARAMS: dict[str, Any] = {
@@ -146,7 +180,12 @@ REMOTE = RemoteSource("prefill-0", "127.0.0.1", 5600, 2, "p1", ((1, 2, 3),))
 def decode_request(
     request_id: str = "d1", num_prompt_tokens: int = 40, **changes: Any
 ) -> RequestInfo:
-    return RequestInfo(request_id, num_prompt_tokens, {**REMOTE_PARAMS, **changes})
+    return RequestInfo(
+        request_id,
+        num_prompt_tokens,
+        {**REMOTE_PARAMS, **changes},
+        token_ids=prompt_ids(num_prompt_tokens),
+    )
 
 
 def report(tp_rank: int, **fields: Any) -> WorkerReport:

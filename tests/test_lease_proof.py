@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from connector.block_digest import bound_to_blocks
 from connector.config import ConnectorConfig
 from connector.errors import HandshakeError, PeerRestarted
 from connector.geometry import build_rank_layout
@@ -32,7 +33,14 @@ from scheduler.connector import Role, SchedulerConnector
 from scheduler.leases import LeaseTable
 from scheduler.producer import Producer
 from tests import oracle
-from tests.scheduler_helpers import DENSE, FakeClock, handshakes, prefill_request
+from tests.scheduler_helpers import (
+    DENSE,
+    FakeClock,
+    bound_ref,
+    bound_source,
+    handshakes,
+    prefill_request,
+)
 from tests.test_lifecycle import (
     LEASE_S,
     Clock,
@@ -148,12 +156,14 @@ def lease_of(connector: SchedulerConnector, request_id: str) -> dict[str, Any]:
 
 
 def ask(params: dict[str, Any], refs: list[tuple[str, str]], **overrides: Any) -> tuple[bool, ...]:
-    """check_leases at the side channel the params name, as the params' engine and boot."""
+    """check_leases at the side channel the params name, as the params' engine and boot, as a
+    reader of those params (its tokens and blocks)."""
     where: dict[str, Any] = {
         "engine_id": params["remote_engine_id"], "boot_id": params["remote_boot_id"],
         "secret": None, "timeout_s": 2.0,
     } | overrides  # fmt: skip
-    return check_leases(params["remote_host"], params["remote_port"], refs, **where)
+    bound = [bound_ref(request_id, lease_id, params) for request_id, lease_id in refs]
+    return check_leases(params["remote_host"], params["remote_port"], bound, **where)
 
 
 def test_a_lease_check_answers_per_ref(served_prefill: tuple[SchedulerConnector, Any]) -> None:
@@ -206,9 +216,9 @@ def test_the_default_lease_check_asks_the_side_channel_the_params_name(
     remote = parse_kv_transfer_params(lease_of(connector, "p1"))
     assert remote is not None
     check, _ = side_channel_checks(ConnectorConfig(handshake_timeout_s=2.0))
-    assert check(remote.remote_source()) is True
+    assert check(bound_source(remote.remote_source())) is True
     clock.advance(30.0)
-    assert check(remote.remote_source()) is False
+    assert check(bound_source(remote.remote_source())) is False
 
 
 UNANSWERED_ONCE = HandshakeError("side channel 127.0.0.1:7001 did not answer within 2.0 s")
@@ -399,7 +409,8 @@ def test_prefills_word_on_the_lease_decides_the_load_and_prefill_always_hears(
     pair.until(lambda: bool(pair.outcomes) and (bool(pair.finished_sending) or not notified))
     [(request_id, outcome)] = pair.outcomes
     assert request_id == "d-1" and len(pair.check.calls) == num_checks
-    assert all(called == remote for called in pair.check.calls)
+    read = LoadSpec("d-1", REQUEST.local_block_ids, REQUEST.num_tokens, 0, remote)
+    assert all(called == bound_to_blocks(read) for called in pair.check.calls)
     if notified:  # success or not, prefill may free: once
         assert pair.finished_sending == [key]
         assert pair.prefill.notification_stats.counted == 1
@@ -511,8 +522,8 @@ def test_a_rank_report_of_an_unsaved_request_ends_its_lease_at_once() -> None:
         engine_id="p", tp_size=2, leases=leases, clock=clock, address=lambda: (HOST, 7000),
         boot_id=lambda: "b1",
     )  # fmt: skip
-    _, params = producer.request_finished("p1", ((1,),))
-    _, other = producer.request_finished("p2", ((2,),))
+    _, params = producer.request_finished("p1", ((1,),), 2, token_ids=[5, 6])
+    _, other = producer.request_finished("p2", ((2,),), 2, token_ids=[5, 6])
     assert params is not None and other is not None
     producer.on_reports([WorkerReport(tp_rank=1, unsaved=("p1", "never-leased"))])
     assert producer.take_finished() == ("p1",)
@@ -530,7 +541,7 @@ def test_a_rank_report_for_another_lease_key_is_stray_and_the_lease_stays_held(
         engine_id="p", tp_size=1, leases=leases, clock=clock, address=lambda: (HOST, 7000),
         boot_id=lambda: "b1",
     )  # fmt: skip
-    _, params = producer.request_finished("p1", ((1,),))
+    _, params = producer.request_finished("p1", ((1,),), 2, token_ids=[5, 6])
     assert params is not None
     key = lease_key("p1", params["remote_lease_id"])
     assert producer.take_step()[0] == (key,)  # sends: the lease key

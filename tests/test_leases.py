@@ -100,8 +100,8 @@ def test_rank_reports_for_ids_with_no_live_lease_are_counted_and_free_nothing() 
     producer = Producer(
         engine_id="p", tp_size=1, leases=leases, clock=clock, address=lambda: ("h", 1)
     )
-    producer.request_finished("held", ((1,),))
-    _, params = producer.request_finished("released", ((2,),))
+    producer.request_finished("held", ((1,),), 2, token_ids=[5, 6])
+    _, params = producer.request_finished("released", ((2,),), 2, token_ids=[5, 6])
     assert params is not None
     leases.release([lease_key("released", params["remote_lease_id"])])
     producer.take_step()
@@ -223,7 +223,7 @@ def test_every_prefill_request_finishes_sending_exactly_once(
     finished: list[str] = []
     for kind, arg in actions:
         if kind == "finish" and arg not in leased:
-            delay, params = producer.request_finished(str(arg), ((1,),))
+            delay, params = producer.request_finished(str(arg), ((1,),), 2, token_ids=[5, 6])
             assert delay is True and params is not None
             leased.add(str(arg))
             keys[str(arg)] = lease_key(str(arg), params["remote_lease_id"])

@@ -33,6 +33,7 @@ from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.suffix import uncached_suffix_blocks
 from tests import oracle
+from tests.scheduler_helpers import prompt_ids
 from worker.connector import WorkerConnector, side_channel_fetcher
 from worker.fake import FakeFabric, FakeNixl
 from worker.handshake import Fetcher
@@ -178,7 +179,9 @@ class Engine:
     # Prefill.
 
     def prefill(self, request_id: str, num_tokens: int) -> dict[str, Any]:
-        info = RequestInfo(request_id, num_tokens, {"do_remote_decode": True})
+        info = RequestInfo(
+            request_id, num_tokens, {"do_remote_decode": True}, token_ids=prompt_ids(num_tokens)
+        )
         assert self.scheduler.get_num_new_matched_tokens(info, 0) == (0, False)
         block_ids = self.held[request_id] = self.pool.allocate(num_tokens)
         request = oracle.Request(num_tokens, 0, (), block_ids)
@@ -195,7 +198,7 @@ class Engine:
 
     def receive(self, request_id: str, params: dict[str, Any], num_tokens: int, num_cached: int = 0,
                 *, allocate: bool = True) -> RequestInfo:  # fmt: skip
-        info = RequestInfo(request_id, num_tokens, params)
+        info = RequestInfo(request_id, num_tokens, params, token_ids=prompt_ids(num_tokens))
         num_external, _ = self.scheduler.get_num_new_matched_tokens(info, num_cached)
         if allocate:
             self.allocate(info, num_external)
@@ -209,8 +212,9 @@ class Engine:
         """The request ends (decoded, failed or aborted); free now unless the connector delays."""
         if aborted:
             info = RequestInfo(
-                info.request_id, info.num_prompt_tokens, info.kv_transfer_params, True
-            )
+                info.request_id, info.num_prompt_tokens, info.kv_transfer_params, True,
+                token_ids=info.token_ids,
+            )  # fmt: skip
         delay, _ = self.scheduler.request_finished(info, self.held.get(info.request_id, ((),)))
         if info.request_id not in self.held:
             return

@@ -252,7 +252,7 @@ def test_producer_times_each_lease_to_its_free_and_counts_how_it_ended() -> None
         address=lambda: ("127.0.0.1", 7000), metrics=recorder,
     )  # fmt: skip
     for request_id in ("done", "expires", "released"):
-        producer.request_finished(request_id, ((1,),))
+        producer.request_finished(request_id, ((1,),), 2, token_ids=[5, 6])
     sends = producer.take_step()[0]  # lease keys, "<request id>@<lease id>"
     (done_key,) = [key for key in sends if key.startswith("done@")]
     (released_key,) = [key for key in sends if key.startswith("released@")]

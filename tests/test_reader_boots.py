@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from connector.block_digest import block_digest, bound_to_blocks
 from connector.config import ConnectorConfig
 from connector.net.side_channel_client import check_leases
 from connector.observability.metrics import LEASES_READER_RESTARTED, default_recorder
@@ -31,6 +32,7 @@ from connector.protocol import (
     encode_request,
     lease_key,
 )
+from connector.token_digest import token_digest
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
@@ -251,7 +253,7 @@ def _claim_as_ranks(boot: SchedulerConnector, info: RequestInfo, num_ranks: int)
     config = ConnectorConfig(handshake_timeout_s=5.0)
     check = side_channel_batch_check(config, SilentSideChannels(5.0))
     for _ in range(num_ranks):
-        assert check([spec.source], False) == [True]
+        assert check([bound_to_blocks(spec)], False) == [True]  # as the transfer thread binds
     boot.shutdown()
 
 
@@ -285,7 +287,15 @@ def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
         held = check_leases(
             c["remote_host"],
             c["remote_port"],
-            [LeaseRef("c", c["remote_lease_id"])],
+            [
+                LeaseRef(
+                    "c",
+                    c["remote_lease_id"],
+                    (),
+                    token_digest(_prompt(2), 32),
+                    block_digest(c["remote_block_ids"], 32),
+                )
+            ],
             engine_id="prefill-rb",
             boot_id=c["remote_boot_id"],
             secret=None,

@@ -381,7 +381,7 @@ def lease_walk(path: str) -> tuple[MoveLog, list[str], list[str], list[str]]:
     for call in path.split(", "):
         name, _, arg = call.partition(" ")
         if name == "finish":
-            delay, params = producer.request_finished("p1", ((1,),))
+            delay, params = producer.request_finished("p1", ((1,),), 2, token_ids=[5, 6])
             assert delay is True and params is not None
             key = lease_key("p1", params["remote_lease_id"])
         elif name == "report":

@@ -13,9 +13,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from connector.block_digest import block_digest
 from connector.metadata import StageSpec, WorkerReport
 from connector.net.side_channel_client import check_leases, check_leases_status
 from connector.protocol import LeaseRef, LeaseStatus, lease_key
+from connector.token_digest import token_digest
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
     CONFIG,
@@ -26,6 +28,7 @@ from tests.scheduler_helpers import (
     all_ranks,
     decode_request,
     handshakes,
+    prompt_ids,
     start_load,
 )
 
@@ -77,7 +80,13 @@ def _finish_turn1(decode: SchedulerConnector) -> dict[str, Any]:
     start_load(decode)
     decode.update_connector_output(all_ranks(finished_recving=("d1",)))
     decode.take_finished()
-    finished = RequestInfo("d1", 40, decode_request().kv_transfer_params, num_computed_tokens=48)
+    finished = RequestInfo(
+        "d1",
+        40,
+        decode_request().kv_transfer_params,
+        num_computed_tokens=48,
+        token_ids=prompt_ids(49),  # the last one sampled: its KV not computed yet
+    )
     delay, params = decode.request_finished(finished, ((10, 11, 12, 13),))
     assert delay is True and params is not None
     return params
@@ -85,10 +94,18 @@ def _finish_turn1(decode: SchedulerConnector) -> dict[str, Any]:
 
 def _held(params: dict[str, Any]) -> bool:
     """Decode's side channel's answer to the lease check a pulling prefill makes."""
+    num_tokens = params["remote_num_tokens"]
+    ref = LeaseRef(
+        params["remote_request_id"],
+        params["remote_lease_id"],
+        (),
+        token_digest(prompt_ids(num_tokens), num_tokens),
+        block_digest(params["remote_block_ids"], num_tokens),
+    )
     return check_leases(
         params["remote_host"],
         params["remote_port"],
-        [(params["remote_request_id"], params["remote_lease_id"])],
+        [ref],
         engine_id=params["remote_engine_id"],
         boot_id=params["remote_boot_id"],
         secret=None,
@@ -234,7 +251,7 @@ def test_prefill_loads_the_pull_then_leases_its_own_blocks_for_decode(
     prefill = _connector(clock, heartbeats, "prefill-0")
     try:
         prefill.start_side_channel(handshakes("prefill-0"))
-        info = RequestInfo("t2", 60, dict(PULL))
+        info = RequestInfo("t2", 60, dict(PULL), token_ids=prompt_ids(60))
         assert prefill.get_num_new_matched_tokens(info, 32) == (16, True)
         prefill.update_state_after_alloc(info, ((20, 21, 22, 23),), 16)
         (load,) = prefill.build_connector_meta().loads

@@ -17,14 +17,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
 from connector.net.side_channel_client import check_leases_status
 from connector.observability.metrics import load_failure_kind
 from connector.protocol import (
+    REFUSED_TOKENS,
     LeaseCheck,
     LeaseRef,
     LeaseStatus,
     ReaderId,
+    Refusal,
     TokenDigest,
     decode_request_payload,
 )
@@ -123,12 +126,13 @@ def test_held_tokens_answer_as_the_packed_bytes_would(
     digest = token_digest(expected_ids, num_expected)
     assert digest is not None
     packed = pack_tokens(held, num_held)  # the oracle: what request_finished packed before
-    oracle = "" if packed is None else tokens_verdict(packed, digest)
+    oracle = NOT_INT32 if packed is None else tokens_verdict(packed, digest)
     lazy = HeldTokens.of(held, num_held)
     assert (lazy is None) == (num_held < 1 or len(held) < num_held)
-    found = "" if lazy is None else lazy.verdict(digest)
-    assert found == oracle
-    assert lazy is None or lazy.verdict(digest) == oracle  # a second check: the kept bytes
+    if lazy is None:
+        return  # nothing to bind: Producer offers nothing then
+    assert lazy.verdict(digest) == oracle
+    assert lazy.verdict(digest) == oracle  # a second check: the kept bytes
 
 
 class ReadCountingIds(list[int]):
@@ -159,11 +163,14 @@ def test_held_tokens_read_the_engines_list_once_and_only_when_asked() -> None:
     assert ids.num_reads == 1  # packed once; later checks use the bytes
 
 
-def test_a_held_id_past_int32_leaves_the_lease_unbound_as_before() -> None:
+NOT_INT32 = "the lease's token ids do not fit int32, so no reader can show it expects them"
+
+
+def test_a_held_id_past_int32_refuses_every_reader() -> None:
     held = HeldTokens.of([1, 2**31], 2)
     expected = token_digest([1, 2], 2)
     assert held is not None and expected is not None
-    assert held.packed() is None and held.verdict(expected) == ""
+    assert held.packed() is None and held.verdict(expected) == NOT_INT32
 
 
 # ---- the wire --------------------------------------------------------------------------
@@ -185,7 +192,8 @@ def test_an_older_readers_lease_check_still_decodes() -> None:
 
 def test_a_status_without_refusals_omits_the_field_for_older_readers() -> None:
     assert b"refused" not in msgspec.msgpack.encode(LeaseStatus((True,)))
-    assert b"refused" in msgspec.msgpack.encode(LeaseStatus((False,), refused=("why",)))
+    refused = LeaseStatus((False,), refused=(Refusal(REFUSED_TOKENS, "why"),))
+    assert b"refused" in msgspec.msgpack.encode(refused)
 
 
 # ---- the lease table -------------------------------------------------------------------
@@ -200,9 +208,13 @@ def test_a_held_lease_is_refused_to_a_reader_expecting_other_tokens() -> None:
     table.lease("p1", 0.0, "L1", tokens=HeldTokens.of(HELD, 48))
     right, wrong = token_digest(HELD, 48), token_digest([*HELD[:47], 1], 48)
     status = table.check([_ref(right), _ref(wrong), _ref(None)], 1.0)
-    assert status.held == (True, False, True)
-    assert status.refused[0] == status.refused[2] == ""
-    assert "other tokens than the reader's first 48" in status.refused[1]
+    assert status.held == (True, False, False)
+    assert status.refused[0] is None
+    assert status.refused[1] == Refusal(
+        REFUSED_TOKENS, "the lease's blocks hold other tokens than the reader's first 48"
+    )
+    assert status.refused[2] is not None and status.refused[2].kind == REFUSED_TOKENS
+    assert "does not say which tokens it expects" in status.refused[2].reason
     assert table.check([_ref(right)], 1.0) == LeaseStatus((True,))  # nothing refused: omitted
 
 
@@ -377,9 +389,10 @@ def test_prefill_binds_its_lease_to_the_prompt_it_leased() -> None:
         assert engine_ids.num_reads == 0  # finishing packs nothing: the check packs them
         engine_ids.append(9)  # the engine may grow its list; the lease's 40 ids stay
         lease_id = params["remote_lease_id"]
+        blocks = block_digest(((1, 2, 3),), 40)
         refs = [
-            LeaseRef("p1", lease_id, (), token_digest(prompt, 40)),
-            LeaseRef("p1", lease_id, (), token_digest([*prompt[:39], 8], 40)),
+            LeaseRef("p1", lease_id, (), token_digest(prompt, 40), blocks),
+            LeaseRef("p1", lease_id, (), token_digest([*prompt[:39], 8], 40), blocks),
         ]
         status = check_leases_status(
             "127.0.0.1",
@@ -391,7 +404,8 @@ def test_prefill_binds_its_lease_to_the_prompt_it_leased() -> None:
             timeout_s=5.0,
         )
         assert status.held == (True, False)
-        assert status.refused[0] == "" and "other tokens" in status.refused[1]
+        assert status.refused[0] is None
+        assert status.refused[1] is not None and "other tokens" in status.refused[1].reason
         assert engine_ids.num_reads == 1
     finally:
         prefill.shutdown()

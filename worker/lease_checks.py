@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from connector.config import ConnectorConfig
 from connector.errors import (
+    BlocksMismatch,
     ConnectorError,
     HandshakeError,
     PeerRestarted,
@@ -27,7 +28,14 @@ from connector.errors import (
     TokensMismatch,
 )
 from connector.metadata import RemoteSource
-from connector.protocol import DIGEST_OK, DigestClaim, LeaseRef, LeaseStatus
+from connector.protocol import (
+    DIGEST_OK,
+    REFUSED_BLOCKS,
+    DigestClaim,
+    LeaseRef,
+    LeaseStatus,
+    Refusal,
+)
 
 logger = logging.getLogger(__name__)
 _Answer = TypeVar("_Answer")
@@ -151,7 +159,7 @@ def side_channel_checks(
             reader=remote.reader,
         )
         held = answers(status)[0]
-        if isinstance(held, ConnectorError):  # TokensMismatch: fails the load, never retried
+        if isinstance(held, ConnectorError):  # LeaseRefused: fails the load, never retried
             raise held
         return held, status.digests[0] if claims else DIGEST_OK
 
@@ -202,18 +210,19 @@ def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannel
 
 
 def lease_ref(remote: RemoteSource, claims: tuple[DigestClaim, ...] = ()) -> LeaseRef:
-    """The LeaseRef a check of ``remote`` sends: the lease, the digest claims, and the tokens
-    the load expects the blocks to hold."""
-    return LeaseRef(remote.remote_request_id, remote.lease_id, claims, remote.tokens)
+    """The LeaseRef a check of ``remote`` sends: the lease, the digest claims, the tokens the
+    load expects the blocks to hold, and the blocks and token count its READs assume."""
+    return LeaseRef(remote.remote_request_id, remote.lease_id, claims, remote.tokens, remote.blocks)
 
 
 def answers(status: LeaseStatus) -> list[Answer]:
-    """Per ref: held, not held, TokensMismatch with the holder's reason (a lease held, but
-    not for this reader: its blocks hold other tokens), or a staged lease's Staging answer."""
-    refused = status.refused or ("",) * len(status.held)
+    """Per ref: held, not held, the holder's refusal (a lease held, but not for this reader):
+    BlocksMismatch (it reads other blocks or another token count) or TokensMismatch (the
+    blocks hold other tokens), or a staged lease's Staging answer."""
+    refused = status.refused or (None,) * len(status.held)
     if not status.staged:
         return [
-            TokensMismatch(why) if why else held
+            held if why is None else _refusal_error(why.kind, why.reason)
             for held, why in zip(status.held, refused, strict=True)
         ]
     pending = status.pending or (False,) * len(status.held)
@@ -225,12 +234,16 @@ def answers(status: LeaseStatus) -> list[Answer]:
     ]
 
 
-def _staged_answer(held: bool, refused: str, pending: bool, staged: bool) -> Answer:
-    if refused:
-        return TokensMismatch(refused)
+def _staged_answer(held: bool, refused: Refusal | None, pending: bool, staged: bool) -> Answer:
+    if refused is not None:
+        return _refusal_error(refused.kind, refused.reason)
     if pending:
         return Staging.PENDING
     return Staging.HELD_AFTER_COPY if held and staged else held
+
+
+def _refusal_error(kind: str, reason: str) -> ConnectorError:
+    return BlocksMismatch(reason) if kind == REFUSED_BLOCKS else TokensMismatch(reason)
 
 
 def one_by_one(check: LeaseCheck) -> BatchCheck:

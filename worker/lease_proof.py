@@ -13,7 +13,10 @@ Block ids are addresses, not capabilities: a READ returns whatever the blocks ho
 runs. A load is therefore reported successful only when prefill says, after the last READ of
 this rank completed, that the lease the params name is still held. A held lease was held
 during every READ: prefill never revives an ended lease, and lease ids are random per lease,
-so a later lease of a repeated request id cannot answer for an earlier one. The free
+so a later lease of a repeated request id cannot answer for an earlier one. Both checks
+name what the load reads (connector/block_digest.py): the blocks, per group in order, and
+the tokens it assumes they hold, so prefill answers "held" only for a load that reads that
+lease's very blocks (``BLOCKS_MISMATCH`` otherwise). The free
 notifications go out only after the answer, so this rank's own notification cannot end the
 lease before it is checked.
 
@@ -47,7 +50,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from connector.errors import ConnectorError, PeerRestarted, TokensMismatch
+from connector.errors import (
+    BlocksMismatch,
+    ConnectorError,
+    LeaseRefused,
+    PeerRestarted,
+    TokensMismatch,
+)
 from connector.metadata import RemoteSource
 from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
 from worker.lease_checks import Answer, BatchCheck, DigestCheck, Staging, is_held
@@ -72,6 +81,7 @@ LEASE_UNPROVEN = "lease not proven"
 PREFILL_RESTARTED = "the prefill engine restarted since it leased"
 DIGEST_FAILED = "digest"
 TOKENS_MISMATCH = "tokens mismatch"  # the holder's blocks hold other tokens than the prompt
+BLOCKS_MISMATCH = "blocks mismatch"  # the READs came from other blocks than the lease holds
 
 
 def unprovable_reason(remote: RemoteSource) -> str | None:
@@ -121,6 +131,13 @@ def lease_failure(
             f"({held}): the kv_transfer_params were paired with another prompt (a router "
             "bug, a retried request with an edited prompt, an edited history), so nothing "
             "is read from those blocks"
+        )
+    if isinstance(held, BlocksMismatch):
+        return (
+            f"{BLOCKS_MISMATCH}: {what} does not hold the blocks this load reads ({held}): "
+            "the kv_transfer_params' remote_block_ids or remote_num_tokens were edited on "
+            "the way (a router, a client, another connector), so nothing read from those "
+            "blocks is used; pass the params on exactly as the engine returned them"
         )
     return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
 
@@ -359,8 +376,8 @@ class _Item(NamedTuple):
 
 def _answered_by(remote: RemoteSource, held: Answer) -> SideChannelBoot | None:
     """The side channel (as the boot ``remote`` names) when this answer came from it: held,
-    not held, held for other tokens, or a staged lease's answer; None when it did not answer
-    (silent, restarted, refused)."""
-    if isinstance(held, bool | TokensMismatch | Staging):
+    not held, held for another reader's tokens or blocks, or a staged lease's answer; None
+    when it did not answer (silent, restarted, refused)."""
+    if isinstance(held, bool | LeaseRefused | Staging):
         return (remote.host, remote.port, remote.boot_id)
     return None

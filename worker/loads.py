@@ -32,6 +32,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from connector.block_digest import bound_to_blocks
 from connector.errors import ConnectorError
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
@@ -109,14 +110,17 @@ class LoadTable:
             )
             return
         self._recent.pop(spec.request_id, None)
-        load = self._new_load(spec.request_id, spec.source, peer, spec)
+        # Both checks name the blocks the READs come from: digested here, not on the engine
+        # thread (connector/block_digest.py).
+        source = bound_to_blocks(spec)
+        load = self._new_load(spec.request_id, source, peer, spec)
         self._loads[spec.request_id] = load
-        if unprovable_reason(spec.source) is not None:
+        if unprovable_reason(source) is not None:
             return  # it fails before posting anything
-        if self._precheck_skip_s and self._proofs.heard_within(spec.source, self._precheck_skip_s):
+        if self._precheck_skip_s and self._proofs.heard_within(source, self._precheck_skip_s):
             load.prechecked = True  # READs go out at once; the check after them decides
         else:
-            load.proof_ticket = self._proofs.submit(spec.source, BEFORE_READS)
+            load.proof_ticket = self._proofs.submit(source, BEFORE_READS)
 
     def abort(self, request_id: str, remote: RemoteSource, peer: Peer) -> None:
         """Abort a request; one never loaded here gets a record only to notify prefill.

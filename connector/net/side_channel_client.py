@@ -209,7 +209,7 @@ def check_leases_status(
 ) -> LeaseStatus:
     """``check_leases``' whole answer: with verify_kv claims in the refs, also the digest
     verdict per ref (``LeaseStatus.digests``), and why a held lease is not held for this
-    reader (``LeaseStatus.refused``: its blocks hold other tokens than a ref's ``tokens``).
+    reader (``LeaseStatus.refused``: a ref's ``tokens`` or ``blocks`` are not what it leased).
     ``reader`` names the asking engine and boot (scheduler/readers.py)."""
     refs = tuple(ref if isinstance(ref, LeaseRef) else LeaseRef(*ref) for ref in leases)
     request = LeaseCheck(engine_id, refs, reader)

@@ -95,6 +95,7 @@ LOAD_FAILURE_KINDS = (
     "lease_unproven",  # prefill could not be asked, or the params name no lease
     "digest",  # verify_kv: the bytes read are not the bytes prefill saved
     "tokens_mismatch",  # the lease's blocks hold other tokens than this request's prompt
+    "blocks_mismatch",  # the READs came from other blocks than the lease holds (edited params)
     "other",
 )
 HANDSHAKE_FAILURE_KINDS = (
@@ -237,6 +238,7 @@ _LOAD_PATTERNS = (
     ("lease not proven", "lease_unproven"),
     ("digest", "digest"),
     ("tokens mismatch", "tokens_mismatch"),
+    ("blocks mismatch", "blocks_mismatch"),
 )
 _HANDSHAKE_PATTERNS = (
     ("did not answer", "timeout"),
