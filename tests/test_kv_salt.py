@@ -13,7 +13,7 @@ import struct
 
 import pytest
 
-from connector.protocol import LeaseRef, TokenDigest
+from connector.protocol import REFUSED_TOKENS, LeaseRef, TokenDigest
 from connector.token_digest import HeldTokens, KVSalt, token_digest
 from scheduler.leases import LeaseTable
 
@@ -84,4 +84,5 @@ def test_the_lease_table_refuses_a_reader_with_another_cache_salt() -> None:
     other = LeaseRef("p1", "L1", tokens=token_digest(IDS, 40, SALT_B))
     status = table.check([same, other], 1.0)
     assert status.held == (True, False)
-    assert "cache salt" in status.refused[1]
+    refusal = status.refused[1]
+    assert refusal is not None and refusal.kind == REFUSED_TOKENS and "cache salt" in refusal.reason

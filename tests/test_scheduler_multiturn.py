@@ -283,11 +283,23 @@ def _status(params: dict[str, Any]) -> LeaseStatus:
     return check_leases_status(
         params["remote_host"],
         params["remote_port"],
-        [LeaseRef(params["remote_request_id"], params["remote_lease_id"])],
+        [_pull_ref(params)],
         engine_id=params["remote_engine_id"],
         boot_id=params["remote_boot_id"],
         secret=None,
         timeout_s=2.0,
+    )
+
+
+def _pull_ref(params: dict[str, Any]) -> LeaseRef:
+    """The ref a next turn's prefill sends to pull every token a hold's ``params`` offer."""
+    num_tokens = params["remote_num_tokens"]
+    return LeaseRef(
+        params["remote_request_id"],
+        params["remote_lease_id"],
+        (),
+        token_digest(prompt_ids(num_tokens), num_tokens),
+        block_digest(params["remote_block_ids"], num_tokens),
     )
 
 

@@ -211,7 +211,9 @@ def test_a_held_lease_is_refused_to_a_reader_expecting_other_tokens() -> None:
     assert status.held == (True, False, False)
     assert status.refused[0] is None
     assert status.refused[1] == Refusal(
-        REFUSED_TOKENS, "the lease's blocks hold other tokens than the reader's first 48"
+        REFUSED_TOKENS,
+        "the lease's blocks hold other tokens than the reader's first 48 (or their KV was "
+        "computed with another LoRA adapter, cache salt or multimodal input)",
     )
     assert status.refused[2] is not None and status.refused[2].kind == REFUSED_TOKENS
     assert "does not say which tokens it expects" in status.refused[2].reason

@@ -25,10 +25,12 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from connector.block_digest import block_digest  # noqa: E402
 from connector.metadata import LoadSpec  # noqa: E402
 from connector.net.side_channel_client import check_leases_status  # noqa: E402
 from connector.observability.metrics import PULLED_TOKENS, default_recorder  # noqa: E402
 from connector.protocol import LeaseRef, LeaseStatus  # noqa: E402
+from connector.token_digest import token_digest  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -295,11 +297,24 @@ def _lease_status(engine: h.Engine, held: dict[str, Any]) -> LeaseStatus:
     return check_leases_status(
         "127.0.0.1",
         held["remote_port"],
-        [LeaseRef(held["remote_request_id"], held["remote_lease_id"])],
+        [_pull_ref(held)],
         engine_id=held["remote_engine_id"],
         boot_id=held["remote_boot_id"],
         secret=None,
         timeout_s=5.0,
+    )
+
+
+def _pull_ref(held: dict[str, Any]) -> LeaseRef:
+    """The ref turn 2's prefill sends to pull every token the hold ``held`` offers: its
+    tokens (turn 1's prompt and answer) and the hold's blocks."""
+    num_tokens = held["remote_num_tokens"]
+    return LeaseRef(
+        held["remote_request_id"],
+        held["remote_lease_id"],
+        (),
+        token_digest(_turn2_prompt(), num_tokens),
+        block_digest(held["remote_block_ids"], num_tokens),
     )
 
 
