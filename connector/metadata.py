@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from connector.outcomes import LoadFailure
 from connector.protocol import BlockDigest, ReaderId, TokenDigest
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
@@ -117,8 +118,8 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     finished_sending: tuple[str, ...] = ()
     # Decode: this rank holds the request's KV.
     finished_recving: tuple[str, ...] = ()
-    # Decode: this rank could not load the request; request id -> reason.
-    failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
+    # Decode: this rank could not load the request; request id -> why (kind and message).
+    failed_recving: dict[str, LoadFailure] = msgspec.field(default_factory=dict)
     # Prefill with verify_kv: lease key -> this rank's digests of its blocks, per group.
     digests: dict[str, tuple[GroupDigests, ...]] = msgspec.field(default_factory=dict)
     # Prefill with host staging and verify_kv: requests whose device->host copy left host

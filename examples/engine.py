@@ -345,7 +345,7 @@ class Engine:
             self.blocks.free(request.request_id)
         return self._output(request, params=params)
 
-    def _fail(self, request: _Request, reason: str) -> RequestOutput:
+    def _fail(self, request: _Request, reason: str, kind: str | None = None) -> RequestOutput:
         """End ``request`` with an error; its blocks are freed unless the connector holds them."""
         delay_free = False
         if request.known_to_connector and self.scheduler is not None:
@@ -356,7 +356,7 @@ class Engine:
             self.held[request.request_id] = request
         elif request.request_id in self.blocks.tables:
             self.blocks.free(request.request_id)
-        return self._output(request, error=reason)
+        return self._output(request, error=reason, error_kind=kind)
 
     def _held_block_ids(self, request: _Request) -> tuple[tuple[int, ...], ...]:
         if request.request_id in self.blocks.tables:
@@ -364,12 +364,18 @@ class Engine:
         return tuple(() for _ in self.spec.groups)
 
     def _output(
-        self, request: _Request, *, params: dict[str, Any] | None = None, error: str | None = None
+        self,
+        request: _Request,
+        *,
+        params: dict[str, Any] | None = None,
+        error: str | None = None,
+        error_kind: str | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             request.request_id,
             list(request.output),
             error=error,
+            error_kind=error_kind,
             kv_transfer_params=params,
             kv_digest=request.kv_digest,
             num_cached_tokens=request.num_cached_tokens,
@@ -392,7 +398,9 @@ class Engine:
         for request_id, reason in finished.failed_recving.items():
             request = self.loading.pop(request_id, None)
             if request is not None:
-                outputs.append(self._fail(request, f"KV load failed: {reason}"))
+                outputs.append(
+                    self._fail(request, f"KV load failed: {reason.message}", reason.kind.value)
+                )
         for request_id in finished.finished_sending:
             if self.held.pop(request_id, None) is not None:
                 self.blocks.free(request_id)

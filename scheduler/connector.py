@@ -27,6 +27,7 @@ from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
 from connector.metadata import ConnectorMetadata, WorkerReport
+from connector.outcomes import LoadFailure
 from connector.params import raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
 from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer, RequestLoad
@@ -272,7 +273,7 @@ class SchedulerConnector:
         self._consumer.refuse_claim(request_id, reason, num_external_tokens)
         return False
 
-    def take_refused(self) -> dict[str, str]:
+    def take_refused(self) -> dict[str, LoadFailure]:
         """bind_params_at_allocation: requests whose params were refused after the engine
         parked them, since the last call (request id -> reason): announce their load failed."""
         return self._consumer.take_refused()

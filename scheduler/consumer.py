@@ -41,6 +41,7 @@ from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
+from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import ReaderId, lease_key
 from connector.token_digest import KVSalt, token_digest
 from scheduler.heartbeat_registry import HeartbeatRegistry
@@ -99,7 +100,7 @@ class RequestLoad:
     local_block_ids: BlockIds | None = None  # decode's blocks for the uncached suffix
     unplannable: str = ""  # why decode's blocks cannot take the load: fails it at the next step
     ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
-    failures: dict[int, str] = dataclasses.field(default_factory=dict)  # tp_rank -> reason
+    failures: dict[int, LoadFailure] = dataclasses.field(default_factory=dict)  # tp_rank -> why
     finished: bool = False  # request_finished was called: forget the record once it is quiet
     token_ids: Sequence[int] | None = None  # the request's ids, digested once, at its LoadSpec
     kv_salt: KVSalt = ()  # what else their KV depends on, digested with them
@@ -136,12 +137,12 @@ class Consumer:
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
         self._finished: list[str] = []
-        self._failed: dict[str, str] = {}
+        self._failed: dict[str, LoadFailure] = {}
         self._by_ranks: set[str] = set()  # of the above: loads whose LoadSpec went out
         # Of the outcomes take_finished last returned, the loads whose LoadSpec went out: the
         # ranks ran them and may tell the engine themselves (vLLM's do).
         self.reported_by_ranks: frozenset[str] = frozenset()
-        self._refused: dict[str, str] = {}  # parked requests whose params were refused
+        self._refused: dict[str, LoadFailure] = {}  # parked requests whose params were refused
 
     def record(self, request_id: str) -> RequestLoad | None:
         """The request's record (read it, never write it), or None."""
@@ -252,7 +253,7 @@ class Consumer:
             logger.warning("request %s: %s", request_id, reason)
         load.refusal = reason
         if num_external_tokens > 0:
-            self._refused[request_id] = reason
+            self._refused[request_id] = LoadFailure(FailureKind.PARAMS, reason)
         self._loads.move(request_id, REFUSED)
 
     def drop_claim(self, request_id: str) -> None:
@@ -261,7 +262,7 @@ class Consumer:
         if load is not None and load.state is CLAIMED:
             self._loads.move(request_id, ENDED)
 
-    def take_refused(self) -> dict[str, str]:
+    def take_refused(self) -> dict[str, LoadFailure]:
         """Refused requests the engine parked since the last call: request id -> reason."""
         refused, self._refused = self._refused, {}
         return refused
@@ -334,7 +335,7 @@ class Consumer:
             for request_id, reason in report.failed_recving.items():
                 self._record(request_id, report.tp_rank, reason)
 
-    def take_finished(self) -> tuple[tuple[str, ...], dict[str, str]]:
+    def take_finished(self) -> tuple[tuple[str, ...], dict[str, LoadFailure]]:
         finished, self._finished = tuple(self._finished), []
         failed, self._failed = self._failed, {}
         self.reported_by_ranks, self._by_ranks = frozenset(self._by_ranks), set()
@@ -343,7 +344,7 @@ class Consumer:
     def _emit(self, request_id: str, load: RequestLoad) -> LoadSpec | None:
         local_block_ids = load.local_block_ids
         if local_block_ids is None:  # ALLOCATED: its suffix, or why it has none
-            self._fail_now(request_id, load, load.unplannable)
+            self._fail_now(request_id, load, LoadFailure(FailureKind.PLAN, load.unplannable))
             return None
         self._loads.move(request_id, LOADING)
         load.load_sent = True
@@ -373,7 +374,7 @@ class Consumer:
             load = self._loads.get(request_id)
             if load is None or load.state not in _RANKS_ANSWER_LOAD:
                 continue
-            reason = "the engine reported the load as failed" if request_id in failed_ids else None
+            reason = _ENGINE_FAILED if request_id in failed_ids else None
             for tp_rank in range(self._tp_size):
                 if tp_rank not in load.ranks_done:
                     load.ranks_done.add(tp_rank)
@@ -381,7 +382,7 @@ class Consumer:
                         load.failures.setdefault(tp_rank, reason)
             self._settle(request_id, load)
 
-    def _record(self, request_id: str, tp_rank: int, reason: str | None) -> None:
+    def _record(self, request_id: str, tp_rank: int, reason: LoadFailure | None) -> None:
         load = self._loads.get(request_id)
         if load is None:
             return  # not ours, or already forgotten
@@ -439,7 +440,7 @@ class Consumer:
             boot_id=source.boot_id,
         )
 
-    def _fail_now(self, request_id: str, load: RequestLoad, reason: str) -> None:
+    def _fail_now(self, request_id: str, load: RequestLoad, reason: LoadFailure) -> None:
         logger.warning("request %s failed: %s", request_id, reason)
         self._release_only(request_id, load, REPORTED_RELEASING)
         self._failed[request_id] = reason
@@ -463,10 +464,18 @@ def _source_of(load: RequestLoad) -> RemoteSource:
     return source
 
 
-def _failure_reason(failures: dict[int, str]) -> str:
-    """One reason for the request: the ranks' shared reason, or the lowest failing rank's."""
+_ENGINE_FAILED = LoadFailure(FailureKind.ENGINE, "the engine reported the load as failed")
+
+
+def _failure_reason(failures: dict[int, LoadFailure]) -> LoadFailure:
+    """One failure for the request: the ranks' shared one, or the lowest failing rank's kind
+    with a message naming it."""
     reasons = set(failures.values())
     if len(reasons) == 1:
         return reasons.pop()
     rank = min(failures)
-    return f"tp_rank {rank}: {failures[rank]} ({len(failures) - 1} other rank(s) failed too)"
+    first = failures[rank]
+    return LoadFailure(
+        first.kind,
+        f"tp_rank {rank}: {first.message} ({len(failures) - 1} other rank(s) failed too)",
+    )

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from connector.metadata import RemoteSource
+from connector.outcomes import LoadFailure
 from connector.params import KVTransferParams
 from connector.token_digest import KVSalt
 
@@ -63,13 +64,14 @@ class FinishedRequests(msgspec.Struct):
 
     finished_sending: prefill requests whose blocks the engine may free now.
     finished_recving: decode requests whose prompt KV arrived; decoding may start.
-    failed_recving: decode requests whose load failed: request id -> reason. Their blocks may
+    failed_recving: decode requests whose load failed: request id -> why (a kind and a
+    message, connector/outcomes.py). Their blocks may
     be freed (no READ is in flight); the engine fails or recomputes them.
     """
 
     finished_sending: tuple[str, ...] = ()
     finished_recving: tuple[str, ...] = ()
-    failed_recving: dict[str, str] = msgspec.field(default_factory=dict)
+    failed_recving: dict[str, LoadFailure] = msgspec.field(default_factory=dict)
 
 
 class ParsedParams(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers to no record

@@ -14,6 +14,7 @@ from connector.config import ConnectorConfig
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec
 from connector.lifecycle import TransitionTable
 from connector.metadata import LoadSpec, RemoteSource, WorkerReport
+from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from connector.token_digest import token_digest
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
@@ -186,6 +187,14 @@ def decode_request(
         {**REMOTE_PARAMS, **changes},
         token_ids=prompt_ids(num_prompt_tokens),
     )
+
+
+def failure(message: str, kind: FailureKind = FailureKind.TRANSFER) -> LoadFailure:
+    """A rank's failed load: ``message``, as a failure of ``kind``."""
+    return LoadFailure(kind, message)
+
+
+ABORTED = ABORTED_LOAD
 
 
 def report(tp_rank: int, **fields: Any) -> WorkerReport:

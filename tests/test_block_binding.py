@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from connector.block_digest import HeldBlocks, block_digest
 from connector.config import ConnectorConfig
-from connector.observability.metrics import load_failure_kind
 from connector.protocol import (
     REFUSED_BLOCKS,
     REFUSED_TOKENS,
@@ -396,7 +395,7 @@ def test_decode_given_another_requests_blocks_fails_with_blocks_mismatch(
         reason = failed.error.removeprefix("KV load failed: ")
         assert reason.startswith("blocks mismatch: prefill engine 'prefill-blk' request 'pa'")
         assert "not the blocks the lease holds" in reason
-        assert load_failure_kind(reason) == "blocks_mismatch"
+        assert failed.error_kind == "blocks_mismatch"
         assert (CountingNixl.num_posted > 0) == bool(num_reads)
         # B's own params still load: the refusal ended nothing of B's lease.
         good = _decoded(engines, "db", b_prompt, b)

@@ -27,6 +27,7 @@ from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
 from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource
+from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import (
     LeaseRef,
     LeaseStatus,
@@ -72,9 +73,9 @@ class RecordingBatchCheck:
         return [self.answers.get(r.remote_request_id, True) for r in remotes]
 
 
-def answers(proofs: LeaseProofs, tickets: dict[str, int]) -> dict[str, str | None]:
+def answers(proofs: LeaseProofs, tickets: dict[str, int]) -> dict[str, LoadFailure | None]:
     """Wait (bounded) for every ticket's answer: request id -> failure reason or None."""
-    found: dict[str, str | None] = {}
+    found: dict[str, LoadFailure | None] = {}
     deadline = time.monotonic() + 5.0
     while len(found) < len(tickets):
         assert time.monotonic() < deadline, f"answers missing: {set(tickets) - set(found)}"
@@ -177,8 +178,10 @@ def test_each_load_gets_its_own_leases_answer_from_a_shared_message(
     proofs.dispatch()
     found = answers(proofs, tickets)
     assert found["held"] is None
-    assert (found["gone"] or "").startswith("lease expired: ") and "'gone'" in (found["gone"] or "")
-    assert "restarted since it leased" in (found["restarted"] or "")
+    gone, restarted = found["gone"], found["restarted"]
+    assert gone is not None and gone.kind is FailureKind.LEASE_EXPIRED and "'gone'" in gone.message
+    assert restarted is not None and restarted.kind is FailureKind.PREFILL_RESTARTED
+    assert "restarted since it leased" in restarted.message
     assert len(recording.batches) == 1
 
 
@@ -190,8 +193,10 @@ def test_a_batch_that_cannot_be_asked_fails_every_load_in_it_unproven(
     tickets = {rid: proofs.submit(remote(rid), AFTER_READS) for rid in ("x", "y")}
     proofs.dispatch()
     for reason in answers(proofs, tickets).values():
-        assert reason is not None and reason.startswith("lease not proven: ")
-        assert "did not answer" in reason
+        assert reason is not None and reason.kind is FailureKind.LEASE_UNPROVEN
+        assert (
+            reason.message.startswith("lease not proven: ") and "did not answer" in reason.message
+        )
 
 
 def test_a_check_abandoned_before_dispatch_is_never_asked(
@@ -288,7 +293,7 @@ def test_a_burst_of_loads_from_one_prefill_costs_it_a_few_messages_not_two_per_l
             report = decode.get_finished()
             finished += report.finished_recving
             failed.update(report.failed_recving)
-        assert sorted(failed) == ["d5"] and failed["d5"].startswith("lease expired: ")
+        assert sorted(failed) == ["d5"] and failed["d5"].kind is FailureKind.LEASE_EXPIRED
         assert len(finished) == 15
         assert sum(prefill.lease_checks) == 16 + 15  # every lease asked about, each load alone
         assert len(prefill.lease_checks) <= 4, prefill.lease_checks
@@ -402,7 +407,7 @@ def outcomes(rank: WorkerConnector, request_ids: set[str]) -> dict[str, str | No
         assert rank.flush()
         report = rank.get_finished()
         found.update(dict.fromkeys(report.finished_recving))
-        found.update(report.failed_recving)
+        found.update({rid: failure.message for rid, failure in report.failed_recving.items()})
     return found
 
 
@@ -429,7 +434,7 @@ def test_the_first_load_from_a_dead_prefill_fails_after_one_timeout_and_the_next
         assert rank.flush()  # the pass that takes them in fails them: no thread round trip
         failed = rank.get_finished().failed_recving
         assert sorted(failed) == ["d1", "d2", "d3"], failed
-        assert all("s ago" in reason for reason in failed.values()), failed
+        assert all("s ago" in reason.message for reason in failed.values()), failed
     finally:
         rank.shutdown()
 

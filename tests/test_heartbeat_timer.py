@@ -17,9 +17,11 @@ import pytest
 
 from connector.config import ConnectorConfig
 from connector.net.side_channel_client import send_heartbeat
+from connector.outcomes import FailureKind
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from tests.scheduler_helpers import (
+    ABORTED,
     DENSE,
     HEARTBEAT_S,
     LEASE_S,
@@ -27,6 +29,7 @@ from tests.scheduler_helpers import (
     RecordingHeartbeats,
     all_ranks,
     decode_request,
+    failure,
     handshakes,
     make_decode,
     prefill_request,
@@ -148,7 +151,8 @@ def test_claimed_params_that_do_not_validate_are_not_heartbeated(clock: FakeCloc
     assert heartbeats.beat_if_due() == 1
     assert heartbeats.sent == [("prefill-0", "127.0.0.1", 5600, ("p1",))]
     decode.update_state_after_alloc(bad, ((10, 11, 12),), 40)  # the allocation's parse refuses
-    assert "remote_port" in decode.take_refused()["d2"]
+    refused = decode.take_refused()["d2"]
+    assert refused.kind is FailureKind.PARAMS and "remote_port" in refused.message
 
 
 # ---- every way out of the heartbeating states ----
@@ -163,13 +167,15 @@ def _load_succeeded(decode: SchedulerConnector, request: RequestInfo) -> None:
 
 def _load_failed(decode: SchedulerConnector, request: RequestInfo) -> None:
     start_load(decode, request)
-    decode.update_connector_output(all_ranks(1, failed_recving={request.request_id: "boom"}))
+    decode.update_connector_output(
+        all_ranks(1, failed_recving={request.request_id: failure("boom")})
+    )
 
 
 def _aborted_while_loading(decode: SchedulerConnector, request: RequestInfo) -> None:
     start_load(decode, request)
     assert decode.request_finished(request, ((10, 11, 12),)) == (True, None)  # DRAINING
-    decode.update_connector_output(all_ranks(1, failed_recving={request.request_id: "aborted"}))
+    decode.update_connector_output(all_ranks(1, failed_recving={request.request_id: ABORTED}))
 
 
 def _aborted_after_allocation(decode: SchedulerConnector, request: RequestInfo) -> None:

@@ -26,7 +26,7 @@ from connector.errors import HandshakeError, PeerRestarted
 from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.net.side_channel_client import check_leases, send_release
-from connector.observability.metrics import load_failure_kind
+from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
 from connector.params import parse_kv_transfer_params
 from connector.protocol import LeaseRef, LeaseStatus, encode_free_notif, lease_key
 from scheduler.connector import Role, SchedulerConnector
@@ -315,7 +315,7 @@ class Pair:
         self.decode_agent = decode_agent("decode-r0", fabric)
         self.decode = self._rank("decode", spec, self.decode_agent, handshake)
         self.decode.register_kv_caches([b.ctypes.data for b in self.decode_buffers])
-        self.outcomes: list[tuple[str, str | None]] = []  # decode, in report order
+        self.outcomes: list[tuple[str, LoadFailure | None]] = []  # decode, in report order
         self.finished_sending: list[str] = []  # prefill
 
     def _rank(self, engine_id: str, spec: Any, agent: FakeNixl, handshake: Any) -> WorkerConnector:
@@ -368,36 +368,45 @@ RESTARTED = PeerRestarted("side channel 127.0.0.1:7001 refused the request: stal
 NO_LEASE = (
     "^lease not proven: the kv_transfer_params of prefill request 'p-1' carry no remote_lease_id"
 )
-# case id -> (prefill's answers, RemoteSource changes, reason pattern (None: success), checks)
-ANSWERS: dict[str, tuple[tuple[Any, ...], dict[str, str], str | None, int]] = {
+EXPIRED, UNPROVEN = FailureKind.LEASE_EXPIRED, FailureKind.LEASE_UNPROVEN
+# case id -> (prefill's answers, RemoteSource changes, (kind, message pattern) (None: success),
+# checks)
+ANSWERS: dict[str, tuple[tuple[Any, ...], dict[str, str], tuple[FailureKind, str] | None, int]] = {
     "held before and after the READs: success": ((True, True), {}, None, 2),
     "gone after the READs: lease expired": (
         (True, False), {},
-        r"^lease expired: prefill engine 'prefill' request 'p-1' \(lease L1\) was no longer "
-        r"held when this rank's READs completed", 2,
+        (EXPIRED, r"^lease expired: prefill engine 'prefill' request 'p-1' \(lease L1\) was no "
+         r"longer held when this rank's READs completed"), 2,
     ),
     "gone before the READs: lease expired, nothing read": (
-        (False,), {}, r"^lease expired: .* was no longer held before any READ was posted", 1,
+        (False,), {}, (EXPIRED, r"^lease expired: .* was no longer held before any READ was posted"),
+        1,
     ),
-    "prefill restarted since it leased: lease expired": (
-        (True, RESTARTED), {}, r"^lease expired: .*: the prefill engine restarted since it leased", 2,
+    "prefill restarted since it leased: its own kind": (
+        (True, RESTARTED), {},
+        (FailureKind.PREFILL_RESTARTED,
+         r"^lease expired: .*: the prefill engine restarted since it leased"), 2,
     ),
     "prefill cannot be asked: lease not proven": (
         (True, UNANSWERED), {},
-        r"^lease not proven: asking prefill engine 'prefill' request 'p-1' \(lease L1\) whether "
-        r"the lease holds failed: side channel .* did not answer", 2,
+        (UNPROVEN, r"^lease not proven: asking prefill engine 'prefill' request 'p-1' \(lease L1\) "
+         r"whether the lease holds failed: side channel .* did not answer"), 2,
     ),
-    "params without a lease id: lease not proven, nobody asked": ((), {"lease_id": ""}, NO_LEASE, 0),
-    "params without a boot id: lease not proven, nobody asked": ((), {"boot_id": ""}, NO_LEASE, 0),
+    "params without a lease id: lease not proven, nobody asked": (
+        (), {"lease_id": ""}, (UNPROVEN, NO_LEASE), 0,
+    ),
+    "params without a boot id: lease not proven, nobody asked": (
+        (), {"boot_id": ""}, (UNPROVEN, NO_LEASE), 0,
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("answers", "changes", "reason", "num_checks"), list(ANSWERS.values()), ids=list(ANSWERS)
+    ("answers", "changes", "expected", "num_checks"), list(ANSWERS.values()), ids=list(ANSWERS)
 )
 def test_prefills_word_on_the_lease_decides_the_load_and_prefill_always_hears(
     make_pair: Callable[[ScriptedCheck], Pair], answers: tuple[Any, ...], changes: dict[str, str],
-    reason: str | None, num_checks: int,
+    expected: tuple[FailureKind, str] | None, num_checks: int,
 ) -> None:  # fmt: skip
     pair = make_pair(ScriptedCheck(*answers))
     remote = remote_of(**changes)
@@ -405,7 +414,7 @@ def test_prefills_word_on_the_lease_decides_the_load_and_prefill_always_hears(
     key = lease_key("p-1", remote.lease_id)
     # A restarted prefill's old boot is gone with its agent: nothing to notify there (a
     # notification to a dead agent blocks the transfer thread until UCX gives up on it).
-    notified = reason is None or "restarted since it leased" not in reason
+    notified = expected is None or expected[0] is not FailureKind.PREFILL_RESTARTED
     pair.until(lambda: bool(pair.outcomes) and (bool(pair.finished_sending) or not notified))
     [(request_id, outcome)] = pair.outcomes
     assert request_id == "d-1" and len(pair.check.calls) == num_checks
@@ -419,12 +428,12 @@ def test_prefills_word_on_the_lease_decides_the_load_and_prefill_always_hears(
     landed = oracle.first_difference(
         pair.decode_buffers, oracle.expected_decode(pair.layout, REQUEST)
     )
-    if reason is None:
+    if expected is None:
         assert outcome is None and landed is None  # prefill's bytes, where decode needs them
         return
-    assert outcome is not None and re.search(reason, outcome), outcome
-    kind = "lease_expired" if outcome.startswith("lease expired") else "lease_unproven"
-    assert load_failure_kind(outcome) == kind
+    kind, pattern = expected
+    assert outcome is not None and re.search(pattern, outcome.message), outcome
+    assert outcome.kind is kind
     if num_checks <= 1:  # refused before any READ: decode's blocks were never written
         assert oracle.first_difference(pair.decode_buffers, oracle.sentinel(pair.layout)) is None
 
@@ -492,13 +501,13 @@ def test_an_abort_while_confirming_ends_aborted_and_the_late_answer_is_dropped(
     pair.until(pair.check.holding.is_set)
     pair.decode.start_load_kv(ConnectorMetadata(releases=(ReleaseSpec("d-1", remote_of()),)))
     pair.until(lambda: bool(pair.outcomes) and bool(pair.finished_sending))
-    assert pair.outcomes == [("d-1", "aborted")] and pair.finished_sending == ["p-1@L1"]
+    assert pair.outcomes == [("d-1", ABORTED_LOAD)] and pair.finished_sending == ["p-1@L1"]
     pair.check.release.set()  # the answer comes after its load ended
     pair.start(remote_of("p-2", lease_id="L2"), "d-2")  # the next load gets its own answers
     pair.until(lambda: len(pair.outcomes) == 2 and len(pair.finished_sending) == 2)
     for _ in range(3):
         pair.step()
-    assert pair.outcomes == [("d-1", "aborted"), ("d-2", None)]
+    assert pair.outcomes == [("d-1", ABORTED_LOAD), ("d-2", None)]
     assert pair.finished_sending == ["p-1@L1", "p-2@L2"]
     # d-2 skips the check before its READs (prefill answered d-1's moments ago): its proof only
     assert [remote.remote_request_id for remote in pair.check.calls] == ["p-1", "p-1", "p-2"]
@@ -767,5 +776,5 @@ def test_a_staged_lease_proves_a_load_only_if_seen_held_before_its_reads(
     if reason is None:
         assert failure is None
     else:
-        assert failure is not None and re.match(reason, failure), failure
-        assert load_failure_kind(failure) == load_failure_kind("lease not proven: x")
+        assert failure is not None and re.match(reason, failure.message), failure
+        assert failure.kind is FailureKind.LEASE_UNPROVEN

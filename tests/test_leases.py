@@ -21,7 +21,14 @@ from scheduler.lifecycles import (
 )
 from scheduler.producer import Producer
 from scheduler.suffix import uncached_suffix_blocks
-from tests.scheduler_helpers import FULL_16, SSM_64, FakeClock, MoveLog, RecordingHeartbeats
+from tests.scheduler_helpers import (
+    FULL_16,
+    SSM_64,
+    FakeClock,
+    MoveLog,
+    RecordingHeartbeats,
+    failure,
+)
 
 # ---------------------------------------------------------------- LeaseTable
 
@@ -285,7 +292,7 @@ class FakeRanks:
             del self.pending[request_id]
         if ok:
             return [WorkerReport(rank, finished_recving=(request_id,))]
-        return [WorkerReport(rank, failed_recving={request_id: "boom"})]
+        return [WorkerReport(rank, failed_recving={request_id: failure("boom")})]
 
 
 @given(decode_actions)

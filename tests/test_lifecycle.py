@@ -163,8 +163,8 @@ class Engine:
             self.free(request_id)
         for request_id in finished.finished_recving:
             self._report(request_id, None)
-        for request_id, reason in finished.failed_recving.items():
-            self._report(request_id, reason)
+        for request_id, failure in finished.failed_recving.items():
+            self._report(request_id, failure.message)
 
     def _report(self, request_id: str, reason: str | None) -> None:
         self.reports[request_id] += 1

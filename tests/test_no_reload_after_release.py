@@ -16,6 +16,7 @@ import pytest
 
 from scheduler.connector import SchedulerConnector
 from tests.scheduler_helpers import (
+    ABORTED,
     FakeClock,
     RecordingHeartbeats,
     all_ranks,
@@ -34,7 +35,7 @@ def full_hit_then_released(decode: SchedulerConnector) -> None:
     decode.update_state_after_alloc(request, ((10, 11, 12),), 0)
     meta = decode.build_connector_meta()
     assert [release.request_id for release in meta.releases] == ["d1"]
-    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": ABORTED}))
 
 
 def preempted(decode: SchedulerConnector) -> None:
@@ -115,5 +116,5 @@ def test_a_record_whose_params_changed_before_the_finish_still_ends() -> None:
     assert decode.request_finished(request, ((10, 11, 12),)) == (False, None)
     assert [ids for *_, ids in heartbeats.released] == [("p1",)], "prefill was not released"
     decode.build_connector_meta()
-    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": ABORTED}))
     assert decode.num_tracked_loads == 0

@@ -25,6 +25,7 @@ from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
 from connector.metadata import LoadSpec
 from connector.observability.metrics import QUARANTINED_LOADS, MetricsRecorder
+from connector.outcomes import FailureKind
 from tests.nixl_peer_proc import PeerProcess, pattern
 from tests.test_worker_connector import remote_handshake, source
 from tests.test_worker_lifecycles import ScriptedProofs
@@ -146,7 +147,8 @@ def test_a_read_from_a_paused_peer_is_reported_only_once_it_can_no_longer_land(
             peer.kill()
         (request_id, reason), at_report = decode.advance_until_reported(REPORT_BOUND_S)
         assert request_id == "d-req"
-        assert reason is not None and "did not finish within" in reason
+        assert reason is not None and reason.kind is FailureKind.TRANSFER_TIMEOUT
+        assert "did not finish within" in reason.message
         if end_of_pause == "resume":  # the READ ended DONE: every byte landed before the report
             assert np.array_equal(at_report, pattern(TOTAL_BYTES, 5))
         decode.advance_for(1.0)

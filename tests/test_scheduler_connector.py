@@ -14,10 +14,12 @@ from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
+from connector.outcomes import FailureKind
 from connector.protocol import WorkerHandshake, lease_key
 from connector.token_digest import token_digest
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
+    ABORTED,
     CONFIG,
     DENSE,
     HYBRID,
@@ -29,6 +31,7 @@ from tests.scheduler_helpers import (
     RecordingHeartbeats,
     all_ranks,
     decode_request,
+    failure,
     handshakes,
     make_decode,
     prefill_request,
@@ -376,9 +379,12 @@ def test_decode_lifecycle_loads_the_uncached_suffix_then_reports_once(
 def test_one_failing_rank_fails_the_request_with_its_reason(decode: SchedulerConnector) -> None:
     start_load(decode)
     decode.update_connector_output(
-        [report(0, finished_recving=("d1",)), report(1, failed_recving={"d1": "peer gone"})]
+        [
+            report(0, finished_recving=("d1",)),
+            report(1, failed_recving={"d1": failure("peer gone")}),
+        ]
     )
-    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "peer gone"})
+    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": failure("peer gone")})
     assert decode.get_num_new_matched_tokens(decode_request(), 16) == (0, False)
 
 
@@ -388,7 +394,11 @@ ENGINE_OUTCOMES = [
         "failed",
         ["d1"],
         ["d1"],
-        FinishedRequests(failed_recving={"d1": "the engine reported the load as failed"}),
+        FinishedRequests(
+            failed_recving={
+                "d1": failure("the engine reported the load as failed", FailureKind.ENGINE)
+            }
+        ),
     ),
     ("not a load we track", ["other"], [], NO_FINISHED),
 ]
@@ -417,9 +427,9 @@ def test_the_engines_own_aggregate_ends_a_load_whose_reports_are_missing(
 
 def test_the_ranks_reasons_win_over_the_engines_aggregate(decode: SchedulerConnector) -> None:
     start_load(decode)
-    decode.update_connector_output(all_ranks(failed_recving={"d1": "peer gone"}))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": failure("peer gone")}))
     decode.on_engine_outcomes(["d1"], ["d1"])
-    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "peer gone"})
+    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": failure("peer gone")})
 
 
 # The side-channel release decode sends for REMOTE's request: (engine, host, port, ids).
@@ -432,8 +442,10 @@ def test_a_failed_load_also_releases_prefill_over_the_side_channel(
     # A failed handshake leaves no NIXL path to notify prefill; the side channel still frees it.
     start_load(decode)
     assert heartbeats.released == []
-    decode.update_connector_output(all_ranks(failed_recving={"d1": "handshake refused"}))
-    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "handshake refused"})
+    decode.update_connector_output(all_ranks(failed_recving={"d1": failure("handshake refused")}))
+    assert decode.take_finished() == FinishedRequests(
+        failed_recving={"d1": failure("handshake refused")}
+    )
     assert heartbeats.released == RELEASE_P1
 
 
@@ -480,12 +492,14 @@ def test_different_rank_failures_name_the_lowest_rank(decode: SchedulerConnector
     start_load(decode)
     decode.update_connector_output(
         [
-            report(0, failed_recving={"d1": "timeout"}),
-            report(1, failed_recving={"d1": "bad descriptor"}),
+            report(0, failed_recving={"d1": failure("timeout", FailureKind.TRANSFER_TIMEOUT)}),
+            report(1, failed_recving={"d1": failure("bad descriptor")}),
         ]
     )
     assert decode.take_finished().failed_recving == {
-        "d1": "tp_rank 0: timeout (1 other rank(s) failed too)"
+        "d1": failure(
+            "tp_rank 0: timeout (1 other rank(s) failed too)", FailureKind.TRANSFER_TIMEOUT
+        )
     }
 
 
@@ -495,7 +509,7 @@ def test_a_full_prefix_hit_only_releases_the_prefill_blocks(decode: SchedulerCon
     assert decode.get_num_new_matched_tokens(request, 40) == (0, False)
     decode.update_state_after_alloc(request, ((10, 11, 12),), 0)
     assert decode.build_connector_meta() == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
-    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": ABORTED}))
     assert decode.take_finished() == NO_FINISHED
     assert decode.request_finished(request, ((10, 11, 12),)) == (False, None)
 
@@ -505,7 +519,7 @@ def test_abort_before_allocation_releases_and_frees_at_once(decode: SchedulerCon
     decode.get_num_new_matched_tokens(request, 16)
     assert decode.request_finished(request, ((),)) == (False, None)
     assert decode.build_connector_meta() == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
-    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": ABORTED}))
     assert decode.take_finished() == NO_FINISHED
 
 
@@ -517,10 +531,10 @@ def test_abort_after_allocation_holds_blocks_until_ranks_confirm(
     decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
     assert decode.request_finished(request, ((10, 11, 12),)) == (True, None)
     assert decode.build_connector_meta() == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
-    decode.update_connector_output([report(0, failed_recving={"d1": "aborted"})])
+    decode.update_connector_output([report(0, failed_recving={"d1": ABORTED})])
     assert decode.take_finished() == NO_FINISHED
-    decode.update_connector_output([report(1, failed_recving={"d1": "aborted"})])
-    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": "aborted"})
+    decode.update_connector_output([report(1, failed_recving={"d1": ABORTED})])
+    assert decode.take_finished() == FinishedRequests(failed_recving={"d1": ABORTED})
     assert decode.build_connector_meta() == ConnectorMetadata()
 
 
@@ -549,10 +563,13 @@ def test_too_few_blocks_fails_the_request_and_releases_prefill(decode: Scheduler
     assert meta == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
     finished = decode.take_finished()
     assert finished.failed_recving == {
-        "d1": "cannot plan the load: cache group 0: 2 block(s) of 16 tokens cannot hold 40 "
-        "tokens (need 3)"
+        "d1": failure(
+            "cannot plan the load: cache group 0: 2 block(s) of 16 tokens cannot hold 40 "
+            "tokens (need 3)",
+            FailureKind.PLAN,
+        )
     }
-    decode.update_connector_output(all_ranks(failed_recving={"d1": "aborted"}))
+    decode.update_connector_output(all_ranks(failed_recving={"d1": ABORTED}))
     assert decode.take_finished() == NO_FINISHED
     assert decode.request_finished(request, ((10, 11),)) == (False, None)
 

@@ -30,6 +30,7 @@ from tests.scheduler_helpers import (
     FakeClock,
     MoveLog,
     RecordingHeartbeats,
+    failure,
 )
 
 TP_SIZE = 2
@@ -185,7 +186,7 @@ class DecodeEngine(RuleBasedStateMachine):
             if self.instructed[request_id, tp_rank] == 0:
                 return
             self.instructed[request_id, tp_rank] -= 1
-        failed = {} if ok else {request_id: "boom"}
+        failed = {} if ok else {request_id: failure("boom")}
         finished = (request_id,) if ok else ()
         report = WorkerReport(tp_rank, finished_recving=finished, failed_recving=failed)
         self.consumer.on_reports([report])

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
 from connector.net.side_channel_client import check_leases_status
-from connector.observability.metrics import load_failure_kind
 from connector.protocol import (
     REFUSED_TOKENS,
     LeaseCheck,
@@ -308,7 +307,7 @@ def test_decode_given_params_of_another_prompt_fails_before_any_read() -> None:
         reason = failed.error.removeprefix("KV load failed: ")
         assert reason.startswith("tokens mismatch: prefill engine 'prefill-tok' request 'p'")
         assert "other tokens than the reader's first 40" in reason
-        assert load_failure_kind(reason) == "tokens_mismatch"
+        assert failed.error_kind == "tokens_mismatch"
         assert CountingNixl.num_posted == 0
         # The right prompt with fresh params loads over NIXL and decodes.
         again = _prefill(prefill, "p2", prompt, {"do_remote_decode": True})

@@ -12,6 +12,7 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
 from connector.metadata import WorkerReport
+from connector.outcomes import FailureKind, LoadFailure
 from connector.vllm.messages import NixlPDWorkerMeta
 from connector.vllm.scheduler import SchedulerSide
 from scheduler.connector import Role, SchedulerConnector
@@ -83,7 +84,7 @@ def _ranks_say(ok: bool) -> KVConnectorOutput:
     if ok:
         report = WorkerReport(0, finished_recving=("d1",))
     else:
-        report = WorkerReport(0, failed_recving={"d1": "boom"})
+        report = WorkerReport(0, failed_recving={"d1": LoadFailure(FailureKind.TRANSFER, "boom")})
     return KVConnectorOutput(
         finished_recving={"d1"},
         failed_recving=set() if ok else {"d1"},

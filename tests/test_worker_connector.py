@@ -30,6 +30,7 @@ from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.outcomes import FailureKind
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from scheduler.leases import LeaseTable
 from tests.test_worker_parts import BASE, FP8, Clock, make_spec
@@ -272,7 +273,8 @@ class Rig:
         num_regions = len(build_rank_layout(spec, tp_rank, tp_size).region_bytes)
         self.worker.register_kv_caches([0x100_0000 * (i + 1) for i in range(num_regions)])
         self.finished: list[str] = []
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # request id -> the failure's message
+        self.failed_kinds: dict[str, FailureKind] = {}  # request id -> its kind
 
     def step(self, **metadata: Any) -> None:
         self.worker.start_load_kv(ConnectorMetadata(**metadata))
@@ -285,7 +287,9 @@ class Rig:
         for request_id in [*report.finished_recving, *report.failed_recving]:
             assert request_id not in self.finished and request_id not in self.failed, request_id
         self.finished.extend(report.finished_recving)
-        self.failed.update(report.failed_recving)
+        for request_id, failure in report.failed_recving.items():
+            self.failed[request_id] = failure.message
+            self.failed_kinds[request_id] = failure.kind
         return report
 
     def until(self, condition: Callable[[], bool], timeout_s: float = 5.0) -> None:

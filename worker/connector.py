@@ -40,6 +40,7 @@ from connector.metadata import (
     LoadSpec,
     WorkerReport,
 )
+from connector.outcomes import LoadFailure
 from connector.protocol import (
     PROTOCOL_VERSION,
     DigestClaim,
@@ -152,7 +153,7 @@ class WorkerConnector:
         # Guards what the transfer thread publishes for get_finished and notification_stats.
         self._outcomes_lock = threading.Lock()
         self._finished_recving: list[str] = []
-        self._failed_recving: dict[str, str] = {}
+        self._failed_recving: dict[str, LoadFailure] = {}
         self._finished_sending: list[str] = []
         self._stats = NotificationStats()
         self._stats_published = 0  # transfer thread: num_stat_changes when last published

@@ -58,6 +58,7 @@ from connector.errors import (
     TokensMismatch,
 )
 from connector.metadata import RemoteSource
+from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
 from worker.lease_checks import Answer, BatchCheck, DigestCheck, Staging, is_held
 
@@ -74,25 +75,25 @@ DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without ve
 STAGED_RETRY_S = 0.01  # a staged lease's copy runs in the holder's next step or two
 STAGED_WAIT_S = 10.0  # give up on a staged copy that never ends (the holder stopped stepping)
 
-# Failure reasons start with these (connector/observability/metrics.py maps them to bounded kinds).
+# Failure messages start with these words, for people reading logs; code reads the kind.
 LEASE_EXPIRED = "lease expired"
 LEASE_UNPROVEN = "lease not proven"
-# A failure reason with this in it: the boot that leased is gone, and its agent with it
 PREFILL_RESTARTED = "the prefill engine restarted since it leased"
 DIGEST_FAILED = "digest"
 TOKENS_MISMATCH = "tokens mismatch"  # the holder's blocks hold other tokens than the prompt
 BLOCKS_MISMATCH = "blocks mismatch"  # the READs came from other blocks than the lease holds
 
 
-def unprovable_reason(remote: RemoteSource) -> str | None:
+def unprovable_reason(remote: RemoteSource) -> LoadFailure | None:
     """Why a load from ``remote`` can never be proven (its params name no lease), or None."""
     if remote.lease_id and remote.boot_id:
         return None
-    return (
+    return LoadFailure(
+        FailureKind.LEASE_UNPROVEN,
         f"{LEASE_UNPROVEN}: the kv_transfer_params of prefill request "
         f"{remote.remote_request_id!r} carry no remote_lease_id/remote_boot_id, so decode "
         "cannot show prefill held the blocks while it read them; pass through every key the "
-        "prefill engine returned, and run the same nixl-pd-connector on both engines"
+        "prefill engine returned, and run the same nixl-pd-connector on both engines",
     )
 
 
@@ -102,8 +103,8 @@ AFTER_READS = "when this rank's READs completed"
 
 def lease_failure(
     remote: RemoteSource, held: Answer, when: str = AFTER_READS, *, seen_held: bool = False
-) -> str | None:
-    """The load's failure reason for a check's answer, or None when the lease held.
+) -> LoadFailure | None:
+    """The load's failure for a check's answer, or None when the lease held.
 
     ``seen_held``: a check before the load's first READ said the lease was held (needed, after
     the READs, for a lease that was not readable at first)."""
@@ -118,53 +119,64 @@ def lease_failure(
     if isinstance(held, Staging):
         return _staged_failure(what, held, when)
     if held is False:
-        return (
+        return LoadFailure(
+            FailureKind.LEASE_EXPIRED,
             f"{LEASE_EXPIRED}: {what} was no longer held {when} (expired, released, or "
             "ended by another reader); its blocks may hold another request's KV, so nothing "
-            "read from them is used"
+            "read from them is used",
         )
     if isinstance(held, PeerRestarted):
-        return f"{LEASE_EXPIRED}: {what}: {PREFILL_RESTARTED} ({held})"
+        return LoadFailure(
+            FailureKind.PREFILL_RESTARTED, f"{LEASE_EXPIRED}: {what}: {PREFILL_RESTARTED} ({held})"
+        )
     if isinstance(held, TokensMismatch):
-        return (
+        return LoadFailure(
+            FailureKind.TOKENS_MISMATCH,
             f"{TOKENS_MISMATCH}: {what} is held for other tokens than this request's prompt "
             f"({held}): the kv_transfer_params were paired with another prompt (a router "
             "bug, a retried request with an edited prompt, an edited history), so nothing "
-            "is read from those blocks"
+            "is read from those blocks",
         )
     if isinstance(held, BlocksMismatch):
-        return (
+        return LoadFailure(
+            FailureKind.BLOCKS_MISMATCH,
             f"{BLOCKS_MISMATCH}: {what} does not hold the blocks this load reads ({held}): "
             "the kv_transfer_params' remote_block_ids or remote_num_tokens were edited on "
             "the way (a router, a client, another connector), so nothing read from those "
-            "blocks is used; pass the params on exactly as the engine returned them"
+            "blocks is used; pass the params on exactly as the engine returned them",
         )
-    return f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}"
-
-
-def _staged_failure(what: str, held: Staging, when: str) -> str:
-    if held is Staging.PENDING and when == BEFORE_READS:
-        return (
-            f"{LEASE_UNPROVEN}: {what} stages its KV through host memory, and its copy was "
-            f"not done within {STAGED_WAIT_S} s {when}; nothing is read from its blocks"
-        )
-    return (
-        f"{LEASE_UNPROVEN}: {what} was not readable when leased (its KV was still being "
-        "copied to the host memory NIXL reads) and this load did not see it held before its "
-        "first READ: staged copy not proven ready before the READs, so nothing read is used"
+    return LoadFailure(
+        FailureKind.LEASE_UNPROVEN,
+        f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}",
     )
 
 
-def digest_failure(remote: RemoteSource, verdict: str) -> str:
-    """The load's failure reason when verify_kv's claims were not confirmed."""
+def _staged_failure(what: str, held: Staging, when: str) -> LoadFailure:
+    if held is Staging.PENDING and when == BEFORE_READS:
+        return LoadFailure(
+            FailureKind.LEASE_UNPROVEN,
+            f"{LEASE_UNPROVEN}: {what} stages its KV through host memory, and its copy was "
+            f"not done within {STAGED_WAIT_S} s {when}; nothing is read from its blocks",
+        )
+    return LoadFailure(
+        FailureKind.LEASE_UNPROVEN,
+        f"{LEASE_UNPROVEN}: {what} was not readable when leased (its KV was still being "
+        "copied to the host memory NIXL reads) and this load did not see it held before its "
+        "first READ: staged copy not proven ready before the READs, so nothing read is used",
+    )
+
+
+def digest_failure(remote: RemoteSource, verdict: str) -> LoadFailure:
+    """The load's failure when verify_kv's claims were not confirmed."""
     if verdict == DIGEST_PENDING:
         verdict = (
             "prefill reported no digests for this lease (is verify_kv on for the prefill "
             "engine too?)"
         )
-    return (
+    return LoadFailure(
+        FailureKind.DIGEST,
         f"{DIGEST_FAILED}: prefill engine {remote.engine_id!r} request "
-        f"{remote.remote_request_id!r}: {verdict}"
+        f"{remote.remote_request_id!r}: {verdict}",
     )
 
 
@@ -189,16 +201,16 @@ class LeaseProofs:
         self._closing = threading.Event()  # ends digest and staged-copy retries at shutdown
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
-        # (ticket, failure reason, the side channel that answered or None if none did, and
+        # (ticket, failure, the side channel that answered or None if none did, and
         # whether it answered for a staged lease)
-        self._answers: queue.SimpleQueue[tuple[int, str | None, SideChannelBoot | None, bool]] = (
-            queue.SimpleQueue()
-        )
+        self._answers: queue.SimpleQueue[
+            tuple[int, LoadFailure | None, SideChannelBoot | None, bool]
+        ] = queue.SimpleQueue()
         # The transfer thread only: checks not yet dispatched, answers arrived, tickets whose
         # load no longer waits, when each side channel last answered, and the side channels
         # that answered for a staged lease (their loads always check before the READs).
         self._batches: dict[Destination, list[_Item]] = {}
-        self._arrived: dict[int, str | None] = {}
+        self._arrived: dict[int, LoadFailure | None] = {}
         self._abandoned: set[int] = set()
         self._heard_s: dict[SideChannelBoot, float] = {}
         self._staging: dict[SideChannelBoot, None] = {}
@@ -248,8 +260,8 @@ class LeaseProofs:
             return False
         return self._clock() - heard_s <= window_s
 
-    def take(self, ticket: int) -> tuple[bool, str | None]:
-        """(answered?, failure reason or None if the lease held) for ``ticket``."""
+    def take(self, ticket: int) -> tuple[bool, LoadFailure | None]:
+        """(answered?, failure or None if the lease held) for ``ticket``."""
         self._collect()
         if ticket not in self._arrived:
             return False, None

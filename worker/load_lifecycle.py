@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 from connector.lifecycle import TransitionTable
 from connector.metadata import LoadSpec, RemoteSource
 from connector.observability.trace import LoadTimeline
+from connector.outcomes import ABORTED_LOAD, LoadFailure
 
 if TYPE_CHECKING:  # annotations only: no import at run time
     from worker.peer_lifecycle import Peer
 
-ABORTED_REASON = "aborted"
 ReadKey = tuple[int, int]  # (remote rank, part: BY_INDEX or BY_RANGES)
 OnMove = Callable[[str, "RankLoadState", "RankLoadState"], None]  # (request id, from, to)
 
@@ -90,7 +90,7 @@ class Load:
     created_s: float
     on_move: OnMove | None = None  # tests watch every move
     state: RankLoadState = RankLoadState.WAITING
-    failure: str | None = None  # the first failure; the outcome unless aborted
+    failure: LoadFailure | None = None  # the first failure; the outcome unless aborted
     posted: dict[ReadKey, Any] = field(default_factory=dict)  # live READ handles
     proof_ticket: int | None = None  # the lease check in flight (WAITING or CONFIRMING)
     prechecked: bool = False  # the check before posting said the lease holds, or was skipped
@@ -116,10 +116,10 @@ class Load:
         return self.state in _ABORTING
 
     @property
-    def reason(self) -> str | None:
+    def reason(self) -> LoadFailure | None:
         """The outcome of an ended load: None for success."""
         if self.state is _L.ABORTED:
-            return ABORTED_REASON
+            return ABORTED_LOAD
         return self.failure if self.state is _L.FAILED else None
 
     def move(self, target: RankLoadState) -> None:
@@ -132,7 +132,7 @@ class Load:
         if self.on_move is not None:
             self.on_move(self.request_id, current, target)
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: LoadFailure) -> None:
         """Note a failure (the first one is kept); ``settle`` or ``end`` moves the state."""
         if self.failure is None:
             self.failure = reason
@@ -143,7 +143,7 @@ class Load:
         elif self.state in (_L.READING, _L.FAILING, _L.CONFIRMING, _L.QUARANTINED):
             self.move(_L.ABORT_READING)
 
-    def quarantine(self, reason: str, now_s: float) -> bool:
+    def quarantine(self, reason: LoadFailure, now_s: float) -> bool:
         """A live READ outlived the transfer timeout: fail, but keep the blocks until the
         backend ends it. True the first time (for metrics and the log)."""
         self.fail(reason)

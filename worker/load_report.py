@@ -13,6 +13,7 @@ from connector.errors import PeerRestarted
 from connector.metadata import RemoteSource
 from connector.observability.metrics import MetricsRecorder
 from connector.observability.trace import load_ended
+from connector.outcomes import FailureKind, LoadFailure
 from worker.lease_proof import BEFORE_READS, lease_failure
 
 if TYPE_CHECKING:  # annotations only: no import at run time
@@ -22,16 +23,25 @@ if TYPE_CHECKING:  # annotations only: no import at run time
 logger = logging.getLogger(__name__)
 
 
-def handshake_failure(remote: RemoteSource, peer: Peer) -> str:
+def handshake_failure(remote: RemoteSource, peer: Peer) -> LoadFailure:
     """Why a load whose peer's handshake failed fails: a side channel that answered as a later
     boot than the params name says the lease died with the boot that issued it."""
     if peer.restarted:
-        return lease_failure(remote, PeerRestarted(peer.failure or ""), BEFORE_READS) or ""
-    return f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}"
+        restarted = lease_failure(remote, PeerRestarted(peer.failure or ""), BEFORE_READS)
+        if restarted is not None:
+            return restarted
+    return LoadFailure(
+        FailureKind.HANDSHAKE,
+        f"handshake with prefill engine {peer.engine_id} failed: {peer.failure}",
+    )
 
 
 def record_outcome(
-    metrics: MetricsRecorder, agent_name: str, load: Load, reason: str | None, now_s: float
+    metrics: MetricsRecorder,
+    agent_name: str,
+    load: Load,
+    reason: LoadFailure | None,
+    now_s: float,
 ) -> None:
     """The load's metrics and trace line (see connector/observability/trace.py); never raises."""
     load.timeline.notified_ranks = set(load.notified)

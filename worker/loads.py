@@ -43,9 +43,10 @@ from connector.observability.metrics import (
     MetricsRecorder,
     default_recorder,
 )
+from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
-from worker.lease_proof import BEFORE_READS, PREFILL_RESTARTED, LeaseProofs, unprovable_reason
-from worker.load_lifecycle import ABORTED_REASON, Load, OnMove, RankLoadState, ReadKey
+from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
+from worker.load_lifecycle import Load, OnMove, RankLoadState, ReadKey
 from worker.load_report import handshake_failure, record_outcome
 from worker.nixl_api import NixlAgent, TransferState
 from worker.notify import notify_rest
@@ -55,11 +56,10 @@ from worker.reads import MakeRead, read_makers
 
 logger = logging.getLogger(__name__)
 
-ABORTED = ABORTED_REASON
 MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
 QUARANTINE_WARN_TIMEOUTS = 4  # a quarantine this many transfer timeouts long is logged as stuck
 
-Outcome = tuple[str, str | None]  # (request id, failure reason or None for success)
+Outcome = tuple[str, LoadFailure | None]  # (request id, failure or None for success)
 
 
 class LoadTable:
@@ -150,7 +150,7 @@ class LoadTable:
                 self._step(load)
             except Exception as error:  # one request's bug must not stop the engine
                 logger.exception("request %s: unexpected error", load.request_id)
-                load.fail(f"internal error: {error!r}")
+                load.fail(LoadFailure(FailureKind.INTERNAL, f"internal error: {error!r}"))
                 self._drop_handles(load)  # else the same error would recur every step
                 if not load.ended:
                     load.end()
@@ -221,8 +221,11 @@ class LoadTable:
             # reason (a queue of handshakes to dead peers ahead of this one, a lost result).
             if self._clock() - load.created_s > self._handshake_wait_s:
                 load.fail(
-                    f"handshake with prefill engine {peer.engine_id} at {peer.address} did not "
-                    f"finish within {self._handshake_wait_s} s"
+                    LoadFailure(
+                        FailureKind.HANDSHAKE_TIMEOUT,
+                        f"handshake with prefill engine {peer.engine_id} at {peer.address} did "
+                        f"not finish within {self._handshake_wait_s} s",
+                    )
                 )
                 load.end()
             return
@@ -268,12 +271,17 @@ class LoadTable:
         try:
             plans = plan_request(link.plan, request).reads
         except ConnectorError as error:
-            load.fail(f"cannot plan the transfer: {error}")
+            load.fail(LoadFailure(FailureKind.PLAN, f"cannot plan the transfer: {error}"))
             return
         agents = link.agent_names
         if any(plan.remote_rank not in agents for plan in plans):
             unknown = sorted({plan.remote_rank for plan in plans} - set(agents))
-            load.fail(f"the plan reads remote ranks {unknown} this rank did not handshake with")
+            load.fail(
+                LoadFailure(
+                    FailureKind.PLAN,
+                    f"the plan reads remote ranks {unknown} this rank did not handshake with",
+                )
+            )
             return
         # (bytes, descriptors) per READ: a READ by index has no per-descriptor lengths to sum
         sizes = ((plan.remote_rank, *size) for plan in plans for size in plan.sizes())
@@ -324,11 +332,14 @@ class LoadTable:
                 # Not released: releasing an unfinished READ does not stop it (UCX).
                 self._quarantine(
                     load,
-                    f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} did not "
-                    f"finish within {self._transfer_timeout_s} s",
+                    LoadFailure(
+                        FailureKind.TRANSFER_TIMEOUT,
+                        f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} did "
+                        f"not finish within {self._transfer_timeout_s} s",
+                    ),
                 )
 
-    def _quarantine(self, load: Load, reason: str) -> None:
+    def _quarantine(self, load: Load, reason: LoadFailure) -> None:
         """Hold a timed-out load, unreported with its blocks, until its READs end."""
         now_s = self._clock()
         if load.quarantine(reason, now_s):
@@ -360,7 +371,7 @@ class LoadTable:
         if load.proof_ticket is not None:  # aborted while prefill was being asked
             self._proofs.abandon(load.proof_ticket)
         reason = load.reason
-        if reason is not None and PREFILL_RESTARTED in reason:
+        if reason is not None and reason.kind is FailureKind.PREFILL_RESTARTED:
             # The boot that leased is gone: nothing to free there, and a notification to its
             # dead agent would block this thread until UCX gives up on it (~20 s measured).
             self._on_peer_failure(load.peer)
@@ -382,7 +393,10 @@ class LoadTable:
 
     def _transfer_failed(self, load: Load, remote_rank: int, error: ConnectorError) -> None:
         load.fail(
-            f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} failed: {error}"
+            LoadFailure(
+                FailureKind.TRANSFER,
+                f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} failed: {error}",
+            )
         )
         self._on_peer_failure(load.peer)
 

@@ -5,8 +5,9 @@ Everything here is plain data (no prometheus_client): the connector records into
 ``/metrics``, ``connector.vllm.metrics`` for vLLM's own endpoint). Names follow Prometheus
 conventions: the ``nixl_pd_`` prefix, the unit as a suffix, counters ending in ``_total``.
 
-Labels are bounded: free-text failure reasons are mapped to a small set of kinds
-(``load_failure_kind``, ``handshake_failure_kind``); the full reason stays in the logs.
+Labels are bounded: a failed load's label is its kind (connector/outcomes.py FailureKind);
+a handshake's free-text reason is mapped to a small set of kinds (``handshake_failure_kind``).
+Full messages stay in the logs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 from collections import deque
 
 import msgspec
+
+from connector.outcomes import FailureKind
 
 COUNTER = "counter"
 HISTOGRAM = "histogram"
@@ -83,21 +86,8 @@ PREFILL_FREE_SECONDS = MetricSpec(
     buckets=_LONG_SECONDS,
 )
 
-LOAD_FAILURE_KINDS = (
-    "aborted",
-    "handshake",
-    "handshake_timeout",
-    "plan",
-    "transfer",
-    "transfer_timeout",
-    "internal",
-    "lease_expired",  # prefill no longer held the lease when the READs landed
-    "lease_unproven",  # prefill could not be asked, or the params name no lease
-    "digest",  # verify_kv: the bytes read are not the bytes prefill saved
-    "tokens_mismatch",  # the lease's blocks hold other tokens than this request's prompt
-    "blocks_mismatch",  # the READs came from other blocks than the lease holds (edited params)
-    "other",
-)
+# One label per kind, and "other" where a label no kind has would land (MetricsRecorder.inc).
+LOAD_FAILURE_KINDS = (*(kind.value for kind in FailureKind), "other")
 HANDSHAKE_FAILURE_KINDS = (
     "timeout",
     "refused",
@@ -225,21 +215,8 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
 
-# (how the reason starts, kind) for loads and (text in the reason, kind) for handshakes: the
-# first match wins. The texts are ours (worker/loads.py, worker/peers.py,
-# connector/net/side_channel_client.py), so the mapping is tested against them.
-_LOAD_PATTERNS = (
-    ("handshake with", "handshake"),
-    ("cannot plan", "plan"),
-    ("the plan reads", "plan"),
-    ("READ from", "transfer"),
-    ("internal error", "internal"),
-    ("lease expired", "lease_expired"),
-    ("lease not proven", "lease_unproven"),
-    ("digest", "digest"),
-    ("tokens mismatch", "tokens_mismatch"),
-    ("blocks mismatch", "blocks_mismatch"),
-)
+# (text in the reason, kind) for handshakes: the first match wins. The texts are ours
+# (worker/peers.py, connector/net/side_channel_client.py), so the mapping is tested against them.
 _HANDSHAKE_PATTERNS = (
     ("did not answer", "timeout"),
     ("refused the request", "refused"),
@@ -250,17 +227,6 @@ _HANDSHAKE_PATTERNS = (
     ("took over", "superseded"),
     ("zmq error", "network"),
 )
-
-
-def load_failure_kind(reason: str) -> str:
-    """A bounded label for a load's free-text failure reason."""
-    if reason == "aborted":
-        return "aborted"
-    for prefix, kind in _LOAD_PATTERNS:
-        if reason.startswith(prefix):
-            timed_out = "did not finish within" in reason and kind in ("handshake", "transfer")
-            return f"{kind}_timeout" if timed_out else kind
-    return "other"
 
 
 def handshake_failure_kind(reason: str) -> str:

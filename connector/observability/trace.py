@@ -26,8 +26,8 @@ from connector.observability.metrics import (
     TRANSFER_DESCRIPTORS,
     TRANSFER_SECONDS,
     MetricsRecorder,
-    load_failure_kind,
 )
+from connector.outcomes import LoadFailure
 
 trace_logger = logging.getLogger("nixl_pd.trace")
 
@@ -66,7 +66,7 @@ class LoadTrace(
     remote_request_id: str
     remote_engine_id: str
     agent: str  # this rank's NIXL agent name: which rank the line is from
-    outcome: str  # "ok" or the failure kind (connector.observability.metrics.LOAD_FAILURE_KINDS)
+    outcome: str  # "ok" or the failure kind (connector/outcomes.py FailureKind)
     reason: str | None
     handshake_ready_ms: float | None
     planned_ms: float | None
@@ -100,7 +100,7 @@ def load_ended(
     timeline: LoadTimeline,
     *,
     ids: tuple[str, str, str, str],  # (request id, remote request id, remote engine id, agent)
-    reason: str | None,
+    reason: LoadFailure | None,
     now_s: float,
 ) -> LoadTrace | None:
     """Record a finished load's metrics and write its trace line; returns the trace, or None
@@ -108,7 +108,7 @@ def load_ended(
     if reason is None:
         recorder.inc(LOADS_FINISHED)
     else:
-        recorder.inc(LOADS_FAILED, load_failure_kind(reason))
+        recorder.inc(LOADS_FAILED, reason.kind.value)
     if timeline.planned_s is not None and timeline.posted_s is not None:
         recorder.observe(POST_SECONDS, timeline.posted_s - timeline.planned_s)
         recorder.observe(TRANSFER_BYTES, timeline.num_bytes)
@@ -120,8 +120,8 @@ def load_ended(
     start_s = timeline.scheduled_s
     trace = LoadTrace(
         *ids,
-        outcome="ok" if reason is None else load_failure_kind(reason),
-        reason=reason,
+        outcome="ok" if reason is None else reason.kind.value,
+        reason=None if reason is None else reason.message,
         handshake_ready_ms=_ms(start_s, timeline.handshake_ready_s),
         planned_ms=_ms(start_s, timeline.planned_s),
         posted_ms=_ms(start_s, timeline.posted_s),

@@ -19,9 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connector.metadata import ConnectorMetadata, WorkerReport
 from connector.observability.metrics import MetricsInterval
+from connector.outcomes import FailureKind
 from connector.staging import StagedBlocks
 from scheduler.requests import FinishedRequests
-from worker.load_lifecycle import ABORTED_REASON as ABORTED
 
 
 class NixlPDMetadata(KVConnectorMetadata):
@@ -92,7 +92,9 @@ class NixlPDStats(KVConnectorStats):
     def from_report(cls, report: WorkerReport) -> NixlPDStats:
         # An abort is no failed load: a rank acks a release (the request finished, or a full
         # local prefix hit needed nothing) with it.
-        num_aborted = sum(reason == ABORTED for reason in report.failed_recving.values())
+        num_aborted = sum(
+            failure.kind is FailureKind.ABORTED for failure in report.failed_recving.values()
+        )
         return cls(
             data={
                 "loads_finished": len(report.finished_recving),

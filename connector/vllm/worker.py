@@ -22,6 +22,7 @@ from connector.layout import KVCacheSpec
 from connector.memory import HOST_MEMORY
 from connector.metadata import BlockIds, WorkerReport
 from connector.observability.metrics import default_recorder
+from connector.outcomes import FailureKind, LoadFailure
 from connector.vllm.devices import memory_of
 from connector.vllm.layout import kernel_block_sizes_of, region_addresses
 from connector.vllm.messages import (
@@ -43,14 +44,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STAGED_COPY_DIFFERS = (
+STAGED_COPY_DIFFERS = LoadFailure(
+    FailureKind.DIGEST,
     f"{DIGEST_FAILED}: the host-to-device copy of the staged blocks differs from the host "
     "bytes the READs brought (which matched prefill's digests); the device blocks cannot be "
-    "trusted, so nothing of them is used"
+    "trusted, so nothing of them is used",
 )
 
 
-def _failed_after_all(report: WorkerReport, failures: dict[str, str]) -> WorkerReport:
+def _failed_after_all(report: WorkerReport, failures: dict[str, LoadFailure]) -> WorkerReport:
     """``report`` with ``failures`` moved from finished_recving to failed_recving."""
     return msgspec.structs.replace(
         report,
@@ -195,7 +197,7 @@ class WorkerSide:
             failed_recving=failed,
         )
 
-    def _copy_loaded_to_device(self, loaded: set[str]) -> dict[str, str]:
+    def _copy_loaded_to_device(self, loaded: set[str]) -> dict[str, LoadFailure]:
         """Staging: the host buffer holds what the READs brought; the device needs it before
         vLLM hears the load finished. One batched copy for every load ended this step. With
         verify_kv, the device copy is compared with the host bytes (which the lease check
