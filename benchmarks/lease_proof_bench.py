@@ -5,6 +5,11 @@ reported only after the answer. This measures that exchange on loopback (the sam
 call the worker makes, against a real SideChannelServer holding real leases), with and
 without a shared secret, and prints medians and p99 in microseconds.
 
+``bound``: each call checks a fresh lease bound as Producer binds one (a 2,048-token prompt
+in 128 blocks of 16) with the ref a reader's rank sends (its token and block digests), so the
+holder packs the ids, digests both and compares inside the round trip, as for a load's first
+check; ``unbound``: the lease id alone.
+
     .venv/bin/python -m benchmarks.lease_proof_bench [--calls 500]
 """
 
@@ -14,18 +19,35 @@ import argparse
 import statistics
 import time
 
+from connector.block_digest import HeldBlocks, block_digest
 from connector.net.side_channel_client import check_leases, fetch_boot_id
+from connector.protocol import LeaseRef
+from connector.token_digest import HeldTokens, token_digest
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
 
 HOST = "127.0.0.1"
 ENGINE = "prefill-bench"
+PROMPT = list(range(1000, 3048))  # 2,048 token ids
+BLOCKS = (tuple(range(128)),)  # 16 tokens a block
 
 
-def measure(calls: int, secret: str | None) -> list[float]:
+def measure(calls: int, secret: str | None, bound: bool = False) -> list[float]:
     leases = LeaseTable(duration_s=3600.0)
-    leases.lease("req", time.monotonic(), "lease0")
+    refs: list[tuple[str, str] | LeaseRef] = []
+    for call in range(calls if bound else 1):
+        request_id = f"req{call}"
+        if bound:
+            tokens = HeldTokens(list(PROMPT), len(PROMPT))
+            held = HeldBlocks(BLOCKS, len(PROMPT), exact=False)
+            leases.lease(request_id, time.monotonic(), "lease0", tokens=tokens, blocks=held)
+            expects = token_digest(PROMPT, len(PROMPT))
+            reads = block_digest(BLOCKS, len(PROMPT))
+            refs.append(LeaseRef(request_id, "lease0", (), expects, reads))
+        else:
+            leases.lease(request_id, time.monotonic(), "lease0")
+            refs.append((request_id, "lease0"))
     server = SideChannelServer(
         HOST,
         0,
@@ -40,11 +62,11 @@ def measure(calls: int, secret: str | None) -> list[float]:
     try:
         boot_id = fetch_boot_id(HOST, server.port, engine_id=ENGINE, secret=secret, timeout_s=2)
         samples = []
-        for _ in range(calls):
+        for call in range(calls):
             start = time.perf_counter()
             (held,) = check_leases(
-                HOST, server.port, [("req", "lease0")], engine_id=ENGINE, boot_id=boot_id,
-                secret=secret, timeout_s=2.0,
+                HOST, server.port, [refs[call if bound else 0]], engine_id=ENGINE,
+                boot_id=boot_id, secret=secret, timeout_s=2.0,
             )  # fmt: skip
             samples.append((time.perf_counter() - start) * 1e6)
             if not held:
@@ -58,8 +80,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
     args = parser.parse_args()
-    for label, secret in (("no secret", None), ("with secret (HMAC)", "s3cret")):
-        samples = sorted(measure(args.calls, secret))
+    for label, secret, bound in (
+        ("no secret, unbound", None, False),
+        ("no secret, bound", None, True),
+        ("with secret (HMAC), bound", "s3cret", True),
+    ):
+        samples = sorted(measure(args.calls, secret, bound))
         p99 = samples[int(0.99 * (len(samples) - 1))]
         print(
             f"LeaseCheck round trip, {label}: median {statistics.median(samples):.0f} us, "

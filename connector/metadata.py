@@ -7,10 +7,13 @@ Structs so an engine may ship them between processes as bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from connector.outcomes import LoadFailure
 from connector.protocol import BlockDigest, ReaderId, TokenDigest
+from connector.token_digest import KVSalt
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 # The largest block id anywhere on the path: vLLM's block tables are int32 tensors and the
@@ -34,9 +37,10 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     # blocks also hold the answer): the load then reads from the leading blocks only. None:
     # the blocks cover exactly the load's tokens (prefill's lease).
     num_tokens: int | None = None
-    # Set by the reader's scheduler for its ranks, never taken from params: the tokens this
-    # load expects the blocks to hold (its prompt's first ones), and who reads (this engine
-    # and boot). Lease checks send both (connector/token_digest.py, scheduler/readers.py).
+    # Set by the reader, never taken from params: the tokens this load expects the blocks to
+    # hold (its prompt's first ones; digested by its ranks from the LoadSpec's ids on their
+    # transfer thread), and who reads (this engine and boot; set by its scheduler). Lease
+    # checks send both (connector/token_digest.py, scheduler/readers.py).
     tokens: TokenDigest | None = None
     reader: ReaderId | None = None
     # Set by the reader's ranks (transfer thread) from the above: the digest of the blocks
@@ -50,6 +54,11 @@ class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False
     ``local_block_ids`` are decode's logical blocks for the uncached suffix, per group: the
     blocks covering tokens [num_cached_tokens, num_tokens) (an SSM group: its one state block,
     or none on a full hit). ``num_cached_tokens`` is decode's local prefix-cache hit.
+
+    ``token_ids`` (the reader's prompt: the engine's own list, not copied) and ``kv_salt``
+    (what else their KV depends on): each rank digests the first ``num_tokens`` into
+    ``source.tokens`` on its transfer thread (worker/loads.py), so the engine thread never
+    packs or hashes them. None: ``source.tokens`` is used as given.
     """
 
     request_id: str
@@ -57,6 +66,8 @@ class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False
     num_tokens: int
     num_cached_tokens: int
     source: RemoteSource
+    token_ids: Sequence[int] | None = None
+    kv_salt: KVSalt = ()
 
 
 class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

@@ -43,7 +43,7 @@ from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, Wo
 from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
 from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import ReaderId, lease_key
-from connector.token_digest import KVSalt, token_digest
+from connector.token_digest import KVSalt
 from scheduler.heartbeat_registry import HeartbeatRegistry
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
@@ -102,7 +102,7 @@ class RequestLoad:
     ranks_done: set[int] = dataclasses.field(default_factory=set)  # answered the Load/ReleaseSpec
     failures: dict[int, LoadFailure] = dataclasses.field(default_factory=dict)  # tp_rank -> why
     finished: bool = False  # request_finished was called: forget the record once it is quiet
-    token_ids: Sequence[int] | None = None  # the request's ids, digested once, at its LoadSpec
+    token_ids: Sequence[int] | None = None  # the request's ids, handed on in its LoadSpec
     kv_salt: KVSalt = ()  # what else their KV depends on, digested with them
 
 
@@ -348,19 +348,24 @@ class Consumer:
             return None
         self._loads.move(request_id, LOADING)
         load.load_sent = True
+        token_ids, load.token_ids = load.token_ids, None  # the ranks digest them; keep none
         return LoadSpec(
-            request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, self._bound(load)
+            request_id,
+            local_block_ids,
+            load.num_tokens,
+            load.num_cached_tokens,
+            self._named(load),
+            token_ids,
+            load.kv_salt,
         )
 
-    def _bound(self, load: RequestLoad) -> RemoteSource:
-        """The load's source as its ranks check it: naming this reader and the tokens the
-        load expects the remote blocks to hold (its request's first ``num_tokens``)."""
+    def _named(self, load: RequestLoad) -> RemoteSource:
+        """The load's source naming this reader, as its ranks' lease checks do. The tokens it
+        expects the remote blocks to hold go as the LoadSpec's ids, digested by the ranks."""
         source = _source_of(load)
-        tokens = token_digest(load.token_ids, load.num_tokens, load.kv_salt)
-        load.token_ids = None  # digested: keep no engine list past this step
-        if tokens is None and self._reader is None:
+        if self._reader is None:
             return source
-        return msgspec.structs.replace(source, tokens=tokens, reader=self._reader)
+        return msgspec.structs.replace(source, reader=self._reader)
 
     def on_engine_outcomes(self, finished: Iterable[str], failed: Iterable[str]) -> None:
         """The engine's own word that loads ended: ``finished`` ids (``failed`` among them).

@@ -16,7 +16,6 @@ from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from connector.outcomes import FailureKind
 from connector.protocol import WorkerHandshake, lease_key
-from connector.token_digest import token_digest
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
     ABORTED,
@@ -359,11 +358,20 @@ def test_decode_lifecycle_loads_the_uncached_suffix_then_reports_once(
     assert decode.get_num_new_matched_tokens(request, 16) == (24, True)  # retried scheduling
     decode.update_state_after_alloc(request, ((10, 11, 12),), 24)
     assert decode.get_num_new_matched_tokens(request, 16) == (0, False)
-    # The ranks check the lease as this reader, expecting the request's first tokens.
-    tokens = token_digest(prompt_ids(40), 40)
-    remote = msgspec.structs.replace(REMOTE, tokens=tokens, reader=decode.reader)
+    # The ranks check the lease as this reader, expecting the request's first tokens (the
+    # engine's ids, handed on for the ranks to digest).
+    remote = msgspec.structs.replace(REMOTE, reader=decode.reader)
     assert decode.build_connector_meta() == ConnectorMetadata(
-        loads=(LoadSpec("d1", ((11, 12),), num_tokens=40, num_cached_tokens=16, source=remote),)
+        loads=(
+            LoadSpec(
+                "d1",
+                ((11, 12),),
+                num_tokens=40,
+                num_cached_tokens=16,
+                source=remote,
+                token_ids=prompt_ids(40),
+            ),
+        )
     )
     assert decode.build_connector_meta() == ConnectorMetadata()
     decode.update_connector_output([report(0, finished_recving=("d1",)), report(1)])

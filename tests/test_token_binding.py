@@ -44,6 +44,7 @@ from tests.scheduler_helpers import (
     start_load,
 )
 from worker.fake import FakeFabric, FakeNixl, FakeRead
+from worker.loads import checked_source
 from worker.nixl_api import TransferState
 
 # ---- the digest ------------------------------------------------------------------------
@@ -366,13 +367,16 @@ def _connector(engine_id: str, role: Role) -> SchedulerConnector:
 
 
 def test_a_loads_ranks_check_the_requests_first_tokens_as_this_reader() -> None:
+    """The engine thread hands its own id list on, unread: each rank digests it (on its
+    transfer thread, worker/loads.py) into what its lease checks expect."""
     decode = _connector("decode-0", Role.CONSUMER)
     try:
-        ids = list(range(500, 545))  # 45 ids; the load covers the first 40
+        ids = ReadCountingIds(range(500, 545))  # 45 ids; the load covers the first 40
         params = decode_request().kv_transfer_params
         spec = start_load(decode, RequestInfo("d1", 40, params, token_ids=ids))
-        assert spec.source.tokens == token_digest(ids, 40)
-        assert spec.source.reader == decode.reader
+        assert spec.token_ids is ids and ids.num_reads == 0  # not packed, not hashed, not copied
+        assert spec.source.tokens is None and spec.source.reader == decode.reader
+        assert checked_source(spec).tokens == token_digest(list(range(500, 540)), 40)
         assert decode.reader.engine_id == "decode-0" and len(decode.reader.boot_id) == 32
     finally:
         decode.shutdown()

@@ -32,6 +32,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from connector.block_digest import bound_to_blocks
 from connector.errors import ConnectorError
 from connector.memory import HOST_MEMORY, Memory
@@ -45,6 +47,7 @@ from connector.observability.metrics import (
 )
 from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
+from connector.token_digest import token_digest
 from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
 from worker.load_lifecycle import Load, OnMove, RankLoadState, ReadKey
 from worker.load_report import handshake_failure, record_outcome
@@ -60,6 +63,17 @@ MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not rep
 QUARANTINE_WARN_TIMEOUTS = 4  # a quarantine this many transfer timeouts long is logged as stuck
 
 Outcome = tuple[str, LoadFailure | None]  # (request id, failure or None for success)
+
+
+def checked_source(spec: LoadSpec) -> RemoteSource:
+    """``spec.source`` as the load's lease checks send it: naming the blocks its READs come
+    from and the tokens it expects them to hold (the digest of the LoadSpec's ids, when it
+    carries them). Called on the transfer thread: the engine thread packs and hashes nothing."""
+    source = bound_to_blocks(spec)
+    if spec.token_ids is None:
+        return source
+    tokens = token_digest(spec.token_ids, spec.num_tokens, spec.kv_salt)
+    return msgspec.structs.replace(source, tokens=tokens)
 
 
 class LoadTable:
@@ -110,9 +124,7 @@ class LoadTable:
             )
             return
         self._recent.pop(spec.request_id, None)
-        # Both checks name the blocks the READs come from: digested here, not on the engine
-        # thread (connector/block_digest.py).
-        source = bound_to_blocks(spec)
+        source = checked_source(spec)
         load = self._new_load(spec.request_id, source, peer, spec)
         self._loads[spec.request_id] = load
         if unprovable_reason(source) is not None:
