@@ -61,8 +61,9 @@ class Delivered:
             self._changed.notify_all()
         return held
 
-    def wait_for(self, count: int, timeout_s: float = 5.0) -> bool:
-        """True once ``count`` heartbeats were answered (the sender thread polls every 0.1 s)."""
+    def wait_for(self, count: int, timeout_s: float = 15.0) -> bool:
+        """True once ``count`` heartbeats were answered (the sender thread polls every 0.1 s;
+        the bound is for a loaded 2-core CI host, where one round trip took over 5 s once)."""
         with self._changed:
             return self._changed.wait_for(lambda: self._count >= count, timeout_s)
 
