@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from connector.block_digest import block_digest, bound_to_blocks
+from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
 from connector.net.side_channel_client import check_leases
 from connector.observability.metrics import LEASES_READER_RESTARTED, default_recorder
@@ -40,6 +40,7 @@ from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from worker.fake import FakeFabric, FakeNixl
 from worker.lease_checks import SilentSideChannels, side_channel_batch_check
+from worker.loads import checked_source
 
 OLD, NEW = ReaderId("decode-0", "a" * 32), ReaderId("decode-0", "b" * 32)
 OTHER = ReaderId("decode-1", "c" * 32)
@@ -253,7 +254,7 @@ def _claim_as_ranks(boot: SchedulerConnector, info: RequestInfo, num_ranks: int)
     config = ConnectorConfig(handshake_timeout_s=5.0)
     check = side_channel_batch_check(config, SilentSideChannels(5.0))
     for _ in range(num_ranks):
-        assert check([bound_to_blocks(spec)], False) == [True]  # as the transfer thread binds
+        assert check([checked_source(spec)], False) == [True]  # as the transfer thread binds
     boot.shutdown()
 
 
