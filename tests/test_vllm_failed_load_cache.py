@@ -52,11 +52,20 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Make]:
     built: list[h.Engine] = []
 
     def make(
-        policy: str, *, extra: dict[str, Any] | None = None, window: int | None = None
+        policy: str,
+        *,
+        extra: dict[str, Any] | None = None,
+        window: int | None = None,
+        decode_tp_size: int = 1,
     ) -> tuple[h.Engine, h.Engine]:
-        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-            config = h.vllm_config(model, kv_role=role, failure_policy=policy, extra_config=extra)
-            cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=64, window=window)
+        roles = (("prefill", "kv_producer", 1), ("decode", "kv_consumer", decode_tp_size))
+        for name, role, tp_size in roles:
+            config = h.vllm_config(
+                model, kv_role=role, failure_policy=policy, extra_config=extra, tp_size=tp_size
+            )
+            cache = h.kv_cache_config(
+                block_size=BLOCK_SIZE, num_blocks=64, window=window, tp_size=tp_size
+            )
             built.append(h.build_engine(name, config, cache, port=h.free_port(), env=monkeypatch))
         return built[-2], built[-1]
 
@@ -216,6 +225,26 @@ def test_a_pull_from_a_decode_hold_that_fails_leaves_nothing_cached_on_prefill(
     assert prefill.stats["loads_failed"] == 1
     check_when_reported()
     _assert_nothing_of_it_cached(prefill, decode, "t2", prompt, policy, num_hit_before)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_rank_failing_before_the_other_finishes(make_pair: Make, policy: str) -> None:
+    """TP 2: rank 0's READ fails at once while rank 1's is still in flight, so vLLM may hear of
+    the invalid blocks a step before the request's failure (every rank must have ended it).
+    Either policy still ends the request as it says, caches none of those blocks, and gives
+    every block back."""
+    prefill, decode = make_pair(policy, decode_tp_size=2)
+    free_blocks = decode.num_free_blocks()
+    params = h.prefill_for_decode(prefill, "p", NUM_TOKENS, block_size=BLOCK_SIZE)
+    decode.agents[0].faults.fail_transfers = 1
+    decode.agents[1].faults.stall_polls = 200
+    check_when_reported = _invalid_when_reported(decode)
+    output = _read(decode, prefill, "d", params, PROMPT)
+    assert str(output.finish_reason) == EXPECTED_FINISH[policy]
+    check_when_reported()
+    _assert_nothing_of_it_cached(decode, prefill, "d", PROMPT, policy)
+    decode.agents[1].faults.stall_polls = 0
+    _run_together(decode, prefill, lambda: decode.num_free_blocks() == free_blocks)
 
 
 def test_a_cache_of_several_groups_reports_no_block_ids_and_keeps_serving(
