@@ -229,12 +229,14 @@ def test_a_pull_from_a_decode_hold_that_fails_leaves_nothing_cached_on_prefill(
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_one_rank_failing_before_the_other_finishes(make_pair: Make, policy: str) -> None:
-    """TP 2: rank 0's READ fails at once while rank 1's is still in flight, so vLLM may hear of
-    the invalid blocks a step before the request's failure (every rank must have ended it).
-    Either policy still ends the request as it says, caches none of those blocks, and gives
-    every block back."""
+    """TP 2: rank 0's READ fails at once while rank 1's still reads, so vLLM hears of the
+    invalid blocks steps before the request's failure (that waits for every rank): under
+    ``fail`` it ends the request then, under ``recompute`` it drops its computed tokens and
+    waits. Either way none of those blocks is cached, and both engines get every block back
+    once rank 1's READ ended (vLLM frees nothing under a live READ)."""
     prefill, decode = make_pair(policy, decode_tp_size=2)
     free_blocks = decode.num_free_blocks()
+    prefill_free_blocks = prefill.num_free_blocks()
     params = h.prefill_for_decode(prefill, "p", NUM_TOKENS, block_size=BLOCK_SIZE)
     decode.agents[0].faults.fail_transfers = 1
     decode.agents[1].faults.stall_polls = 200
@@ -244,7 +246,14 @@ def test_one_rank_failing_before_the_other_finishes(make_pair: Make, policy: str
     check_when_reported()
     _assert_nothing_of_it_cached(decode, prefill, "d", PROMPT, policy)
     decode.agents[1].faults.stall_polls = 0
-    _run_together(decode, prefill, lambda: decode.num_free_blocks() == free_blocks)
+    _run_together(
+        decode,
+        prefill,
+        lambda: (
+            decode.num_free_blocks() == free_blocks
+            and prefill.num_free_blocks() == prefill_free_blocks
+        ),
+    )
 
 
 def test_a_cache_of_several_groups_reports_no_block_ids_and_keeps_serving(
