@@ -101,7 +101,7 @@ def _read(
 
 def _load_of(engine: h.Engine, request_id: str) -> set[int]:
     """The local blocks of the one LoadSpec ``request_id`` got on ``engine``."""
-    (load,) = [spec for spec in engine.loads if spec.request_id == request_id]
+    (load,) = [spec for spec in engine.load_specs if spec.request_id == request_id]
     return {block for group in load.local_block_ids for block in group}
 
 

@@ -50,6 +50,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
+from connector.metadata import LoadSpec  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
 from connector.vllm.messages import NixlPDMetadata  # noqa: E402
 from worker.fake import FakeNixl  # noqa: E402
@@ -197,9 +198,9 @@ class Engine:
     outputs: list[Any] = field(default_factory=list)
     # Every step's merged invalid_block_ids (what the ranks reported with load errors).
     invalid_block_ids: list[set[int]] = field(default_factory=list)
-    loads: list[Any] = field(default_factory=list)  # every LoadSpec the scheduler sent the ranks
     call_start_load_kv: bool = True  # False: like an engine step that skips the load hook
     stats: dict[str, int] = field(default_factory=dict)  # connector stats, summed over steps
+    load_specs: list[LoadSpec] = field(default_factory=list)  # every LoadSpec the ranks got
 
     @property
     def connector(self) -> NixlPDConnector:
@@ -213,9 +214,8 @@ class Engine:
     def step(self) -> list[Any]:
         """One engine step; returns this step's EngineCoreOutput records."""
         scheduled = self.scheduler.schedule()
-        metadata = scheduled.kv_connector_metadata
-        if isinstance(metadata, NixlPDMetadata):
-            self.loads.extend(metadata.step.loads)
+        if isinstance(scheduled.kv_connector_metadata, NixlPDMetadata):
+            self.load_specs.extend(scheduled.kv_connector_metadata.step.loads)
         rank_outputs = [self._run_rank(worker, scheduled) for worker in self.workers]
         merged = self.aggregator.aggregate(rank_outputs)
         assert merged is not None

@@ -57,6 +57,15 @@ STAGED_COPY_DIFFERS = (
 )
 
 
+def _failed_after_all(report: WorkerReport, failures: dict[str, str]) -> WorkerReport:
+    """``report`` with ``failures`` moved from finished_recving to failed_recving."""
+    return msgspec.structs.replace(
+        report,
+        finished_recving=tuple(rid for rid in report.finished_recving if rid not in failures),
+        failed_recving={**report.failed_recving, **failures},
+    )
+
+
 def load_error_block_ids(
     loads: dict[str, BlockIds], failed: Iterable[str], num_cache_groups: int
 ) -> set[int]:
@@ -69,15 +78,6 @@ def load_error_block_ids(
     if num_cache_groups != 1:
         return set()
     return {block for rid in failed if rid in loads for group in loads[rid] for block in group}
-
-
-def _failed_after_all(report: WorkerReport, failures: dict[str, str]) -> WorkerReport:
-    """``report`` with ``failures`` moved from finished_recving to failed_recving."""
-    return msgspec.structs.replace(
-        report,
-        finished_recving=tuple(rid for rid in report.finished_recving if rid not in failures),
-        failed_recving={**report.failed_recving, **failures},
-    )
 
 
 class WorkerSide:
