@@ -341,6 +341,24 @@ class Engine:
 _NOTABLE = re.compile(r"WARNING|ERROR|Error|Traceback|KV load failed")
 
 
+def failure_reason(engine: Engine, request_id: str, timeout_s: float = 10.0) -> str | None:
+    """The reason our connector logged for ``request_id``'s failed load, or None (polled for
+    up to ``timeout_s``: the log line may trail the reply)."""
+    patterns = (
+        re.compile(rf"request \S*{re.escape(request_id)}\S*: KV load failed: (.+)$", re.M),
+        re.compile(rf"request \S*{re.escape(request_id)}\S* failed: (.+)$", re.M),
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = engine.log_path.read_text(errors="replace")
+        for pattern in patterns:
+            if found := pattern.search(text):
+                return found.group(1).strip()
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.5)
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -444,12 +462,15 @@ def complete_turn(
     kv_transfer_params: Mapping[str, Any] | None = None,
     *,
     timeout_s: float = REQUEST_TIMEOUT_S,
+    request_id: str | None = None,
 ) -> tuple[Completion, dict[str, Any] | None]:
     """One turn of a conversation: a non-streamed completion sent with the params the previous
-    turn's answer carried (None on the first turn); returns it and its answer's params."""
+    turn's answer carried (None on the first turn); returns it and its answer's params.
+    ``request_id`` is sent as X-Request-Id (the proxy passes it to both engines)."""
     started = time.monotonic()
     extra = {} if kv_transfer_params is None else {"kv_transfer_params": dict(kv_transfer_params)}
-    with _open(url, completion_body(prompt_ids, max_tokens, **extra), timeout_s) as response:
+    body = completion_body(prompt_ids, max_tokens, **extra)
+    with _open(url, body, timeout_s, request_id) as response:
         payload = json.loads(response.read())
     choice = payload["choices"][0]
     if choice.get("finish_reason") not in ("length", "stop"):

@@ -7,10 +7,13 @@ answer 200 with wrong tokens:
 
 a. stale params: decode gets params whose lease expired and whose blocks hold other prompts;
 b. decode SIGSTOPped past the lease with requests in flight, then SIGCONTinued;
-c. prefill killed and restarted on the same ports between its reply and decode's request.
+c. prefill killed and restarted on the same ports between its reply and decode's request;
+d. params with another request's ``remote_block_ids`` (lease, boot and engine ids kept): a
+   held lease, read at blocks it does not cover.
 
 After each drill: every completion equals the single-engine run, every failed load has a
-logged reason, no blocks stay held on either side (vLLM's kv_cache_usage_perc and request
+logged reason, a plain request for a failed load's prompt on its decode engine equals it too
+(no failed load left KV in decode's prefix cache), no blocks stay held on either side (vLLM's kv_cache_usage_perc and request
 gauges back to 0), and a good request through the P/D proxy still loads over NIXL and matches.
 
 Three engines start once for the module: prefill (a 16-block pool and a 10 s lease, so its
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -59,6 +61,7 @@ from tests.real_vllm_harness import (
     build_model,
     complete,
     connector_under_test,
+    failure_reason,
     free_port,
     kv_transfer_config,
     prefill_params,
@@ -246,23 +249,6 @@ def warm(url: str, decode: Engine, warm_up: list[int]) -> None:
             if attempt == 2 or "lease expired" not in notable:
                 raise RequestFailed(500, f"warm-up failed; decode's log:\n{notable}") from None
             warnings.warn(f"warm-up load failed, asked again: {notable[-500:]}", stacklevel=1)
-
-
-def failure_reason(engine: Engine, request_id: str, timeout_s: float = 10.0) -> str | None:
-    """The reason the connector logged for ``request_id``'s failed load, or None."""
-    patterns = (
-        re.compile(rf"request \S*{re.escape(request_id)}\S*: KV load failed: (.+)$", re.M),
-        re.compile(rf"request \S*{re.escape(request_id)}\S* failed: (.+)$", re.M),
-    )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = engine.log_path.read_text(errors="replace")
-        for pattern in patterns:
-            if found := pattern.search(text):
-                return found.group(1).strip()
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.5)
 
 
 def idle_problems(engines: Sequence[Engine], timeout_s: float = IDLE_TIMEOUT_S) -> list[str]:
@@ -465,3 +451,46 @@ def test_prefill_restarted_between_its_reply_and_decodes_request(
         outcome = attempt(drills.decodes[policy].url, prompts[policy], params[policy], request_id)
         verdict.judge(drills, policy, request_id, prompts[policy], outcome, load_must_fail=True)
     verdict.finish(drills, block_size, seed=7200)
+
+
+def plain_answer_problems(drills: Drills, policy: str, prompt_ids: Sequence[int]) -> list[str]:
+    """A plain request (no kv_transfer_params) for ``prompt_ids`` on ``policy``'s decode
+    engine must equal the single-engine answer: a failed load left none of its KV in decode's
+    prefix cache for it to hit."""
+    try:
+        answer = complete(drills.decodes[policy].url, prompt_ids, MAX_TOKENS)
+    except RequestFailed as exc:
+        return [f"{policy}: the plain request after the failed load failed: {exc}"]
+    why = mismatch(answer, drills.reference(prompt_ids))
+    return [] if why is None else [f"{policy}: the plain request after the failed load: {why}"]
+
+
+def test_params_with_another_requests_block_ids(drills: Drills, block_size: int) -> None:
+    """Prompt A's params with B's ``remote_block_ids``: A's lease is held, its tokens are A's,
+    but the READs would take B's KV. The holder refuses (blocks mismatch); B's own params still
+    load B, and decode's prefix cache never holds B's KV under A's prefix."""
+    verdict = Verdict("d-swapped-block-ids", drills.connector)
+    num_tokens = 2 * block_size + 37  # A and B: the same blocks per group, swappable
+    for i, policy in enumerate(POLICIES):
+        prompt_a = prompt(seed=8000 + 10 * i, num_tokens=num_tokens)
+        prompt_b = prompt(seed=8001 + 10 * i, num_tokens=num_tokens)
+        params_a = prefill_params(drills.prefill.url, prompt_a)
+        params_b = prefill_params(drills.prefill.url, prompt_b)
+        swapped = {**params_a, "remote_block_ids": params_b["remote_block_ids"]}
+        assert swapped["remote_block_ids"] != params_a["remote_block_ids"]
+        request_id = new_id(f"d-{policy}")
+        outcome = attempt(drills.decodes[policy].url, prompt_a, swapped, request_id)
+        verdict.judge(
+            drills,
+            policy,
+            request_id,
+            prompt_a,
+            outcome,
+            load_must_fail=True,
+            reason_must_name="blocks mismatch",
+        )
+        own_id = new_id(f"d-{policy}-own")
+        own = attempt(drills.decodes[policy].url, prompt_b, params_b, own_id)
+        verdict.judge(drills, policy, own_id, prompt_b, own)
+        verdict.problems += plain_answer_problems(drills, policy, prompt_a)
+    verdict.finish(drills, block_size, seed=8200)

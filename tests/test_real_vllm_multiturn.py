@@ -12,15 +12,23 @@ ours, ``nixl_pd_pulled_tokens_total``, equal to it); and once the short TTL has 
 decode holds nothing. NIXL_PD_REAL_VLLM_MULTITURN=off starts the engines without the mode:
 the tokens still match, and the test fails on the pulled-token count (the check that it can
 fail). NIXL_PD_REAL_VLLM_CONNECTOR=vllm runs vLLM's own connector (it has the mode too).
+
+The drill of a turn whose params carry another conversation's ``remote_block_ids`` runs under
+both failure policies on the same engines: prefill ("recompute") pulls through the proxy, and
+decode ("fail") pulls through a second proxy with the roles swapped (with the mode on, roles
+are advisory: each engine prefills, decodes, holds and pulls).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import tempfile
+import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,15 +36,20 @@ from typing import Any
 
 import pytest
 
+from examples.vllm.proxy import make_server
 from tests.real_vllm_harness import (
+    HOST,
     VLLM_PYTHON,
     Completion,
     Deployment,
     Engine,
+    RequestFailed,
     build_model,
     complete,
     complete_turn,
     connector_under_test,
+    failure_reason,
+    free_port,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
@@ -188,3 +201,80 @@ def test_params_passed_back_after_the_ttl_are_recomputed(deployment: Deployment)
     assert_same(late, expected, 2)
     if ours:
         assert deployment.prefill.metric(PULLED) == pulled_before
+
+
+@contextlib.contextmanager
+def proxy(prefill: Engine, decode: Engine) -> Iterator[str]:
+    """examples/vllm/proxy.py in front of ``prefill`` then ``decode``; yields its URL."""
+    port = free_port()
+    server = make_server(HOST, port, prefill.url, decode.url)
+    thread = threading.Thread(target=server.serve_forever, name="pd-proxy-swapped", daemon=True)
+    thread.start()
+    try:
+        yield f"http://{HOST}:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10.0)
+
+
+def same_problem(actual: Completion, expected: Completion) -> str | None:
+    """Why ``actual`` is not the single-engine answer, or None."""
+    if actual.token_ids != expected.token_ids:
+        return "tokens differ"
+    worst = max(abs(a - b) for a, b in zip(actual.logprobs, expected.logprobs, strict=True))
+    return f"logprobs differ by {worst}" if worst > LOGPROB_TOL else None
+
+
+def swapped_turn_problems(
+    deployment: Deployment, policy: str, reader: Engine, url: str, seed: int
+) -> list[str]:
+    """Two conversations' first turns through ``url``; then conversation X's second turn with
+    X's params but Y's ``remote_block_ids``. ``reader`` (the engine that prefills through
+    ``url``, under ``policy``) must fail the pull with the holder's reason, and answer an error
+    (``fail``) or exactly the single-engine tokens (``recompute``); then a plain request for
+    the same prompt on ``reader`` must answer exactly: the failed pull cached nothing."""
+    first_x, first_y = words(seed, FIRST_PROMPT_TOKENS), words(seed + 1, FIRST_PROMPT_TOKENS)
+    answer_x, params_x = complete_turn(url, first_x, ANSWER_TOKENS)
+    _, params_y = complete_turn(url, first_y, ANSWER_TOKENS)
+    assert params_x is not None and params_y is not None, "decode held no turn for a next one"
+    assert params_x["remote_block_ids"] != params_y["remote_block_ids"]
+    swapped = {**params_x, "remote_block_ids": params_y["remote_block_ids"]}
+    second_x = [*first_x, *answer_x.token_ids, *words(seed + 2, NEW_MESSAGE_TOKENS)]
+    expected = complete(deployment.reference.url, second_x, ANSWER_TOKENS)
+    request_id = f"drill-swapped-turn-{policy}-{uuid.uuid4().hex[:8]}"
+    problems = []
+    try:
+        answer, _ = complete_turn(url, second_x, ANSWER_TOKENS, swapped, request_id=request_id)
+    except RequestFailed as exc:
+        if policy == "recompute":
+            problems.append(f"{policy}: error reply under recompute: {exc}")
+    else:
+        if (why := same_problem(answer, expected)) is not None:
+            problems.append(f"{policy}: 200 with wrong tokens ({why})")
+        elif policy == "fail":
+            problems.append(f"{policy}: 200 where the pull had to fail")
+    reason = failure_reason(reader, request_id)
+    if "blocks mismatch" not in (reason or ""):
+        problems.append(f"{policy}: the pull's logged reason {reason!r} names no blocks mismatch")
+    plain = complete(reader.url, second_x, ANSWER_TOKENS)
+    if (why := same_problem(plain, expected)) is not None:
+        problems.append(f"{policy}: the plain request after the failed pull: {why}")
+    return problems
+
+
+def test_a_turn_with_another_conversations_block_ids_reads_nothing_of_them(
+    deployment: Deployment,
+) -> None:
+    """The params of a held turn name the holder's blocks; a client may edit them. With X's
+    lease and Y's block ids the holder refuses the pull, under both failure policies, and no
+    engine answers or caches the other conversation's KV."""
+    if deployment.connector != "nixlpd" or os.environ.get(MODE_ENV, "on") == "off":
+        pytest.skip("our connector's drill, with the mode on")
+    prefill, decode = deployment.prefill, deployment.decode
+    problems = swapped_turn_problems(deployment, "recompute", prefill, deployment.proxy_url, 31)
+    with proxy(decode, prefill) as swapped_roles:
+        problems += swapped_turn_problems(deployment, "fail", decode, swapped_roles, 41)
+    for engine in (prefill, decode):  # the failed pulls' holds end too: nothing leaks
+        wait_until_decode_frees(engine, True, timeout_s=TTL_S + 20.0)
+    assert not problems, "\n".join(problems)

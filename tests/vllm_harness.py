@@ -199,6 +199,8 @@ class Engine:
     agents: list[RecordingFakeNixl]  # one per rank: set their ``faults`` to inject failures
     aggregator: KVOutputAggregator
     outputs: list[Any] = field(default_factory=list)
+    # Every step's merged invalid_block_ids (what the ranks reported with load errors).
+    invalid_block_ids: list[set[int]] = field(default_factory=list)
     call_start_load_kv: bool = True  # False: like an engine step that skips the load hook
     call_wait_for_save: bool = False  # True: call it after the (absent) forward, as vLLM does
     stats: dict[str, int] = field(default_factory=dict)  # connector stats, summed over steps
@@ -222,6 +224,8 @@ class Engine:
         merged = self.aggregator.aggregate(rank_outputs)
         assert merged is not None
         kv_output = merged.kv_connector_output
+        if kv_output is not None and kv_output.invalid_block_ids:
+            self.invalid_block_ids.append(set(kv_output.invalid_block_ids))
         if kv_output is not None and kv_output.kv_connector_stats is not None:
             for key, value in kv_output.kv_connector_stats.reduce().items():
                 self.stats[key] = self.stats.get(key, 0) + int(value)
@@ -274,6 +278,7 @@ class Engine:
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),  # as vLLM asks, right after
             kv_connector_worker_meta=_across_processes(worker.build_connector_worker_meta()),
         )
         worker.clear_connector_metadata()

@@ -387,8 +387,10 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Failures are reported per request (failed_recving), never per block id."""
-        return set()
+        """The local blocks of this rank's loads that failed since the last call: vLLM marks
+        them invalid, so none of them is ever cached (connector/vllm/worker.py). Failures are
+        also reported per request (failed_recving); a cache of several groups gets only that."""
+        return self._require_worker().take_load_error_block_ids()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -3,12 +3,19 @@
 The WorkerConnector is created at register_kv_caches, once the tensors tell the kernel block
 sizes. Each step the rank runs the scheduler's instructions, keeps its WorkerReport for the
 scheduler (vLLM's worker metadata), and echoes the scheduler's decisions to vLLM.
+
+A load this rank ran that fails is reported twice, as vLLM's own connector does: by request
+(failed_recving, on which vLLM's kv_load_failure_policy frees the request's blocks uncached or
+recomputes it from scratch) and by block (get_block_ids_with_load_errors: the load's local
+blocks, which its READs may have written), which vLLM's scheduler never caches either: it
+fails ("fail") or recomputes ("recompute") every request whose computed tokens reach one.
+Either way no later request's prefix-cache lookup hits bytes a failed load left behind.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -61,6 +68,20 @@ def _failed_after_all(report: WorkerReport, failures: dict[str, LoadFailure]) ->
     )
 
 
+def load_error_block_ids(
+    loads: dict[str, BlockIds], failed: Iterable[str], num_cache_groups: int
+) -> set[int]:
+    """The local blocks of the ``failed`` loads, for vLLM's invalid_block_ids.
+
+    A flat set of ids names blocks only in a single-group cache: vLLM's scheduler refuses
+    block-level failures in a cache of several groups (ids repeat across groups), so there
+    the per-request report (failed_recving) alone keeps them out of the prefix cache.
+    """
+    if num_cache_groups != 1:
+        return set()
+    return {block for rid in failed if rid in loads for group in loads[rid] for block in group}
+
+
 class WorkerSide:
     """One worker rank's half: our WorkerConnector, created once the KV tensors are known."""
 
@@ -87,10 +108,13 @@ class WorkerSide:
         self._reports: list[WorkerReport] = []
         self._echo = FinishedRequests()  # announced by the scheduler, not yet echoed
         self._awaited: set[str] = set()  # LoadSpecs run here: this rank reports them to vLLM
+        # The local blocks each awaited load fills: staging copies them to the device, and a
+        # failed load's are reported to vLLM as invalid.
+        self._load_blocks: dict[str, BlockIds] = {}
+        self._invalid_block_ids: set[int] = set()  # failed loads' blocks, not yet taken by vLLM
         self._last_run: NixlPDMetadata | None = None
         self._staging = staging
         self._host: HostBuffer | None = None  # staging: what NIXL registers instead
-        self._staged_loads: dict[str, BlockIds] = {}  # staging: blocks each awaited load fills
         self._last_saved: NixlPDMetadata | None = None
         self._unsaved: list[str] = []  # staging + verify_kv: saves whose host copy differs
         self._staged: list[str] = []  # staging: lease keys of holds copied device->host
@@ -159,10 +183,9 @@ class WorkerSide:
         self._last_run = metadata
         self._require().start_load_kv(metadata.step)
         self._awaited.update(load.request_id for load in metadata.step.loads)
-        if self._host is not None:
-            self._staged_loads.update(
-                (load.request_id, load.local_block_ids) for load in metadata.step.loads
-            )
+        self._load_blocks.update(
+            (load.request_id, load.local_block_ids) for load in metadata.step.loads
+        )
         self._echo = merge(self._echo, metadata.announce)
 
     def get_transfer_results(self, metadata: NixlPDMetadata | None) -> KVConnectorTransferResults:
@@ -189,6 +212,11 @@ class WorkerSide:
         if miscopied := self._copy_loaded_to_device(ended - failed):
             report = _failed_after_all(report, miscopied)
             failed |= miscopied.keys()
+        self._invalid_block_ids |= load_error_block_ids(
+            self._load_blocks, ended & failed, len(self._kv_cache_config.kv_cache_groups)
+        )
+        # Loads no longer awaited (finished or failed) leave.
+        self._load_blocks = {rid: ids for rid, ids in self._load_blocks.items() if rid not in ended}
         self._reports.append(report)
         return KVConnectorTransferResults(
             finished_sending=set(echo.finished_sending),
@@ -204,18 +232,20 @@ class WorkerSide:
         proved equal to prefill's): the loads whose copy differs, with the reason."""
         if self._host is None:
             return {}
-        request_ids = [rid for rid in sorted(loaded) if rid in self._staged_loads]
-        blocks = [self._staged_loads[rid] for rid in request_ids]
-        # Loads no longer awaited (finished or failed) leave; failed ones copy nothing.
-        self._staged_loads = {
-            rid: ids for rid, ids in self._staged_loads.items() if rid in self._awaited
-        }
+        request_ids = [rid for rid in sorted(loaded) if rid in self._load_blocks]
+        blocks = [self._load_blocks[rid] for rid in request_ids]  # failed ones copy nothing
         self._host.to_device(blocks)
         if not self._config.verify_kv:
             return {}
         return {
             request_ids[index]: STAGED_COPY_DIFFERS for index in self._host.copies_differ(blocks)
         }
+
+    def take_load_error_block_ids(self) -> set[int]:
+        """The local blocks of the loads this rank reported failed since the last call (vLLM
+        asks right after get_transfer_results, every step); a cache of several groups: none."""
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
 
     def stats(self) -> NixlPDStats | None:
         """Counters of the reports not yet handed to the scheduler (this step's), and what
