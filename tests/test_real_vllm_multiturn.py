@@ -241,15 +241,19 @@ def swapped_turn_problems(
     assert params_x["remote_block_ids"] != params_y["remote_block_ids"]
     swapped = {**params_x, "remote_block_ids": params_y["remote_block_ids"]}
     second_x = [*first_x, *answer_x.token_ids, *words(seed + 2, NEW_MESSAGE_TOKENS)]
-    expected = complete(deployment.reference.url, second_x, ANSWER_TOKENS)
     request_id = f"drill-swapped-turn-{policy}-{uuid.uuid4().hex[:8]}"
     problems = []
+    # The swapped turn right after the first ones, the reference after it: X's hold must
+    # still be held when the pull asks (TTL_S on two busy cores), or the pull fails
+    # `lease expired` before the holder could say which blocks it holds.
+    answer: Completion | None = None
     try:
         answer, _ = complete_turn(url, second_x, ANSWER_TOKENS, swapped, request_id=request_id)
     except RequestFailed as exc:
         if policy == "recompute":
             problems.append(f"{policy}: error reply under recompute: {exc}")
-    else:
+    expected = complete(deployment.reference.url, second_x, ANSWER_TOKENS)
+    if answer is not None:
         if (why := same_problem(answer, expected)) is not None:
             problems.append(f"{policy}: 200 with wrong tokens ({why})")
         elif policy == "fail":
