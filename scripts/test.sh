@@ -11,7 +11,13 @@ if [ "${1:-}" = "--quick" ]; then
     export UCX_NET_DEVICES=lo NIXL_PD_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1
     .venv/bin/ruff check connector worker scheduler examples benchmarks tests
     .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
-    exec .venv/bin/python -m pytest -q -m unit "$@"
+    # Two workers (pytest-xdist, from the test extras), whole modules to each: module
+    # fixtures stay built once. A .venv set up before xdist was added runs in one process.
+    parallel=()
+    if .venv/bin/python -c "import xdist" 2>/dev/null; then
+        parallel=(-n "${QUICK_WORKERS:-2}" --dist loadfile)
+    fi
+    exec .venv/bin/python -m pytest -q -m unit "${parallel[@]}" "$@"
 fi
 bash scripts/setup.sh
 # .venv-vllm: a real CPU build of vLLM, where the real-vLLM tier starts its engines.
