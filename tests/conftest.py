@@ -1,7 +1,23 @@
-"""Test-wide settings: keep UCX on loopback and hypothesis within the CI time budget."""
+"""Test-wide settings: UCX on loopback, hypothesis within the CI time budget, and test tiers.
+
+Every test gets exactly one tier marker, assigned here by module (docs/testing.md):
+
+- ``unit``: no real NIXL agent, no real vLLM engine (FakeNixl, the recorded ``nixl._api``
+  stand-in, and vLLM's real Scheduler in-process are all unit);
+- ``real_nixl``: real NIXL/UCX agents, in this process or in example-engine processes;
+- ``real_vllm``: real vLLM CPU engines or ops from .venv-vllm.
+
+Two tags come on top of the tier: ``vllm`` (imports .venv's vLLM in-process; still unit) and
+``netns`` (two hosts in network namespaces; needs root). tests/test_tiers.py fails when a
+module's source uses real NIXL or real engines but the tables below do not say so, or when a
+table names a module that does not exist.
+"""
+
+from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # UCX opens lanes on every interface unless told otherwise; tests stay on loopback.
@@ -11,3 +27,93 @@ settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile("ci")
+
+TIERS = ("unit", "real_nixl", "real_vllm")
+
+# Modules whose every test starts real vLLM engines or runs vLLM's CPU ops in .venv-vllm.
+REAL_VLLM_MODULES = {
+    "test_cpu_attn_op": "vLLM's CPU cache-write op, run in .venv-vllm",
+    "test_real_vllm": "real `vllm serve` engines (tests/real_vllm_harness.py)",
+    "test_real_vllm_drills": "real `vllm serve` engines",
+    "test_real_vllm_fp8": "real `vllm serve` engines",
+    "test_real_vllm_hybrid": "real `vllm serve` engines",
+    "test_real_vllm_multiturn": "real `vllm serve` engines",
+    "test_real_vllm_router": "real `vllm serve` engines behind vllm-router",
+    "test_real_vllm_two_hosts": "real `vllm serve` engines in two network namespaces",
+}
+
+# Modules whose every test uses real NIXL agents (here, or in processes it starts).
+REAL_NIXL_MODULES = {
+    "test_doctor_real": "nixl-pd doctor: real READs over UCX, against served engines",
+    "test_drill": "example-engine servers on real NIXL (tests/drill_servers.py)",
+    "test_e2e_real": "the demo's two server processes over real NIXL",
+    "test_e2e_real_failures": "example-engine server processes over real NIXL",
+    "test_e2e_two_boots": "nixl-pd serve processes over real NIXL",
+    "test_metrics_serve": "nixl-pd serve processes over real NIXL",
+    "test_nixl_aliased_regions": "a RealNixlAgent in a child process",
+    "test_real_quarantine": "a RealNixlAgent reading from a real peer process",
+    "test_serve_by_hand": "nixl-pd serve processes over real NIXL",
+    "test_two_hosts": "nixl-pd serve and doctor across two network namespaces",
+}
+
+# Unit modules with a few real-NIXL tests; those carry @pytest.mark.real_nixl (or a param
+# mark) in the file, and only they join the real_nixl tier.
+MIXED_NIXL_MODULES = {
+    "test_lifecycle": "test_full_lifecycle_over_real_nixl",
+    "test_nixl_contract": "the 'real' agent parameter and the test_real_* tests",
+    "test_vllm_block_major": "test_hybrid_rows_over_real_nixl",
+}
+
+# Modules that import .venv's vLLM in-process (its Scheduler, configs, types): unit, tagged.
+VLLM_MODULES = {
+    "test_metrics_vllm",
+    "test_staging_devices",
+    "test_vllm_block_binding",
+    "test_vllm_block_major",
+    "test_vllm_changed_params",
+    "test_vllm_connector",
+    "test_vllm_failed_load_cache",
+    "test_vllm_layout",
+    "test_vllm_multiturn",
+    "test_vllm_no_reload",
+    "test_vllm_semantics",
+    "test_vllm_staging",
+    "test_vllm_token_binding",
+    "test_vllm_tracking",
+}
+
+# Modules that build two hosts out of network namespaces (root, iproute2).
+NETNS_MODULES = {"test_two_hosts", "test_real_vllm_two_hosts"}
+
+
+def tier_of(module: str, marked: set[str]) -> str:
+    """The one tier of a test in ``module`` whose own markers are ``marked``."""
+    if module in REAL_VLLM_MODULES:
+        return "real_vllm"
+    if module in REAL_NIXL_MODULES:
+        return "real_nixl"
+    if "real_vllm" in marked:
+        raise pytest.UsageError(
+            f"{module} has tests marked real_vllm but is not in REAL_VLLM_MODULES "
+            "(tests/conftest.py): add it there"
+        )
+    if "real_nixl" in marked:
+        if module not in MIXED_NIXL_MODULES:
+            raise pytest.UsageError(
+                f"{module} has tests marked real_nixl but is in neither REAL_NIXL_MODULES nor "
+                "MIXED_NIXL_MODULES (tests/conftest.py): add it to one of them"
+            )
+        return "real_nixl"
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        marked = {mark.name for mark in item.iter_markers()}
+        item.add_marker(tier_of(module, marked))
+        if module in VLLM_MODULES:
+            item.add_marker("vllm")
+        if module in NETNS_MODULES:
+            item.add_marker("netns")
