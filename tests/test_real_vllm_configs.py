@@ -287,49 +287,23 @@ def gemma3_model(work_dir: Path) -> Path:
     return build_model(work_dir / "model-gemma3", kind="gemma3")
 
 
-class TestSlidingWindowTp1:
-    @pytest.fixture(scope="class")
-    def engines(self, gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
-        with engine_set(
-            "sliding-window hybrid, P TP1 -> D TP1", gemma3_model, work_dir / "logs"
-        ) as engines:
-            yield engines
-
-    def test_sliding_window_matches_single_engine(self, engines: EngineSet) -> None:
-        outcomes = run_case(engines, "sliding-window hybrid", PROMPTS)
-        single = answers(engines.reference_url, PROMPTS)
-        SLIDING_REFERENCE.update({(tuple(p), ""): a for p, a in zip(PROMPTS, single, strict=True)})
-        assert_ours_matched(outcomes)
-
-    def test_prompt_logprobs_request_matches_single_engine(self, engines: EngineSet) -> None:
-        assert_ours_matched(
-            run_case(engines, "prompt_logprobs request", PROMPTS[:3], prompt_logprobs=1)
-        )
-
-    def test_n_2_request_matches_single_engine(self, engines: EngineSet) -> None:
-        """vLLM refuses n > 1 with greedy sampling: seeded sampling (each child's seed is
-        derived from the request's) gives both choices reproducible tokens to compare."""
-        outcomes = run_case(engines, "n=2 request", PROMPTS[:3], n=2, temperature=1.0, seed=7)
-        assert_ours_matched(outcomes)
+# Class-scoped: each configuration's engines stop when its class's cases are done, so one
+# engine set runs at a time.
+@pytest.fixture(scope="class")
+def sliding_tp1(gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+    configuration = "sliding-window hybrid, P TP1 -> D TP1"
+    with engine_set(configuration, gemma3_model, work_dir / "logs") as engines:
+        yield engines
 
 
-class TestSlidingWindowPrefillTp2:
-    @pytest.fixture(scope="class")
-    def engines(self, gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
-        with engine_set(
-            "sliding-window hybrid, P TP2 -> D TP1",
-            gemma3_model,
-            work_dir / "logs",
-            prefill_args=TP2_PREFILL,
-            with_reference=False,
-        ) as engines:
-            yield engines
-
-    def test_prefill_tp2_decode_tp1_matches_single_engine(self, engines: EngineSet) -> None:
-        if not SLIDING_REFERENCE:
-            pytest.fail("run with TestSlidingWindowTp1: its single engine is this case's oracle")
-        outcomes = run_case(engines, "sliding-window hybrid", PROMPTS, reference=sliding_reference)
-        assert_ours_matched(outcomes)
+@pytest.fixture(scope="class")
+def sliding_tp2(gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+    configuration = "sliding-window hybrid, P TP2 -> D TP1"
+    with engine_set(
+        configuration, gemma3_model, work_dir / "logs", prefill_args=TP2_PREFILL,
+        with_reference=False,
+    ) as engines:  # fmt: skip
+        yield engines
 
 
 @pytest.fixture(scope="module")
@@ -337,16 +311,41 @@ def llama_model(work_dir: Path) -> Path:
     return build_model(work_dir / "model-llama")
 
 
-class TestNgramSpecDecode:
-    @pytest.fixture(scope="class")
-    def engines(self, llama_model: Path, work_dir: Path) -> Iterator[EngineSet]:
-        with engine_set(
-            "dense Llama, n-gram speculative decoding on decode",
-            llama_model,
-            work_dir / "logs",
-            decode_args=NGRAM,
-        ) as engines:
-            yield engines
+@pytest.fixture(scope="class")
+def ngram_engines(llama_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+    configuration = "dense Llama, n-gram speculative decoding on decode"
+    with engine_set(configuration, llama_model, work_dir / "logs", decode_args=NGRAM) as engines:
+        yield engines
 
-    def test_ngram_spec_decode_matches_single_engine(self, engines: EngineSet) -> None:
-        assert_ours_matched(run_case(engines, "n-gram speculative decoding", PROMPTS))
+
+class TestSlidingWindowTp1:
+    def test_sliding_window_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
+        outcomes = run_case(sliding_tp1, "sliding-window hybrid", PROMPTS)
+        single = answers(sliding_tp1.reference_url, PROMPTS)
+        SLIDING_REFERENCE.update({(tuple(p), ""): a for p, a in zip(PROMPTS, single, strict=True)})
+        assert_ours_matched(outcomes)
+
+    def test_prompt_logprobs_request_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
+        outcomes = run_case(sliding_tp1, "prompt_logprobs request", PROMPTS[:3], prompt_logprobs=1)
+        assert_ours_matched(outcomes)
+
+    def test_n_2_request_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
+        """vLLM refuses n > 1 with greedy sampling: seeded sampling (each child's seed is
+        derived from the request's) gives both choices reproducible tokens to compare."""
+        outcomes = run_case(sliding_tp1, "n=2 request", PROMPTS[:3], n=2, temperature=1.0, seed=7)
+        assert_ours_matched(outcomes)
+
+
+class TestSlidingWindowPrefillTp2:
+    def test_prefill_tp2_decode_tp1_matches_single_engine(self, sliding_tp2: EngineSet) -> None:
+        if not SLIDING_REFERENCE:
+            pytest.fail("run with TestSlidingWindowTp1: its single engine is this case's oracle")
+        outcomes = run_case(
+            sliding_tp2, "sliding-window hybrid", PROMPTS, reference=sliding_reference
+        )
+        assert_ours_matched(outcomes)
+
+
+class TestNgramSpecDecode:
+    def test_ngram_spec_decode_matches_single_engine(self, ngram_engines: EngineSet) -> None:
+        assert_ours_matched(run_case(ngram_engines, "n-gram speculative decoding", PROMPTS))
