@@ -10,10 +10,14 @@ switching, not the code under test).
 Configurations:
 - ``sliding-tp1``: the sliding-window hybrid (tests/real_vllm_model.py ``gemma3``: 5 layers
   attending over the last 64 tokens, 1 full layer), prefill TP 1 -> decode TP 1; its engine
-  set also serves the ``prompt_logprobs`` and ``n > 1`` cases;
+  set also serves the ``prompt_logprobs`` and ``n > 1`` cases (``n`` = 2 with seeded
+  sampling: vLLM refuses ``n`` > 1 with greedy sampling);
 - ``sliding-tp2-tp1``: the same model, prefill TP 2 -> decode TP 1 (its single engine is the
   first set's: the same model and prompts);
 - ``ngram-spec-decode``: the tiny Llama with n-gram speculative decoding on the decode engine.
+
+Not here yet: MLA (a DeepSeek-V2-style model, whose oracle is vLLM's connector plus verify_kv,
+not the single engine) and FP8 (tests/test_real_vllm_fp8.py, which writes no outcome record).
 
 Every case's outcome (configuration, connector, prompts passed and failed, or the refusal) is
 written as JSON to ``NIXL_PD_CONFIG_RESULTS`` (default: a file in the system's temp directory)
