@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/config_table.py RESULTS.json [MORE.json ...] [--readme README.md]
 
-RESULTS.json is what tests/test_real_vllm_configs.py writes (NIXL_PD_CONFIG_RESULTS): a list of
+RESULTS.json is what tests/test_real_vllm_configs.py writes (NIXL_PD_CONFIG_RESULTS), or
+tests/test_real_vllm_fp8.py (NIXL_PD_FP8_RESULTS): a list of
 outcomes, one per case and connector (passed and failed request counts, or the message of a
 configuration an engine refused). The table, ours and vLLM's NixlConnector side by side, goes
 into README.md between the two marker comments below, replacing what was there; a refused
