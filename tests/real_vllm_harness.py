@@ -154,8 +154,8 @@ def free_port() -> int:
 
 
 def build_model(out_dir: Path, timeout_s: float = 300.0, kind: str = "llama") -> Path:
-    """A tiny seeded model (``llama`` or the hybrid ``qwen3-next``) and its tokenizer, written
-    by .venv-vllm's python (transformers)."""
+    """A tiny seeded model (``llama``, the hybrid ``qwen3-next`` or the sliding-window
+    ``gemma3``) and its tokenizer, written by .venv-vllm's python (transformers)."""
     if not (out_dir / "config.json").exists():
         subprocess.run(
             [str(VLLM_PYTHON), str(MODEL_SCRIPT), str(out_dir), kind],
@@ -573,10 +573,15 @@ class Deployment:
         *,
         extra_config: Mapping[str, Any] | None = None,
         prefill_failure_policy: str = "fail",
+        prefill_args: tuple[str, ...] = (),
+        decode_args: tuple[str, ...] = (),
+        with_reference: bool = True,
     ) -> Iterator[tuple[Deployment, ...]]:
         """One P/D pair per connector, sharing one reference engine (the first deployment's),
         all engines started at once, then one proxy per pair. ``extra_args`` go to every
-        engine (e.g. ``--dtype bfloat16``)."""
+        engine (e.g. ``--dtype bfloat16``), ``prefill_args`` and ``decode_args`` to one role's
+        (e.g. ``--tensor-parallel-size 2``). ``with_reference`` False: no single engine is
+        started (another deployment's serves as the reference)."""
         reference = Engine(
             EngineSpec("reference", model_dir, free_port(), None, None, extra_args), log_dir
         )
@@ -587,9 +592,10 @@ class Deployment:
                 log_dir,
                 reference,
                 extra_args,
-                index == 0,
+                index == 0 and with_reference,
                 extra_config=extra_config,
                 prefill_failure_policy=prefill_failure_policy,
+                role_args=(prefill_args, decode_args),
             )
             for index, connector in enumerate(connectors)
         )
@@ -618,16 +624,19 @@ class Deployment:
         *,
         extra_config: Mapping[str, Any] | None = None,
         prefill_failure_policy: str = "fail",
+        role_args: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
     ) -> Deployment:
         engines = []
-        for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
+        roles = (("kv_producer", "prefill"), ("kv_consumer", "decode"))
+        for (role, name), own_args in zip(roles, role_args, strict=True):
             if connector != "nixlpd":
                 name = f"{name}-{connector}"
             policy = prefill_failure_policy if role == "kv_producer" else "fail"
             config = kv_transfer_config(
                 connector, role, extra_config=extra_config, failure_policy=policy
             )
-            spec = EngineSpec(name, model_dir, free_port(), config, free_port(), extra_args)
+            args = (*extra_args, *own_args)
+            spec = EngineSpec(name, model_dir, free_port(), config, free_port(), args)
             engines.append(Engine(spec, log_dir))
         return cls(connector, model_dir, reference, *engines, has_reference=has_reference)
 

@@ -1,9 +1,11 @@
 """Write a tiny seeded random model and its tokenizer to a directory (run with .venv-vllm's python).
 
-    .venv-vllm/bin/python tests/real_vllm_model.py OUT_DIR [llama|qwen3-next]
+    .venv-vllm/bin/python tests/real_vllm_model.py OUT_DIR [llama|qwen3-next|gemma3]
 
 ``llama`` (the default) is a dense 2-layer Llama; ``qwen3-next`` a hybrid: linear-attention
-(gated delta net, a recurrent state per request) and full-attention layers alternating.
+(gated delta net, a recurrent state per request) and full-attention layers alternating;
+``gemma3`` a sliding-window hybrid: Gemma3's text model, 5 sliding-window layers (64 tokens)
+and 1 full-attention layer.
 
 No hub: the weights come from a fixed seed, the tokenizer is a word-level vocabulary built in
 memory. The weights are drawn wider than Llama's default (initializer_range 0.2 instead of
@@ -55,7 +57,17 @@ HYBRID_CONFIG: dict[str, Any] = {
     "shared_expert_intermediate_size": 256,
     "dtype": "bfloat16",
 }
-MODELS = ("llama", "qwen3-next")
+# The sliding-window hybrid: Gemma3's text model, five layers attending over the last 64 tokens
+# and one over the whole prompt (vLLM gives each its own cache group). Two KV heads, as above,
+# so that a TP 2 engine holds one head per rank.
+SLIDING_CONFIG: dict[str, Any] = {
+    **CONFIG,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "sliding_window": 64,
+    "query_pre_attn_scalar": 64,
+}
+MODELS = ("llama", "qwen3-next", "gemma3")
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -86,6 +98,10 @@ def build_model(out_dir: Path, kind: str = "llama") -> None:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         model = Qwen3NextForCausalLM(Qwen3NextConfig(**HYBRID_CONFIG)).to(torch.bfloat16)
+    elif kind == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**SLIDING_CONFIG))  # float32
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 

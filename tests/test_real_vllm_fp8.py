@@ -62,6 +62,7 @@ class Fp8:
     block_size: int
     worst_logprob_diff: float = 0.0
     compared: int = 0
+    differed: int = 0  # requests whose tokens or logprobs were not the single engine's
     notes: dict[str, object] = field(default_factory=dict)
 
 
@@ -105,6 +106,26 @@ def report(state: Fp8) -> None:
     warnings.warn(f"real-vLLM FP8: {json.dumps(summary)}", stacklevel=1)
     if path := os.environ.get("NIXL_PD_REAL_VLLM_REPORT"):
         Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    if path := os.environ.get(OUTCOME_ENV):  # the configuration table's row (config_table.py)
+        Path(path).write_text(json.dumps(outcome_record(state), indent=2) + "\n")
+
+
+OUTCOME_ENV = "NIXL_PD_FP8_RESULTS"
+
+
+def outcome_record(state: Fp8) -> dict[str, object]:
+    """This test's outcome in the configuration tier's format (tests/test_real_vllm_configs.py):
+    ours only; vLLM's NixlConnector is not run here."""
+    outcome = {
+        "case": "tier prompts, 8 in flight, prefix-cache round",
+        "configuration": "dense Llama, --kv-cache-dtype fp8",
+        "connector": "nixlpd",
+        "passed": state.compared - state.differed,
+        "failed": state.differed,
+        "failures": [],
+        "refused": None,
+    }
+    return {"tier": "tests/test_real_vllm_fp8.py", "outcomes": [outcome]}
 
 
 def through(url: str, prompts: Sequence[Sequence[int]]) -> list[Completion]:
@@ -130,6 +151,7 @@ def check_against_single_engine(state: Fp8, prompts: Sequence[Sequence[int]]) ->
         state.worst_logprob_diff = max(state.worst_logprob_diff, worst)
         if worst > LOGPROB_TOL:
             differ.append(f"{len(p)} tokens: logprobs differ by up to {worst:.2e}")
+    state.differed += len(differ)
     assert not differ, f"{len(differ)} of {len(prompts)} differ:\n" + "\n".join(differ)
 
 

