@@ -35,6 +35,7 @@ REAL_VLLM_MODULES = {
     "test_cpu_attn_op": "vLLM's CPU cache-write op, run in .venv-vllm",
     "test_real_vllm": "real `vllm serve` engines (tests/real_vllm_harness.py)",
     "test_real_vllm_drills": "real `vllm serve` engines",
+    "test_real_vllm_configs": "real `vllm serve` engines: the configuration tier",
     "test_real_vllm_fp8": "real `vllm serve` engines",
     "test_real_vllm_hybrid": "real `vllm serve` engines",
     "test_real_vllm_multiturn": "real `vllm serve` engines",
