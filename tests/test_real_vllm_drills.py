@@ -450,6 +450,11 @@ def test_prefill_restarted_between_its_reply_and_decodes_request(
         request_id = new_id(f"c-{policy}")
         outcome = attempt(drills.decodes[policy].url, prompts[policy], params[policy], request_id)
         verdict.judge(drills, policy, request_id, prompts[policy], outcome, load_must_fail=True)
+    # The restarted prefill is a new boot: its first loads pay a fresh handshake and its
+    # engine's one-time costs, as a deployment's first request does (warm).
+    warm_up = prompt(seed=1, num_tokens=block_size + 5)
+    for policy in POLICIES:
+        warm(drills.proxy_urls[policy], drills.decodes[policy], warm_up)
     verdict.finish(drills, block_size, seed=7200)
 
 
