@@ -21,7 +21,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.block_digest import HeldBlocks, block_digest
-from connector.config import ConnectorConfig
 from connector.protocol import (
     REFUSED_BLOCKS,
     REFUSED_TOKENS,
@@ -31,7 +30,7 @@ from connector.protocol import (
     TokenDigest,
 )
 from connector.token_digest import HeldTokens, token_digest
-from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from examples.engine import Engine, EngineRequest, RequestOutput
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.leases import LeaseTable
 from tests.scheduler_helpers import (
@@ -47,8 +46,7 @@ from tests.scheduler_helpers import (
     prompt_ids,
     start_load,
 )
-from worker.fake import FakeFabric, FakeNixl, FakeRead
-from worker.nixl_api import TransferState
+from tests.test_token_binding import CountingNixl, drain, example_engines, run_until_output
 
 # ---- the digest ------------------------------------------------------------------------
 
@@ -302,55 +300,13 @@ def test_a_prefill_lease_of_a_model_with_a_state_group_is_read_only_whole() -> N
 # ---- end to end on the example engine (FakeNixl) -----------------------------------------
 
 
-class CountingNixl(FakeNixl):
-    """FakeNixl that counts the READs it posts."""
-
-    num_posted = 0  # across every agent of the test
-
-    def post(self, transfer: FakeRead) -> TransferState:
-        CountingNixl.num_posted += 1
-        return super().post(transfer)
-
-
 def _engines(*, bidirectional: bool = False, precheck_skip_s: float = 0.0) -> tuple[Engine, Engine]:
-    fabric = FakeFabric()
-    config = ConnectorConfig(
-        side_channel_port=0, kv_lease_duration_s=30.0, handshake_timeout_s=5.0,
-        bidirectional_kv_xfer=bidirectional, kv_recompute_threshold=8,
-        lease_precheck_skip_s=precheck_skip_s,
-    )  # fmt: skip
-    prefill, decode = (
-        Engine(
-            EngineConfig(f"{role}-blk", role=role, num_blocks=64),
-            connector_config=config,
-            agent_factory=lambda name: CountingNixl(name, fabric),
-        )
-        for role in ("prefill", "decode")
-    )
-    return prefill, decode
-
-
-def _run(engines: tuple[Engine, ...], request_id: str) -> RequestOutput:
-    for _ in range(20_000):
-        for engine in engines:
-            for output in engine.step():
-                if output.request_id == request_id:
-                    return output
-    raise AssertionError(f"{request_id} unfinished")
-
-
-def _drain(engines: tuple[Engine, ...]) -> None:
-    for _ in range(2000):
-        if not any(engine.has_work() for engine in engines):
-            return
-        for engine in engines:
-            engine.step()
-    raise AssertionError("engines still hold requests")
+    return example_engines("blk", bidirectional=bidirectional, precheck_skip_s=precheck_skip_s)
 
 
 def _prefill(prefill: Engine, request_id: str, prompt: list[int]) -> RequestOutput:
     prefill.add_request(EngineRequest(request_id, prompt, 1, {"do_remote_decode": True}))
-    first = _run((prefill,), request_id)
+    first = run_until_output((prefill,), request_id)
     assert first.error is None and first.kv_transfer_params is not None
     return first
 
@@ -360,7 +316,7 @@ def _decoded(engines: tuple[Engine, Engine], request_id: str, prompt: list[int],
     engines[1].add_request(
         EngineRequest(request_id, prompt + first.token_ids, max_tokens, first.kv_transfer_params)
     )
-    return _run(engines, request_id)
+    return run_until_output(engines, request_id)
 
 
 def _prompt(seed: int, num_tokens: int = 40) -> list[int]:
@@ -400,7 +356,7 @@ def test_decode_given_another_requests_blocks_fails_with_blocks_mismatch(
         # B's own params still load: the refusal ended nothing of B's lease.
         good = _decoded(engines, "db", b_prompt, b)
         assert good.error is None and good.num_external_tokens == 40
-        _drain(engines)
+        drain(engines)
         assert (prefill.num_leaked_blocks, decode.num_leaked_blocks) == (0, 0)
     finally:
         prefill.shutdown()
@@ -424,14 +380,14 @@ def test_a_next_turn_given_another_conversations_blocks_does_not_pull_them() -> 
         swapped = {**held["c1"], "remote_block_ids": held["c2"]["remote_block_ids"]}
         CountingNixl.num_posted = 0
         prefill.add_request(EngineRequest("c1-t2", histories["c1"] + [9] * 12, 1, swapped))
-        failed = _run(engines, "c1-t2")
+        failed = run_until_output(engines, "c1-t2")
         assert failed.error is not None
         reason = failed.error.removeprefix("KV load failed: ")
         assert reason.startswith("blocks mismatch: prefill engine 'decode-blk' request 'c1-t1'")
         assert CountingNixl.num_posted == 0
         # The control: c2's next turn with its own params pulls its history.
         prefill.add_request(EngineRequest("c2-t2", histories["c2"] + [9] * 12, 1, held["c2"]))
-        pulled = _run(engines, "c2-t2")
+        pulled = run_until_output(engines, "c2-t2")
         assert pulled.error is None and pulled.num_external_tokens > 0
         assert CountingNixl.num_posted > 0
     finally:

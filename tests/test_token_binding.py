@@ -248,7 +248,11 @@ class CountingNixl(FakeNixl):
         return super().post(transfer)
 
 
-def _engines(*, bidirectional: bool = False) -> tuple[Engine, Engine]:
+def example_engines(
+    suffix: str, *, bidirectional: bool = False, precheck_skip_s: float = 0.0
+) -> tuple[Engine, Engine]:
+    """A prefill and a decode example engine (``prefill-<suffix>``, ``decode-<suffix>``) on one
+    FakeFabric, their READs counted by CountingNixl."""
     fabric = FakeFabric()
     config = ConnectorConfig(
         side_channel_port=0,
@@ -256,10 +260,11 @@ def _engines(*, bidirectional: bool = False) -> tuple[Engine, Engine]:
         handshake_timeout_s=5.0,
         bidirectional_kv_xfer=bidirectional,
         kv_recompute_threshold=8,
+        lease_precheck_skip_s=precheck_skip_s,
     )
     prefill, decode = (
         Engine(
-            EngineConfig(f"{role}-tok", role=role, num_blocks=64),
+            EngineConfig(f"{role}-{suffix}", role=role, num_blocks=64),
             connector_config=config,
             agent_factory=lambda name: CountingNixl(name, fabric),
         )
@@ -268,7 +273,11 @@ def _engines(*, bidirectional: bool = False) -> tuple[Engine, Engine]:
     return prefill, decode
 
 
-def _run(engines: tuple[Engine, ...], request_id: str) -> RequestOutput:
+def _engines(*, bidirectional: bool = False) -> tuple[Engine, Engine]:
+    return example_engines("tok", bidirectional=bidirectional)
+
+
+def run_until_output(engines: tuple[Engine, ...], request_id: str) -> RequestOutput:
     for _ in range(20_000):
         for engine in engines:
             for output in engine.step():
@@ -277,7 +286,7 @@ def _run(engines: tuple[Engine, ...], request_id: str) -> RequestOutput:
     raise AssertionError(f"{request_id} unfinished")
 
 
-def _drain(engines: tuple[Engine, ...]) -> None:
+def drain(engines: tuple[Engine, ...]) -> None:
     for _ in range(2000):
         if not any(engine.has_work() for engine in engines):
             return
@@ -288,7 +297,7 @@ def _drain(engines: tuple[Engine, ...]) -> None:
 
 def _prefill(prefill: Engine, request_id: str, prompt: list[int], params: dict[str, Any]) -> Any:
     prefill.add_request(EngineRequest(request_id, prompt, 1, params))
-    first = _run((prefill,), request_id)
+    first = run_until_output((prefill,), request_id)
     assert first.error is None and first.kv_transfer_params is not None
     return first
 
@@ -303,7 +312,7 @@ def test_decode_given_params_of_another_prompt_fails_before_any_read() -> None:
         decode.add_request(
             EngineRequest("d", edited + first.token_ids, 3, first.kv_transfer_params)
         )
-        failed = _run((prefill, decode), "d")
+        failed = run_until_output((prefill, decode), "d")
         assert failed.error is not None
         reason = failed.error.removeprefix("KV load failed: ")
         assert reason.startswith("tokens mismatch: prefill engine 'prefill-tok' request 'p'")
@@ -315,10 +324,10 @@ def test_decode_given_params_of_another_prompt_fails_before_any_read() -> None:
         decode.add_request(
             EngineRequest("d2", prompt + again.token_ids, 3, again.kv_transfer_params)
         )
-        good = _run((prefill, decode), "d2")
+        good = run_until_output((prefill, decode), "d2")
         assert good.error is None and good.num_external_tokens == 40
         assert CountingNixl.num_posted > 0
-        _drain((prefill, decode))
+        drain((prefill, decode))
         assert (prefill.num_leaked_blocks, decode.num_leaked_blocks) == (0, 0)
     finally:
         prefill.shutdown()
@@ -333,18 +342,18 @@ def test_a_next_turn_whose_history_was_edited_does_not_pull_it() -> None:
         decode.add_request(
             EngineRequest("t1", prompt + first.token_ids, 6, first.kv_transfer_params)
         )
-        turn1 = _run((prefill, decode), "t1")
+        turn1 = run_until_output((prefill, decode), "t1")
         assert turn1.error is None and turn1.kv_transfer_params is not None
         history = prompt + turn1.token_ids
         edited = [*history[:10], (history[10] + 1) % 64, *history[11:]]
         CountingNixl.num_posted = 0
         prefill.add_request(EngineRequest("t2p", edited + [9] * 12, 1, turn1.kv_transfer_params))
-        failed = _run((prefill, decode), "t2p")
+        failed = run_until_output((prefill, decode), "t2p")
         assert failed.error is not None
         reason = failed.error.removeprefix("KV load failed: ")
         assert reason.startswith("tokens mismatch: prefill engine 'decode-tok' request 't1'")
         assert CountingNixl.num_posted == 0
-        _drain((prefill, decode))
+        drain((prefill, decode))
         assert (prefill.num_leaked_blocks, decode.num_leaked_blocks) == (0, 0)
     finally:
         prefill.shutdown()
