@@ -43,12 +43,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture
 def pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[h.Engine, h.Engine]]:
-    engines = []
-    for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        config = h.vllm_config(model, kv_role=role, failure_policy="fail", extra_config=MODE)
-        cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=64)
-        engines.append(h.build_engine(name, config, cache, port=h.free_port(), env=monkeypatch))
-    yield engines[0], engines[1]
+    engines = h.build_pair(
+        model, monkeypatch, failure_policy="fail", extra_config=MODE, block_size=BLOCK_SIZE
+    )
+    yield engines
     for engine in engines:
         engine.shutdown()
 

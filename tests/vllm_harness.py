@@ -345,6 +345,31 @@ def build_engine(
     return engine
 
 
+def build_pair(
+    model: ModelConfig,
+    env: Any,
+    *,
+    failure_policy: str,
+    extra_config: dict[str, Any],
+    block_size: int = 16,
+    num_blocks: int = 64,
+) -> tuple[Engine, Engine]:
+    """A prefill and a decode engine (TP 1) of ``model`` with one KV cache spec; stop them with
+    ``shutdown``."""
+    engines = []
+    for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        config = vllm_config(
+            model,
+            kv_role=role,
+            block_size=block_size,
+            failure_policy=failure_policy,
+            extra_config=extra_config,
+        )
+        cache = kv_cache_config(block_size=block_size, num_blocks=num_blocks)
+        engines.append(build_engine(name, config, cache, port=free_port(), env=env))
+    return engines[0], engines[1]
+
+
 def _across_processes(value: Any) -> Any:
     return pickle.loads(pickle.dumps(value))
 
