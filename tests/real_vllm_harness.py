@@ -41,6 +41,21 @@ from examples.vllm.proxy import make_server
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+
+
+def missing_vllm_venv() -> str | None:
+    """Why this machine cannot run the real-vLLM tier (no .venv-vllm), or None. With
+    NIXL_PD_REQUIRE_REAL_VLLM=1 (CI) a missing .venv-vllm raises instead: the tier must run."""
+    if VLLM_PYTHON.exists():
+        return None
+    if os.environ.get("NIXL_PD_REQUIRE_REAL_VLLM") == "1":
+        raise RuntimeError(
+            f"{VLLM_PYTHON} is missing and NIXL_PD_REQUIRE_REAL_VLLM=1: "
+            "run scripts/setup_vllm_cpu.sh"
+        )
+    return "no .venv-vllm: run scripts/setup_vllm_cpu.sh"
+
+
 MODEL_SCRIPT = Path(__file__).with_name("real_vllm_model.py")
 MODEL_NAME = "tiny-llama"
 HOST = "127.0.0.1"

@@ -48,23 +48,18 @@ import pytest
 
 from tests.real_vllm_harness import (
     REQUEST_TIMEOUT_S,
-    VLLM_PYTHON,
     Deployment,
     EngineError,
     RequestFailed,
     build_model,
     completion_body,
+    missing_vllm_venv,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(1500)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("NIXL_PD_REQUIRE_REAL_VLLM") == "1":
-        raise RuntimeError(
-            f"{VLLM_PYTHON} is missing and NIXL_PD_REQUIRE_REAL_VLLM=1: "
-            "run scripts/setup_vllm_cpu.sh"
-        )
-    pytest.skip("no .venv-vllm: run scripts/setup_vllm_cpu.sh", allow_module_level=True)
+if (missing := missing_vllm_venv()) is not None:
+    pytest.skip(missing, allow_module_level=True)
 
 RESULTS_ENV = "NIXL_PD_CONFIG_RESULTS"
 MAX_TOKENS = 8

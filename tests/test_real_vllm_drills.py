@@ -53,7 +53,6 @@ import pytest
 from examples.vllm.proxy import make_server
 from tests.real_vllm_harness import (
     HOST,
-    VLLM_PYTHON,
     Completion,
     Engine,
     EngineSpec,
@@ -64,18 +63,14 @@ from tests.real_vllm_harness import (
     failure_reason,
     free_port,
     kv_transfer_config,
+    missing_vllm_venv,
     prefill_params,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("NIXL_PD_REQUIRE_REAL_VLLM") == "1":
-        raise RuntimeError(
-            f"{VLLM_PYTHON} is missing and NIXL_PD_REQUIRE_REAL_VLLM=1: "
-            "run scripts/setup_vllm_cpu.sh"
-        )
-    pytest.skip("no .venv-vllm: run scripts/setup_vllm_cpu.sh", allow_module_level=True)
+if (missing := missing_vllm_venv()) is not None:
+    pytest.skip(missing, allow_module_level=True)
 
 from tests.test_real_vllm import MAX_TOKENS, mismatch, prompt  # noqa: E402
 

@@ -34,23 +34,18 @@ from pathlib import Path
 import pytest
 
 from tests.real_vllm_harness import (
-    VLLM_PYTHON,
     Completion,
     Deployment,
     build_model,
     complete,
+    missing_vllm_venv,
     prefill_params,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("NIXL_PD_REQUIRE_REAL_VLLM") == "1":
-        raise RuntimeError(
-            f"{VLLM_PYTHON} is missing and NIXL_PD_REQUIRE_REAL_VLLM=1: "
-            "run scripts/setup_vllm_cpu.sh"
-        )
-    pytest.skip("no .venv-vllm: run scripts/setup_vllm_cpu.sh", allow_module_level=True)
+if (missing := missing_vllm_venv()) is not None:
+    pytest.skip(missing, allow_module_level=True)
 
 MAX_TOKENS = 8
 VOCAB_IDS = range(4, 512)

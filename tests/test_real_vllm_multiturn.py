@@ -39,7 +39,6 @@ import pytest
 from examples.vllm.proxy import make_server
 from tests.real_vllm_harness import (
     HOST,
-    VLLM_PYTHON,
     Completion,
     Deployment,
     Engine,
@@ -50,17 +49,13 @@ from tests.real_vllm_harness import (
     connector_under_test,
     failure_reason,
     free_port,
+    missing_vllm_venv,
 )
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("NIXL_PD_REQUIRE_REAL_VLLM") == "1":
-        raise RuntimeError(
-            f"{VLLM_PYTHON} is missing and NIXL_PD_REQUIRE_REAL_VLLM=1: "
-            "run scripts/setup_vllm_cpu.sh"
-        )
-    pytest.skip("no .venv-vllm: run scripts/setup_vllm_cpu.sh", allow_module_level=True)
+if (missing := missing_vllm_venv()) is not None:
+    pytest.skip(missing, allow_module_level=True)
 
 MODE_ENV = "NIXL_PD_REAL_VLLM_MULTITURN"
 TTL_S = 25  # decoder_kv_blocks_ttl: long enough for the next turn on two busy cores
