@@ -160,10 +160,11 @@ class LeaseTable:
         may free those blocks at any moment.
         """
         with self._lock:
-            return tuple(
-                self._lease_ids.get(request_id) == lease_id and self._expiry_s[request_id] > now
-                for request_id, lease_id in refs
-            )
+            return tuple(self._is_held(request_id, lease_id, now) for request_id, lease_id in refs)
+
+    def _is_held(self, request_id: str, lease_id: str, now: float) -> bool:
+        """That very lease, not past its expiry. Lock held."""
+        return self._lease_ids.get(request_id) == lease_id and self._expiry_s[request_id] > now
 
     def await_copy(self, request_id: str) -> None:
         """Host staging: the held lease of ``request_id`` is not readable until ``copy_done``
@@ -227,11 +228,7 @@ class LeaseTable:
         its copy still pending (empty when none is), and did it start not readable (empty
         when none did)?"""
         with self._lock:
-            held = tuple(
-                self._lease_ids.get(ref.remote_request_id) == ref.lease_id
-                and self._expiry_s[ref.remote_request_id] > now
-                for ref in refs
-            )
+            held = tuple(self._is_held(ref.remote_request_id, ref.lease_id, now) for ref in refs)
             if not self._staged:
                 return held, (), ()
             staged = tuple(
