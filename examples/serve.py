@@ -58,7 +58,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handshake_timeout_s: float = 5.0  # per side-channel attempt
     handshake_retries: int = 2  # more attempts after the first, with backoff
     # Multi-turn (flags --bidirectional, --decoder-kv-ttl, --recompute-threshold): decode holds
-    # finished requests' KV for the next turn's prefill, which pulls it (README "Multi-turn").
+    # finished requests' KV for the next turn's prefill, which pulls it (docs/multiturn.md).
     bidirectional_kv_xfer: bool = False
     decoder_kv_blocks_ttl_s: float = 480.0
     kv_recompute_threshold: int = 64

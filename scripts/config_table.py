@@ -1,13 +1,14 @@
-"""Write the README's configuration table from the configuration tier's results.
+"""Write docs/vllm.md's configuration table from the configuration tier's results.
 
-    .venv/bin/python scripts/config_table.py RESULTS.json [MORE.json ...] [--readme README.md]
+    .venv/bin/python scripts/config_table.py RESULTS.json [MORE.json ...] [--doc docs/vllm.md]
 
 RESULTS.json is what tests/test_real_vllm_configs.py writes (NIXL_PD_CONFIG_RESULTS), or
-tests/test_real_vllm_fp8.py (NIXL_PD_FP8_RESULTS): a list of
-outcomes, one per case and connector (passed and failed request counts, or the message of a
-configuration an engine refused). The table, ours and vLLM's NixlConnector side by side, goes
-into README.md between the two marker comments below, replacing what was there; a refused
-configuration shows its message. Pure stdlib: the table is built by ``render`` (no I/O).
+tests/test_real_vllm_fp8.py (NIXL_PD_FP8_RESULTS): a list of outcomes, one per case and
+connector (passed and failed request counts, or the message of a configuration an engine
+refused). The table, ours and vLLM's NixlConnector side by side, goes into DEFAULT_DOC
+(docs/vllm.md, "Configurations on real engines") between the two marker comments below,
+replacing what was there; a refused configuration shows its message. Pure stdlib: the table
+is built by ``render`` (no I/O).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 BEGIN = "<!-- config-table:begin (scripts/config_table.py writes this table) -->"
 END = "<!-- config-table:end -->"
 CONNECTORS = (("nixlpd", "NixlPDConnector (ours)"), ("vllm", "vLLM NixlConnector"))
+DEFAULT_DOC = Path("docs/vllm.md")  # relative to the repository root
 
 
 def cell(outcome: Mapping[str, Any] | None) -> str:
@@ -61,7 +63,7 @@ def replace_between_markers(text: str, table: str) -> str:
     """``text`` with the part between BEGIN and END replaced by ``table``."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {BEGIN!r} ... {END!r} pair")
+        raise ValueError(f"the document has no {BEGIN!r} ... {END!r} pair")
     return text[: start + len(BEGIN)] + "\n" + table + "\n" + text[end:]
 
 
@@ -75,10 +77,10 @@ def load_outcomes(paths: Sequence[Path]) -> list[dict[str, Any]]:
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path)
-    parser.add_argument("--readme", type=Path, default=Path("README.md"))
+    parser.add_argument("--doc", type=Path, default=DEFAULT_DOC, help=f"({DEFAULT_DOC})")
     args = parser.parse_args(argv)
     table = render(load_outcomes(args.results), [path.name for path in args.results])
-    args.readme.write_text(replace_between_markers(args.readme.read_text(), table))
+    args.doc.write_text(replace_between_markers(args.doc.read_text(), table))
     return 0
 
 

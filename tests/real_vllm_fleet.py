@@ -198,7 +198,7 @@ class Fleet:
 class EngineCounters:
     """One engine's cumulative counters from its /metrics, compared before and after a run.
     vLLM's own: requests served and prompt tokens a connector loaded. The connector's
-    (README, "Metrics"): prefill's leases by how they ended, decode's loads and handshakes."""
+    (docs/metrics.md): prefill's leases by how they ended, decode's loads and handshakes."""
 
     served: float = 0.0  # vllm:request_success_total
     external_tokens: float = 0.0  # vllm:prompt_tokens_by_source_total{source=external_kv_transfer}

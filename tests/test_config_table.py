@@ -1,10 +1,14 @@
-"""scripts/config_table.py: the README table from the configuration tier's outcomes."""
+"""scripts/config_table.py: docs/vllm.md's table from the configuration tier's outcomes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from scripts.config_table import BEGIN, END, render, replace_between_markers
+from scripts.config_table import BEGIN, DEFAULT_DOC, END, render, replace_between_markers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 OUTCOMES = [
     {"configuration": "hybrid TP1", "case": "c", "connector": "nixlpd", "passed": 6, "failed": 0},
@@ -41,3 +45,10 @@ def test_table_replaces_only_what_lies_between_the_markers() -> None:
 def test_readme_without_markers_is_an_error() -> None:
     with pytest.raises(ValueError, match="config-table"):
         replace_between_markers("no markers", "new")
+
+
+def test_the_document_the_script_writes_by_default_holds_one_marker_pair() -> None:
+    text = (ROOT / DEFAULT_DOC).read_text()
+
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{DEFAULT_DOC}: one table, one pair"
+    assert text.index(BEGIN) < text.index(END)

@@ -1,8 +1,8 @@
 """Honest about failure over real NIXL: engines as separate processes, one of them SIGKILLed.
 
-Each scenario checks what README "Failure semantics" promises: the affected request is
-reported once, with a reason naming what happened, in bounded time (well under the lease);
-the surviving engines keep serving (a fresh request matches a single engine's tokens); and
+Each scenario checks what docs/integrity.md ("Failure semantics") promises: the affected
+request is reported once, with a reason naming what happened, in bounded time (well under the
+lease); the surviving engines keep serving (a fresh request matches a single engine's tokens); and
 no surviving engine keeps a block once drained. The harness is the demo's (``ServerProcess``,
 ``ToyRouter``); every process started here is stopped, every wait is bounded.
 """
@@ -316,10 +316,11 @@ def test_decode_restarted_under_its_engine_id_and_address_serves_and_old_leases_
     start: Start, expected_tokens: dict[str, list[int]]
 ) -> None:
     """Issue 21 item 4, prefill's side: a decode engine killed with loads pending comes back
-    under the same engine id and side-channel address. Prefill cannot tell the new boot from
-    the old one's readers (nothing names a reader's boot), so the old boot's leases are held
-    until they expire, as for a decode that stays dead; the new boot's loads, meanwhile, are
-    served from the same prefill without a stale handshake or a mixed-up notification."""
+    under the same engine id and side-channel address. The old boot never asked about these
+    leases (it died first), so no reader claimed them and the new boot's messages end nothing
+    (scheduler/readers.py): they are held until they expire, as for a decode that stays dead;
+    the new boot's loads, meanwhile, are served from the same prefill without a stale
+    handshake or a mixed-up notification."""
     port = _free_port()
     # A lease that outlives the decode's restart (about 3 s here), so the new boot is served
     # while the old boot's leases are still held.

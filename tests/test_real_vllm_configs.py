@@ -21,7 +21,7 @@ not the single engine). FP8 is tests/test_real_vllm_fp8.py's (its record: NIXL_P
 
 Every case's outcome (configuration, connector, prompts passed and failed, or the refusal) is
 written as JSON to ``NIXL_PD_CONFIG_RESULTS`` (default: a file in the system's temp directory)
-when the module ends; scripts/config_table.py turns it into the README's table.
+when the module ends; scripts/config_table.py turns it into docs/vllm.md's table.
 
     .venv/bin/python -m pytest tests/test_real_vllm_configs.py -m real_vllm
 """
