@@ -21,7 +21,7 @@ from connector.lifecycle import TransitionTable
 from connector.protocol import WorkerHandshake
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.plan import PeerPlan
+    from worker.plan.recipe import PeerPlan
     from worker.prepped import PreparedReads
 
 PeerKey = tuple[str, str, int, int, str]  # (engine id, host, port, remote TP size, boot id)
