@@ -186,7 +186,7 @@ class SchedulerConnector:
             return 0, False
         num_tokens = request.num_prompt_tokens
         if parsed.pulls:
-            num_tokens = min(num_tokens, source.num_tokens or 0)
+            num_tokens = min(num_tokens, source.remote_num_tokens or 0)
             if not self._params.worth_pulling(num_tokens - num_computed_tokens):
                 return 0, False
         else:

@@ -52,7 +52,7 @@ class SendFn(Protocol):
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
@@ -157,7 +157,7 @@ class BootIds:
 class _Message:
     send: SendFn
     destination: Destination
-    remote_request_ids: tuple[str, ...]
+    lease_keys: tuple[str, ...]
 
 
 class HeartbeatSender:
@@ -237,7 +237,7 @@ class HeartbeatSender:
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
@@ -245,28 +245,26 @@ class HeartbeatSender:
         """Queue one heartbeat to boot ``boot_id`` of prefill ``engine_id``; False if full or
         stopped."""
         destination = Destination(engine_id, host, port, boot_id)
-        return self._enqueue(self._send, destination, remote_request_ids)
+        return self._enqueue(self._send, destination, lease_keys)
 
     def submit_release(
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> bool:
         """Queue one release (decode will never read these); False if full or stopped."""
         destination = Destination(engine_id, host, port, boot_id)
-        return self._enqueue(self._send_release, destination, remote_request_ids)
+        return self._enqueue(self._send_release, destination, lease_keys)
 
-    def _enqueue(
-        self, send: SendFn, destination: Destination, remote_request_ids: Sequence[str]
-    ) -> bool:
+    def _enqueue(self, send: SendFn, destination: Destination, lease_keys: Sequence[str]) -> bool:
         if not self._start_thread():
             return False
         try:
-            self._queue.put_nowait(_Message(send, destination, tuple(remote_request_ids)))
+            self._queue.put_nowait(_Message(send, destination, tuple(lease_keys)))
         except queue.Full:
             logger.warning("side-channel queue full; dropping a message to %s", destination)
             return False
@@ -293,13 +291,13 @@ class HeartbeatSender:
         def send(
             host: str,
             port: int,
-            remote_request_ids: Sequence[str],
+            lease_keys: Sequence[str],
             *,
             engine_id: str,
             boot_id: str = "",
         ) -> int:
             destination = Destination(engine_id, host, port, boot_id)
-            return self._with_boot_id(client_send, destination, remote_request_ids)
+            return self._with_boot_id(client_send, destination, lease_keys)
 
         return send
 
@@ -307,7 +305,7 @@ class HeartbeatSender:
         self,
         send: Callable[..., int],
         destination: Destination,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
     ) -> int:
         """Send naming the destination's boot id: the params' one, else asked for once and
         forgotten on PeerRestarted."""
@@ -321,7 +319,7 @@ class HeartbeatSender:
             return send(
                 host,
                 port,
-                remote_request_ids,
+                lease_keys,
                 engine_id=engine_id,
                 boot_id=boot_id,
                 secret=secret,
@@ -363,7 +361,7 @@ class HeartbeatSender:
             message.send(
                 destination.host,
                 destination.port,
-                message.remote_request_ids,
+                message.lease_keys,
                 engine_id=destination.engine_id,
                 boot_id=destination.boot_id,
             )

@@ -54,7 +54,7 @@ class FakeClock:
 
 
 class RecordingHeartbeats(HeartbeatSender):
-    """Records messages as (engine_id, host, port, remote_request_ids) instead of sending them:
+    """Records messages as (engine_id, host, port, lease_keys) instead of sending them:
     releases when submitted, heartbeats when the test drives the timer (``beat_if_due``; no
     thread sends them)."""
 
@@ -67,24 +67,24 @@ class RecordingHeartbeats(HeartbeatSender):
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> object:
-        self.sent.append((engine_id, host, port, tuple(remote_request_ids)))
-        return len(remote_request_ids)
+        self.sent.append((engine_id, host, port, tuple(lease_keys)))
+        return len(lease_keys)
 
     def submit_release(
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> bool:
-        self.released.append((engine_id, host, port, tuple(remote_request_ids)))
+        self.released.append((engine_id, host, port, tuple(lease_keys)))
         return True
 
 

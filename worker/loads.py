@@ -278,7 +278,7 @@ class LoadTable:
             spec.source.remote_block_ids,
             spec.num_tokens,
             spec.num_cached_tokens,
-            remote_holds_more=spec.source.num_tokens is not None,  # a pull from decode
+            remote_holds_more=spec.source.remote_num_tokens is not None,  # a pull from decode
         )
         try:
             plans = plan_request(link.plan, request).reads
