@@ -5,9 +5,8 @@ to request_finished; nothing else keeps state for it (the vLLM adapter only tran
 moves only along REQUEST_LOAD_LIFECYCLE (scheduler/lifecycles.py) and also holds the request's
 parsed params (``parsed``, reused while the request carries the same params object).
 
-Params bind at allocation where the engine says so (vLLM: SchedulerConnector's
-``bind_params_at_allocation``): the first ask then only claims the tokens (CLAIMED, unread)
-and the params are read at allocation; refused ones (REFUSING, then REFUSED) are announced as
+Params bind at allocation, as vLLM binds a request (scheduler/connector.py): the first ask
+only claims the tokens (CLAIMED, unread) and the params are read at allocation; refused ones (REFUSING, then REFUSED) are announced as
 a failed load if the engine parked the request, and never offered a load again.
 
 Read params: get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc

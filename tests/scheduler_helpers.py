@@ -117,8 +117,6 @@ def make_decode(
     heartbeats: HeartbeatSender,
     spec: KVCacheSpec = DENSE,
     tp_size: int = 2,
-    *,
-    bind_at_allocation: bool = False,
 ) -> SchedulerConnector:
     return SchedulerConnector(
         CONFIG,
@@ -128,7 +126,6 @@ def make_decode(
         tp_size=tp_size,
         clock=clock,
         heartbeat_sender=heartbeats,
-        bind_params_at_allocation=bind_at_allocation,
     )
 
 
