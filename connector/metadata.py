@@ -8,6 +8,7 @@ Structs so an engine may ship them between processes as bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -20,6 +21,21 @@ BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache
 # prepared-list planner indexes NIXL descriptors in int32 (worker/planner_prepped.py), so an
 # id above this could never name a real block; params refuse it at the door.
 MAX_BLOCK_ID = 2**31 - 1
+
+
+class SideChannelBoot(NamedTuple):
+    """One boot of a remote engine's side channel: where a message goes, and the boot it is for
+    ("": not known yet, learned with Hello). Keyed by engine and boot too: an engine restarted
+    on the same host:port is another side channel, so a refusal from one never silences the
+    other."""
+
+    engine_id: str
+    host: str
+    port: int
+    boot_id: str = ""
+
+    def __str__(self) -> str:
+        return f"engine {self.engine_id!r} at {self.host}:{self.port}"
 
 
 class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -47,6 +63,11 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     # Set by the reader's ranks (transfer thread) from the above: the digest of the blocks
     # its READs come from and the tokens it assumes they hold (connector/block_digest.py).
     blocks: BlockDigest | None = None
+
+    @property
+    def side_channel(self) -> SideChannelBoot:
+        """The side channel the params name, as the boot that leased."""
+        return SideChannelBoot(self.engine_id, self.host, self.port, self.boot_id)
 
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

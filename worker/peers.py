@@ -58,7 +58,7 @@ MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
 
 
 def peer_key(source: RemoteSource) -> PeerKey:
-    return (source.engine_id, source.host, source.port, source.tp_size, source.boot_id)
+    return (source.side_channel, source.tp_size)
 
 
 @dataclass
