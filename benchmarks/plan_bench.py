@@ -1,9 +1,9 @@
 """Transfer planning cost: microseconds and descriptors per request, against one per (layer, block).
 
-"plan µs" is ``plan_request`` (worker/plan.py) without prepared rows: every segment through
+"plan µs" is ``plan_request`` (worker/plan/recipe.py) without prepared rows: every segment through
 the exact planner. The "by index" columns: ``plan_request`` along ReadPath.BY_INDEX, with
 prepared rows (segments, then indices of whole blocks and the partial block's ranges), its
-index count, and what the cost rule (worker/whole_blocks.py choose_prepared) picks ("-":
+index count, and what the cost rule (worker/plan/whole_blocks.py choose_prepared) picks ("-":
 the pairing cannot be read by whole-block index). Real NIXL's make_read / make_prepped_xfer costs on top are measured
 in benchmarks/README.md ("prepared lists").
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout, RankLayout
-from worker.plan import PeerPlan, ReadPath, TransferRequest, peer_plan, plan_request
+from worker.plan.recipe import PeerPlan, ReadPath, TransferRequest, peer_plan, plan_request
 from worker.transfer_thread import keep_plan_memory_mapped
 
 NUM_LAYERS = 32

@@ -1,13 +1,13 @@
 """Per-request work on the transfer thread, byte ranges against READs by index, on real NIXL.
 
 One process, two real NIXL agents (UCX, loopback) with registered but untouched memory (mmap,
-so a 32k-token pool costs no RAM). Per request: plan (``plan_request``, worker/plan.py, along one
+so a 32k-token pool costs no RAM). Per request: plan (``plan_request``, worker/plan/recipe.py, along one
 ReadPath), then make each remote rank's READs (initialize_xfer or make_prepped_xfer) and
 release them; nothing is posted, so the figures are the Python and NIXL bookkeeping a request
 costs, not the copy. Paths: byte ranges from the exact planner alone, byte ranges with whole
 blocks from the prepared rows (what the range path does now), and by index.
 Model of benchmarks/vs_vllm.py: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks,
-HND. "rule" is what the cost rule picks (worker/whole_blocks.py choose_prepared).
+HND. "rule" is what the cost rule picks (worker/plan/whole_blocks.py choose_prepared).
 
 Run: ``UCX_NET_DEVICES=lo .venv/bin/python -m benchmarks.prepped_bench`` (about a minute).
 """
@@ -40,7 +40,7 @@ from connector.layout import (  # noqa: E402
     RankLayout,
 )
 from worker.nixl_real import RealNixlAgent  # noqa: E402
-from worker.plan import (  # noqa: E402
+from worker.plan.recipe import (  # noqa: E402
     PeerPlan,
     RankPlan,
     ReadPath,

@@ -4,7 +4,7 @@ Two processes on loopback: a child (benchmarks/transfer_peer.py) holds the "pref
 and serves its agent; this process is "decode" and READs from it. Both agents are RealNixlAgent
 with our settings (UCX, progress thread delay 1000 us).
 
-1. Descriptor strategy per request, same bytes and memory: OURS (worker/plan.py's merged
+1. Descriptor strategy per request, same bytes and memory: OURS (worker/plan/recipe.py's merged
    descriptors through RealNixlAgent.make_read, i.e. initialize_xfer), one descriptor per
    (layer plane, block) the same way, one per (layer plane, block) through prepped dlists +
    make_prepped_xfer (vLLM's path; NIXL merges adjacent descriptors there), and OURS cut into
@@ -62,10 +62,10 @@ from connector.layout import (
     MemoryLayout,
     RankLayout,
 )
-from worker.byte_runs import ByteRuns
 from worker.nixl_api import Descriptors, TransferState
 from worker.nixl_real import RealNixlAgent
-from worker.plan import TransferRequest, peer_plan, plan_request
+from worker.plan.byte_runs import ByteRuns
+from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 from worker.reads import build_descriptors
 
 NUM_LAYERS = 32

@@ -210,7 +210,6 @@ class OurLayers:
         spec = bench.sides["ours"].kv_cache_spec()
         self.connector = SchedulerConnector(
             ConnectorConfig(), engine_id="layers", role=Role.BOTH, spec=spec, tp_size=1,
-            bind_params_at_allocation=True,  # as the vLLM adapter builds it
         )  # fmt: skip
         self.requests = bench.requests
 
@@ -269,8 +268,8 @@ def layer_rows(runs: int, batch: int) -> list[str]:
         "|---|---:|---:|---:|---:|",
     ]
     alloc = DECODE_HOOKS[2]
-    # The adapter calls SchedulerConnector in each hook; with bind_params_at_allocation the
-    # first ask only claims the tokens and the params are parsed at allocation.
+    # The adapter calls SchedulerConnector in each hook; the first ask only claims the tokens
+    # and the params are parsed at allocation.
     for hook in DECODE_HOOKS:
         if hook not in ours_only[0]:
             continue

@@ -5,7 +5,7 @@ Two processes over UCX on loopback (benchmarks/transfer_bench.py's set-up: the c
 blocks, NHD, one region per layer: 32 layers and a 576-block pool per side for 2k and 8k
 tokens, 8 layers and a 2112-block pool for 32k, so that 32k fits in about 1 GiB per side with
 the same 32 KiB per layer plane and block). For each request:
-- ours: worker/plan.py's merged descriptors through RealNixlAgent.make_read, the calls
+- ours: worker/plan/recipe.py's merged descriptors through RealNixlAgent.make_read, the calls
   our transfer thread makes;
 - vLLM: one descriptor per (layer plane, block) from dlists prepared once at handshake, posted
   by index with make_prepped_xfer (what vLLM's worker does; NIXL merges adjacent ones);
@@ -41,8 +41,8 @@ from benchmarks.transfer_bench import (
 from benchmarks.transfer_peer import PeerChild
 from connector.config import DEFAULT_NIXL_THREADS
 from connector.layout import RankLayout
-from worker.byte_runs import ByteRuns
-from worker.plan import TransferRequest, peer_plan, plan_request
+from worker.plan.byte_runs import ByteRuns
+from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 
 Case = tuple[int, bool]  # (num_tokens, fragmented)
 # (layers, pool blocks) -> the requests read in that shape

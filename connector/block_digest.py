@@ -47,7 +47,8 @@ def bound_to_blocks(spec: LoadSpec) -> RemoteSource:
     they hold: the remote count the params give (a pull from decode's hold), else the load's
     own (prefill's lease covers exactly the load's tokens)."""
     source = spec.source
-    num_tokens = spec.num_tokens if source.num_tokens is None else source.num_tokens
+    remote_num_tokens = source.remote_num_tokens
+    num_tokens = spec.num_tokens if remote_num_tokens is None else remote_num_tokens
     blocks = block_digest(source.remote_block_ids, num_tokens)
     return msgspec.structs.replace(source, blocks=blocks)
 

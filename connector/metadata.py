@@ -8,6 +8,7 @@ Structs so an engine may ship them between processes as bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -22,6 +23,21 @@ BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache
 MAX_BLOCK_ID = 2**31 - 1
 
 
+class SideChannelBoot(NamedTuple):
+    """One boot of a remote engine's side channel: where a message goes, and the boot it is for
+    ("": not known yet, learned with Hello). Keyed by engine and boot too: an engine restarted
+    on the same host:port is another side channel, so a refusal from one never silences the
+    other."""
+
+    engine_id: str
+    host: str
+    port: int
+    boot_id: str = ""
+
+    def __str__(self) -> str:
+        return f"engine {self.engine_id!r} at {self.host}:{self.port}"
+
+
 class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Where a request's prompt KV lives: the prefill engine and its blocks."""
 
@@ -29,14 +45,15 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     host: str
     port: int
     tp_size: int
-    remote_request_id: str  # the prefill side's request id: free notifications are keyed by it
+    remote_request_id: str  # the prefill side's request id: with lease_id, the lease key
     remote_block_ids: BlockIds  # prefill's logical blocks for tokens [0, num_tokens), per group
     boot_id: str = ""  # prefill's side-channel boot when it leased ("": params had none)
     lease_id: str = ""  # the lease prefill drew for these blocks ("": none, load unprovable)
     # The tokens the remote blocks hold when a load may read fewer (a pull from decode, whose
-    # blocks also hold the answer): the load then reads from the leading blocks only. None:
-    # the blocks cover exactly the load's tokens (prefill's lease).
-    num_tokens: int | None = None
+    # blocks also hold the answer; the params' remote_num_tokens): the load then reads from the
+    # leading blocks only. None: the blocks cover exactly the load's tokens, the LoadSpec's
+    # num_tokens (prefill's lease).
+    remote_num_tokens: int | None = None
     # Set by the reader, never taken from params: the tokens this load expects the blocks to
     # hold (its prompt's first ones; digested by its ranks from the LoadSpec's ids on their
     # transfer thread), and who reads (this engine and boot; set by its scheduler). Lease
@@ -47,9 +64,17 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     # its READs come from and the tokens it assumes they hold (connector/block_digest.py).
     blocks: BlockDigest | None = None
 
+    @property
+    def side_channel(self) -> SideChannelBoot:
+        """The side channel the params name, as the boot that leased."""
+        return SideChannelBoot(self.engine_id, self.host, self.port, self.boot_id)
+
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Decode: read tokens [num_cached_tokens, num_tokens) of a request from its prefill engine.
+
+    ``num_tokens`` is where the load ends: the tokens decode holds once it succeeded. The remote
+    blocks may hold more (``source.remote_num_tokens``, a pull from decode).
 
     ``local_block_ids`` are decode's logical blocks for the uncached suffix, per group: the
     blocks covering tokens [num_cached_tokens, num_tokens) (an SSM group: its one state block,
@@ -80,7 +105,7 @@ class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fa
 class DigestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Prefill, with verify_kv: digest this lease's blocks (worker/kv_digest.py) and report it."""
 
-    key: str  # the lease key (request id @ lease id), as in ``sends``
+    key: str  # the lease key (connector/protocol.py lease_key), as in ``sends``
     block_ids: BlockIds  # the leased logical blocks, per group
     num_tokens: int  # the tokens whose KV they hold
 
@@ -90,7 +115,7 @@ class StageSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
     ``WorkerReport.staged`` (a decode engine's hold: its answer's KV exists only on the device
     when the lease starts, and no reader is told the lease holds until every rank copied it)."""
 
-    key: str  # the lease key (request id @ lease id), as in ``sends``
+    key: str  # the lease key (connector/protocol.py lease_key), as in ``sends``
     request_id: str
     block_ids: BlockIds  # the leased logical blocks, per transfer group, in the lease's order
 
@@ -109,10 +134,10 @@ class ConnectorMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
     loads: tuple[LoadSpec, ...] = ()
     releases: tuple[ReleaseSpec, ...] = ()
-    # Prefill: request ids whose blocks are now held under a lease; ranks expect free
-    # notifications for them.
+    # Prefill: lease keys (connector/protocol.py lease_key) of the leases taken since the last
+    # step; ranks expect free notifications for them.
     sends: tuple[str, ...] = ()
-    # Prefill: request ids the scheduler has stopped waiting for (lease expired, released over
+    # Prefill: lease keys the scheduler has stopped waiting for (lease expired, released over
     # the side channel); ranks drop their notification counts for them.
     forgotten: tuple[str, ...] = ()
     # Prefill with verify_kv: the leases of ``sends`` to digest.
@@ -125,7 +150,7 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What one worker rank finished since its last report."""
 
     tp_rank: int
-    # Prefill: every expected free notification for these request ids reached this rank.
+    # Prefill: every expected free notification for these lease keys reached this rank.
     finished_sending: tuple[str, ...] = ()
     # Decode: this rank holds the request's KV.
     finished_recving: tuple[str, ...] = ()

@@ -194,7 +194,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             block_ids,
             boot_id=self.remote_boot_id or "",
             lease_id=self.remote_lease_id or "",
-            num_tokens=self.remote_num_tokens,
+            remote_num_tokens=self.remote_num_tokens,
         )
 
 

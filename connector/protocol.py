@@ -63,7 +63,7 @@ STALE_BOOT = "stale_boot"  # ErrorReply.code: the request named another boot of 
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
-RequestIds = Annotated[tuple[RequestId, ...], msgspec.Meta(max_length=100_000)]
+LeaseKeys = Annotated[tuple[RequestId, ...], msgspec.Meta(max_length=100_000)]  # lease_key() each
 LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 BootId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
@@ -101,7 +101,7 @@ class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat"):
     """Decode still wants these prefill requests' blocks: extend their leases.
 
-    ``remote_request_ids`` name leases: ``lease_key(request id, lease id)`` from the params
+    ``lease_keys`` name leases: ``lease_key(request id, lease id)`` from the params
     (a bare request id only for params without a lease id), so a message meant for an earlier
     lease of a repeated request id touches nothing.
 
@@ -111,7 +111,7 @@ class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="he
     """
 
     engine_id: EngineId
-    remote_request_ids: RequestIds
+    lease_keys: LeaseKeys = msgspec.field(name="remote_request_ids")  # the wire's older name
     reader: ReaderId | None = None  # None: an older reader that does not name itself
 
 
@@ -119,7 +119,7 @@ class Release(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="rele
     """Decode will never read these prefill requests' blocks on ``engine_id``: free them now."""
 
     engine_id: EngineId
-    remote_request_ids: RequestIds
+    lease_keys: LeaseKeys = msgspec.field(name="remote_request_ids")
     reader: ReaderId | None = None
 
 
@@ -408,7 +408,11 @@ _COUNT_PATTERN = re.compile(rb"[0-9]{1,9}")
 
 
 def encode_free_notif(remote_request_id: str, consumers: int) -> bytes:
-    """``b"<remote_request_id>:<consumers>"``: this reader is one of ``consumers`` readers."""
+    """``b"<remote_request_id>:<consumers>"``: this reader is one of ``consumers`` readers.
+
+    ``remote_request_id`` (the DESIGN contract's name) is what the prefill side counts by: the
+    lease key (``lease_key``), a bare request id only for params of an older prefill.
+    """
     if not isinstance(remote_request_id, str) or not remote_request_id:
         raise InvalidNotification(
             f"free notification needs a non-empty prefill request id, got {remote_request_id!r}"
@@ -421,7 +425,7 @@ def encode_free_notif(remote_request_id: str, consumers: int) -> bytes:
 
 
 def decode_free_notif(msg: bytes) -> tuple[str, int]:
-    """Split ``msg`` on its LAST ':' into (remote_request_id, consumers).
+    """Split ``msg`` on its LAST ':' into (remote_request_id, consumers): (lease key, count).
 
     The id may itself contain ':'; it must be non-empty UTF-8. The count must be a positive
     decimal integer of ASCII digits (no sign, no spaces). Anything else: InvalidNotification.

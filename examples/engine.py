@@ -5,8 +5,9 @@ One engine = one scheduler-side ``SchedulerConnector`` plus, per TP rank, its ow
 
 1. schedule waiting requests: local prefix-cache hit, then
    ``get_num_new_matched_tokens``; allocate blocks (hits first); ``update_state_after_alloc``;
-2. ``build_connector_meta`` (host staging: copy the holds it names device->host) and every
-   rank's ``start_load_kv``;
+2. ``build_connector_meta`` (host staging: copy the holds it names device->host), then
+   ``take_refused`` (params bind at allocation, as in vLLM: refused ones fail their parked
+   request), and every rank's ``start_load_kv``;
 3. run the model for running requests (one token each, or the whole uncomputed prompt);
 4. every rank's ``get_finished`` -> ``update_connector_output`` -> ``take_finished``: loaded
    requests start running, failed loads fail their request, sent requests free their blocks;
@@ -35,7 +36,7 @@ from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, buil
 from examples.metering import MeteredAgent, TransferStats
 from examples.model import TinyModel
 from examples.staging import HostStaging
-from scheduler.requests import RequestInfo
+from scheduler.requests import FinishedRequests, RequestInfo
 
 __all__ = ["Engine", "EngineConfig", "EngineRequest", "RequestOutput", "parse_engine_config"]
 
@@ -201,6 +202,9 @@ class Engine:
         ] = []  # host staging: the ranks' reports of this step's hold copies
         if self.scheduler is not None:
             metadata = self.scheduler.build_connector_meta()
+            # Params bind at allocation: refused ones parked their request; fail it now.
+            refused = FinishedRequests(failed_recving=self.scheduler.take_refused())
+            outputs += self._apply_finished(refused)
             self.stats.note_loads(metadata)
             if self.staging is not None:
                 self.staging.note_loads(metadata)

@@ -7,12 +7,12 @@ decode request's one record, its parsed params included, is Consumer's.
 Every method runs on the engine thread; the side-channel thread touches only the lease table,
 and the heartbeat thread only the heartbeat registry (scheduler/heartbeat_registry.py).
 
-``bind_params_at_allocation`` (vLLM): the engine may ask get_num_new_matched_tokens many times
-before it allocates, and nothing binds until then. The first ask only claims the tokens of a
-dict saying ``do_remote_prefill: true``; the params are read at allocation (or at an ask that
-finds nothing left to load). Refused params never raise then: the request is claimed so the
-engine parks it, announced as a failed load (``take_refused``), and never loads. Without it
-(the example engine) params are read at the first ask and refusals raise.
+Params bind at allocation, as vLLM binds a request: the engine may ask
+get_num_new_matched_tokens many times before it allocates, and nothing binds until then. The
+first ask only claims the tokens of a dict saying ``do_remote_prefill: true``; the params are
+read at allocation (or at an ask that finds nothing left to load). Refused params never raise:
+the request is claimed so the engine parks it, announced as a failed load (``take_refused``),
+and never loads.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class SchedulerConnector:
         tp_size: int,
         clock: Callable[[], float] = time.monotonic,
         heartbeat_sender: HeartbeatSender | None = None,
-        bind_params_at_allocation: bool = False,
         on_move: OnMove | None = None,  # sees every decode record's move (tests)
         host_staging: bool = False,  # NIXL reads a host copy: holds are copied there first
     ) -> None:
@@ -82,7 +81,6 @@ class SchedulerConnector:
         self._boot_id = secrets.token_hex(BOOT_ID_CHARS // 2)
         self._reader = ReaderId(engine_id, self._boot_id)
         self._leases = LeaseTable(config.kv_lease_duration_s, num_ranks=tp_size)
-        self._bind_at_allocation = bind_params_at_allocation
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
             secret=config.side_channel_secret,
@@ -166,45 +164,9 @@ class SchedulerConnector:
     ) -> tuple[int, bool]:
         """(tokens that will arrive asynchronously, whether a load is pending).
 
-        Raises InvalidTransferParams for malformed params (the engine fails that request);
-        no state is kept for it then. With bind_params_at_allocation it never raises.
+        Never raises for a request's params: on the params' word the tokens are claimed, and
+        params read and refused (now or at allocation) are announced by ``take_refused``.
         """
-        if self._bind_at_allocation:
-            return self._ask_before_allocation(request, num_computed_tokens)
-        return self._match(
-            request,
-            self._parse(request, self._consumer.record(request.request_id)),
-            num_computed_tokens,
-        )
-
-    def _match(
-        self, request: RequestInfo, parsed: ParsedParams, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """The read params' answer; raises InvalidTransferParams for a wrong group count."""
-        source = parsed.source
-        if source is None:
-            return 0, False
-        num_tokens = request.num_prompt_tokens
-        if parsed.pulls:
-            num_tokens = min(num_tokens, source.num_tokens or 0)
-            if not self._params.worth_pulling(num_tokens - num_computed_tokens):
-                return 0, False
-        else:
-            validate_block_groups(source.remote_block_ids, self._num_groups)
-        return self._consumer.get_num_new_matched_tokens(
-            request.request_id,
-            source,
-            num_tokens,
-            num_computed_tokens,
-            parsed,
-            token_ids=request.token_ids,
-            kv_salt=request.kv_salt,
-        )
-
-    def _ask_before_allocation(
-        self, request: RequestInfo, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """bind_params_at_allocation: claim on the params' word, read them when it binds."""
         raw = request.kv_transfer_params
         if raw is None:
             return 0, False
@@ -230,6 +192,30 @@ class SchedulerConnector:
         except InvalidTransferParams as exc:
             reason = f"invalid kv_transfer_params: {exc}"
             return self._consumer.refuse(request_id, reason, num_new_tokens)
+
+    def _match(
+        self, request: RequestInfo, parsed: ParsedParams, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """The read params' answer; raises InvalidTransferParams for a wrong group count."""
+        source = parsed.source
+        if source is None:
+            return 0, False
+        num_tokens = request.num_prompt_tokens
+        if parsed.pulls:
+            num_tokens = min(num_tokens, source.remote_num_tokens or 0)
+            if not self._params.worth_pulling(num_tokens - num_computed_tokens):
+                return 0, False
+        else:
+            validate_block_groups(source.remote_block_ids, self._num_groups)
+        return self._consumer.get_num_new_matched_tokens(
+            request.request_id,
+            source,
+            num_tokens,
+            num_computed_tokens,
+            parsed,
+            token_ids=request.token_ids,
+            kv_salt=request.kv_salt,
+        )
 
     def update_state_after_alloc(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -274,8 +260,8 @@ class SchedulerConnector:
         return False
 
     def take_refused(self) -> dict[str, LoadFailure]:
-        """bind_params_at_allocation: requests whose params were refused after the engine
-        parked them, since the last call (request id -> reason): announce their load failed."""
+        """Requests whose params were refused after the engine parked them, since the last
+        call (request id -> reason): announce their load failed."""
         return self._consumer.take_refused()
 
     def build_connector_meta(self) -> ConnectorMetadata:

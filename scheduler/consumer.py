@@ -5,9 +5,8 @@ to request_finished; nothing else keeps state for it (the vLLM adapter only tran
 moves only along REQUEST_LOAD_LIFECYCLE (scheduler/lifecycles.py) and also holds the request's
 parsed params (``parsed``, reused while the request carries the same params object).
 
-Params bind at allocation where the engine says so (vLLM: SchedulerConnector's
-``bind_params_at_allocation``): the first ask then only claims the tokens (CLAIMED, unread)
-and the params are read at allocation; refused ones (REFUSING, then REFUSED) are announced as
+Params bind at allocation, as vLLM binds a request (scheduler/connector.py): the first ask
+only claims the tokens (CLAIMED, unread) and the params are read at allocation; refused ones (REFUSING, then REFUSED) are announced as
 a failed load if the engine parked the request, and never offered a load again.
 
 Read params: get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
@@ -24,7 +23,7 @@ decided: at allocation with nothing to load (a full local prefix hit), as vLLM's
 does, or at request_finished; never at an ask, which the engine may repeat with a smaller hit.
 
 In multi-turn mode a prefill engine loads through this same class: its source is the decode
-engine holding an earlier turn (``RemoteSource.num_tokens`` set), and a successful pull is
+engine holding an earlier turn (``RemoteSource.remote_num_tokens`` set), and a successful pull is
 counted in ``nixl_pd_pulled_tokens_total``.
 """
 
@@ -417,7 +416,7 @@ class Consumer:
             self._release_over_side_channel(source)
         else:
             self._finished.append(request_id)
-            if source.num_tokens is not None:  # a pull of an earlier turn from decode
+            if source.remote_num_tokens is not None:  # a pull of an earlier turn from decode
                 self._metrics.inc(PULLED_TOKENS, amount=load.num_tokens - load.num_cached_tokens)
         # Until request_finished, get_num_new_matched_tokens says (0, False) for it.
         self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from connector.errors import InvalidTransferParams
-from connector.metadata import RemoteSource
+from connector.metadata import RemoteSource, SideChannelBoot
 from connector.params import parse_kv_transfer_params
 from connector.protocol import lease_key
 
@@ -42,16 +42,7 @@ logger = logging.getLogger(__name__)
 Held = RemoteSource | Mapping[str, Any]
 
 
-class PrefillBoot(NamedTuple):
-    """One prefill engine boot's side channel: one heartbeat names all its leases."""
-
-    engine_id: str
-    host: str
-    port: int
-    boot_id: str
-
-
-Heartbeat = tuple[PrefillBoot, tuple[str, ...]]  # where, and the lease keys it extends
+Heartbeat = tuple[SideChannelBoot, tuple[str, ...]]  # where, and the lease keys it extends
 
 
 class HeartbeatRegistry:
@@ -138,7 +129,7 @@ class HeartbeatRegistry:
         return wedged
 
     def _group(self, entries: list[tuple[str, Held]]) -> list[Heartbeat]:
-        by_boot: dict[PrefillBoot, list[str]] = {}
+        by_boot: dict[SideChannelBoot, list[str]] = {}
         parsed: dict[str, tuple[object, RemoteSource | None]] = {}
         for request_id, held in entries:
             if isinstance(held, RemoteSource):
@@ -147,7 +138,7 @@ class HeartbeatRegistry:
                 source = self._claimed_source(request_id, held, parsed)
             if source is None:
                 continue
-            boot = PrefillBoot(source.engine_id, source.host, source.port, source.boot_id)
+            boot = source.side_channel
             key = lease_key(source.remote_request_id, source.lease_id)
             by_boot.setdefault(boot, []).append(key)
         self._parsed = parsed  # only the claims still held: bounded by the registry

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from connector.errors import ConnectorError, PeerRestarted
+from connector.metadata import SideChannelBoot
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from connector.protocol import ReaderId
 from scheduler.heartbeat_registry import HeartbeatRegistry
@@ -52,26 +53,11 @@ class SendFn(Protocol):
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> object: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Destination:
-    """One prefill engine's side channel, and the boot the message is for ("": learn it).
-    Keyed by engine and boot too: a refusal from an engine that restarted on the same host:port
-    must not silence messages meant for the new engine."""
-
-    engine_id: str
-    host: str
-    port: int
-    boot_id: str = ""
-
-    def __str__(self) -> str:
-        return f"engine {self.engine_id!r} at {self.host}:{self.port}"
 
 
 @dataclasses.dataclass
@@ -95,9 +81,9 @@ class Backoff:
     def __init__(self, *, initial_s: float, max_s: float) -> None:
         self._initial_s = initial_s
         self._max_s = max(initial_s, max_s)
-        self._windows: dict[Destination, _Window] = {}  # failing destinations only
+        self._windows: dict[SideChannelBoot, _Window] = {}  # failing destinations only
 
-    def should_skip(self, destination: Destination, now: float) -> bool:
+    def should_skip(self, destination: SideChannelBoot, now: float) -> bool:
         """True (and counted) while ``destination`` is inside its backoff window."""
         window = self._windows.get(destination)
         if window is None or now >= window.until_s:
@@ -105,7 +91,7 @@ class Backoff:
         window.num_skipped += 1
         return True
 
-    def failed(self, destination: Destination, now: float) -> tuple[float, int]:
+    def failed(self, destination: SideChannelBoot, now: float) -> tuple[float, int]:
         """Start the next window: (its length in seconds, messages skipped in the last one)."""
         self._forget_stale(now)
         previous = self._windows.get(destination)
@@ -115,7 +101,7 @@ class Backoff:
         self._windows[destination] = _Window(backoff_s, now + backoff_s)
         return backoff_s, 0 if previous is None else previous.num_skipped
 
-    def succeeded(self, destination: Destination) -> int | None:
+    def succeeded(self, destination: SideChannelBoot) -> int | None:
         """Forget ``destination``'s failures: the messages skipped in its last window, or None
         if it was not failing."""
         window = self._windows.pop(destination, None)
@@ -135,18 +121,18 @@ class BootIds:
 
     def __init__(self, *, max_destinations: int = MAX_BOOT_IDS) -> None:
         self._max_destinations = max_destinations
-        self._boot_ids: dict[Destination, str] = {}  # insertion order: oldest first
+        self._boot_ids: dict[SideChannelBoot, str] = {}  # insertion order: oldest first
 
-    def get(self, destination: Destination) -> str | None:
+    def get(self, destination: SideChannelBoot) -> str | None:
         return self._boot_ids.get(destination)
 
-    def learned(self, destination: Destination, boot_id: str) -> None:
+    def learned(self, destination: SideChannelBoot, boot_id: str) -> None:
         self._boot_ids.pop(destination, None)
         self._boot_ids[destination] = boot_id
         if len(self._boot_ids) > self._max_destinations:
             del self._boot_ids[next(iter(self._boot_ids))]
 
-    def forget(self, destination: Destination) -> None:
+    def forget(self, destination: SideChannelBoot) -> None:
         self._boot_ids.pop(destination, None)
 
     def __len__(self) -> int:
@@ -156,8 +142,8 @@ class BootIds:
 @dataclasses.dataclass(frozen=True)
 class _Message:
     send: SendFn
-    destination: Destination
-    remote_request_ids: tuple[str, ...]
+    destination: SideChannelBoot
+    lease_keys: tuple[str, ...]
 
 
 class HeartbeatSender:
@@ -230,43 +216,43 @@ class HeartbeatSender:
         timer, or a test with ``timer=False``); returns how many were due."""
         due = [heartbeat for registry in self._registries for heartbeat in registry.take_due()]
         for boot, lease_keys in due:
-            self._handle(_Message(self._send, Destination(*boot), lease_keys))
+            self._handle(_Message(self._send, boot, lease_keys))
         return len(due)
 
     def submit(
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> bool:
         """Queue one heartbeat to boot ``boot_id`` of prefill ``engine_id``; False if full or
         stopped."""
-        destination = Destination(engine_id, host, port, boot_id)
-        return self._enqueue(self._send, destination, remote_request_ids)
+        destination = SideChannelBoot(engine_id, host, port, boot_id)
+        return self._enqueue(self._send, destination, lease_keys)
 
     def submit_release(
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> bool:
         """Queue one release (decode will never read these); False if full or stopped."""
-        destination = Destination(engine_id, host, port, boot_id)
-        return self._enqueue(self._send_release, destination, remote_request_ids)
+        destination = SideChannelBoot(engine_id, host, port, boot_id)
+        return self._enqueue(self._send_release, destination, lease_keys)
 
     def _enqueue(
-        self, send: SendFn, destination: Destination, remote_request_ids: Sequence[str]
+        self, send: SendFn, destination: SideChannelBoot, lease_keys: Sequence[str]
     ) -> bool:
         if not self._start_thread():
             return False
         try:
-            self._queue.put_nowait(_Message(send, destination, tuple(remote_request_ids)))
+            self._queue.put_nowait(_Message(send, destination, tuple(lease_keys)))
         except queue.Full:
             logger.warning("side-channel queue full; dropping a message to %s", destination)
             return False
@@ -293,21 +279,21 @@ class HeartbeatSender:
         def send(
             host: str,
             port: int,
-            remote_request_ids: Sequence[str],
+            lease_keys: Sequence[str],
             *,
             engine_id: str,
             boot_id: str = "",
         ) -> int:
-            destination = Destination(engine_id, host, port, boot_id)
-            return self._with_boot_id(client_send, destination, remote_request_ids)
+            destination = SideChannelBoot(engine_id, host, port, boot_id)
+            return self._with_boot_id(client_send, destination, lease_keys)
 
         return send
 
     def _with_boot_id(
         self,
         send: Callable[..., int],
-        destination: Destination,
-        remote_request_ids: Sequence[str],
+        destination: SideChannelBoot,
+        lease_keys: Sequence[str],
     ) -> int:
         """Send naming the destination's boot id: the params' one, else asked for once and
         forgotten on PeerRestarted."""
@@ -321,7 +307,7 @@ class HeartbeatSender:
             return send(
                 host,
                 port,
-                remote_request_ids,
+                lease_keys,
                 engine_id=engine_id,
                 boot_id=boot_id,
                 secret=secret,
@@ -363,7 +349,7 @@ class HeartbeatSender:
             message.send(
                 destination.host,
                 destination.port,
-                message.remote_request_ids,
+                message.lease_keys,
                 engine_id=destination.engine_id,
                 boot_id=destination.boot_id,
             )

@@ -58,7 +58,7 @@ from scheduler.auth import DEFAULT_REPLAY_WINDOW_S, RequestAuthenticator
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 50
-LeaseCallback = Callable[[tuple[str, ...]], int]  # request ids -> how many were held
+LeaseCallback = Callable[[tuple[str, ...]], int]  # lease keys -> how many were held
 # The leases a LeaseCheck names -> whether each very lease is held now (and its digests match)
 LeaseCheckCallback = Callable[[tuple[LeaseRef, ...]], LeaseStatus]
 # A reader named itself in a message naming these leases (lease keys) -> leases it ended
@@ -247,8 +247,8 @@ class SideChannelServer:
             names = _held_names(request.leases, reply)
         else:
             on_ids = self._on_heartbeat if isinstance(request, Heartbeat) else self._on_release
-            reply = self._ack(request, on_ids(request.remote_request_ids))
-            names = request.remote_request_ids
+            reply = self._ack(request, on_ids(request.lease_keys))
+            names = request.lease_keys
         if request.reader is not None:
             self._note_reader(request.reader, names)
         return reply
@@ -264,12 +264,12 @@ class SideChannelServer:
             )  # fmt: skip
 
     def _ack(self, request: Heartbeat | Release, num_known: int) -> Ack:
-        """Acknowledge, noting ids with no lease here (never leased, or already ended)."""
-        num_stray = len(set(request.remote_request_ids)) - num_known
+        """Acknowledge, noting keys with no lease here (never leased, or already ended)."""
+        num_stray = len(set(request.lease_keys)) - num_known
         if num_stray > 0:
             kind = type(request).__name__.lower()
             self._log.info(
-                f"stray_{kind}", "side channel: a %s named %d request id(s) with no lease here "
+                f"stray_{kind}", "side channel: a %s named %d lease key(s) with no lease here "
                 "(never leased by this engine, or already freed); they were ignored",
                 kind, num_stray,
             )  # fmt: skip

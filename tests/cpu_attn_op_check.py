@@ -28,7 +28,7 @@ from connector.layout import (
     MemoryLayout,
 )
 from connector.vllm.backends import block_format_for
-from worker.plan import TransferRequest, peer_plan, plan_request
+from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 
 NUM_LAYERS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 2, 2, 64, 32, 8
 DTYPE = torch.bfloat16

@@ -54,7 +54,7 @@ class FakeClock:
 
 
 class RecordingHeartbeats(HeartbeatSender):
-    """Records messages as (engine_id, host, port, remote_request_ids) instead of sending them:
+    """Records messages as (engine_id, host, port, lease_keys) instead of sending them:
     releases when submitted, heartbeats when the test drives the timer (``beat_if_due``; no
     thread sends them)."""
 
@@ -67,24 +67,24 @@ class RecordingHeartbeats(HeartbeatSender):
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> object:
-        self.sent.append((engine_id, host, port, tuple(remote_request_ids)))
-        return len(remote_request_ids)
+        self.sent.append((engine_id, host, port, tuple(lease_keys)))
+        return len(lease_keys)
 
     def submit_release(
         self,
         host: str,
         port: int,
-        remote_request_ids: Sequence[str],
+        lease_keys: Sequence[str],
         *,
         engine_id: str,
         boot_id: str = "",
     ) -> bool:
-        self.released.append((engine_id, host, port, tuple(remote_request_ids)))
+        self.released.append((engine_id, host, port, tuple(lease_keys)))
         return True
 
 
@@ -117,8 +117,6 @@ def make_decode(
     heartbeats: HeartbeatSender,
     spec: KVCacheSpec = DENSE,
     tp_size: int = 2,
-    *,
-    bind_at_allocation: bool = False,
 ) -> SchedulerConnector:
     return SchedulerConnector(
         CONFIG,
@@ -128,7 +126,6 @@ def make_decode(
         tp_size=tp_size,
         clock=clock,
         heartbeat_sender=heartbeats,
-        bind_params_at_allocation=bind_at_allocation,
     )
 
 

@@ -211,7 +211,7 @@ REJECTED = {
     "different-cache-groups-refused-with-the-params": (
         "dense",
         "hybrid-swa",
-        "InvalidTransferParams: kv_transfer_params['remote_block_ids']: "
+        "KV load failed: invalid kv_transfer_params: kv_transfer_params['remote_block_ids']: "
         "1 cache group(s) given, this engine has 2",
     ),
 }

@@ -126,7 +126,7 @@ def test_a_claimed_request_keeps_its_lease_while_it_waits_for_blocks(
     Before, a claim was not heartbeated and prefill freed its blocks after one lease."""
     delivered = Delivered()
     sender = HeartbeatSender(secret=None, timeout_s=2.0, send=delivered)
-    decode = make_decode(clock, sender, tp_size=1, bind_at_allocation=True)
+    decode = make_decode(clock, sender, tp_size=1)
     request = RequestInfo("d1", 40, leased(prefill))
     try:
         assert decode.get_num_new_matched_tokens(request, 0) == (40, True)
@@ -144,7 +144,7 @@ def test_a_claimed_request_keeps_its_lease_while_it_waits_for_blocks(
 
 def test_claimed_params_that_do_not_validate_are_not_heartbeated(clock: FakeClock) -> None:
     heartbeats = RecordingHeartbeats()
-    decode = make_decode(clock, heartbeats, tp_size=1, bind_at_allocation=True)
+    decode = make_decode(clock, heartbeats, tp_size=1)
     good, bad = decode_request("d1"), decode_request("d2", remote_request_id="p2", remote_port=-1)
     for request in (good, bad):
         assert decode.get_num_new_matched_tokens(request, 0) == (40, True)  # claimed, unread
@@ -217,25 +217,25 @@ def _claim_refused_at_allocation(decode: SchedulerConnector, request: RequestInf
     assert request.request_id in decode.take_refused()
 
 
-EXITS: dict[str, tuple[bool, Steps]] = {  # (params bound at allocation, the way out)
-    "loaded": (False, _load_succeeded),
-    "load failed on the ranks": (False, _load_failed),
-    "aborted while loading, then drained": (False, _aborted_while_loading),
-    "aborted after allocation, before its load": (False, _aborted_after_allocation),
-    "aborted before allocation": (False, _aborted_before_allocation),
-    "the engine loads nothing after all": (False, _nothing_to_load_at_allocation),
-    "unplannable": (False, _unplannable),
-    "claimed, aborted while waiting for blocks": (True, _claim_aborted_while_waiting),
-    "claimed, refused at allocation": (True, _claim_refused_at_allocation),
+EXITS: dict[str, Steps] = {  # the way out
+    "loaded": _load_succeeded,
+    "load failed on the ranks": _load_failed,
+    "aborted while loading, then drained": _aborted_while_loading,
+    "aborted after allocation, before its load": _aborted_after_allocation,
+    "aborted before allocation": _aborted_before_allocation,
+    "the engine loads nothing after all": _nothing_to_load_at_allocation,
+    "unplannable": _unplannable,
+    "claimed, aborted while waiting for blocks": _claim_aborted_while_waiting,
+    "claimed, refused at allocation": _claim_refused_at_allocation,
 }
 
 
-@pytest.mark.parametrize(("bind", "way_out"), EXITS.values(), ids=EXITS.keys())
+@pytest.mark.parametrize("way_out", EXITS.values(), ids=EXITS.keys())
 def test_a_request_that_leaves_the_heartbeating_states_is_heartbeated_no_more(
-    clock: FakeClock, bind: bool, way_out: Steps
+    clock: FakeClock, way_out: Steps
 ) -> None:
     heartbeats = RecordingHeartbeats()
-    decode = make_decode(clock, heartbeats, tp_size=1, bind_at_allocation=bind)
+    decode = make_decode(clock, heartbeats, tp_size=1)
     waits = decode_request("d0", remote_request_id="p0")  # stays, so heartbeats keep going
     request = decode_request("d1")
     for asked in (waits, request):

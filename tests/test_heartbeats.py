@@ -12,7 +12,7 @@ import pytest
 
 from connector.config import ConnectorConfig
 from connector.errors import HandshakeError
-from connector.metadata import ConnectorMetadata
+from connector.metadata import ConnectorMetadata, SideChannelBoot
 from connector.net.side_channel_client import send_heartbeat, send_release
 from connector.protocol import lease_key
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
@@ -21,7 +21,6 @@ from scheduler.heartbeats import (
     MAX_MESSAGE_TIMEOUT_S,
     Backoff,
     BootIds,
-    Destination,
     HeartbeatSender,
 )
 from scheduler.side_channel import SideChannelServer
@@ -208,8 +207,8 @@ def test_engines_sharing_an_address_get_one_heartbeat_each(
 
 # ---- backing off from a failing side channel ----
 
-OLD = Destination("prefill-old", "127.0.0.1", 5600)
-NEW = Destination("prefill-new", "127.0.0.1", 5600)  # restarted on OLD's address
+OLD = SideChannelBoot("prefill-old", "127.0.0.1", 5600)
+NEW = SideChannelBoot("prefill-new", "127.0.0.1", 5600)  # restarted on OLD's address
 
 
 @pytest.mark.parametrize(
@@ -247,7 +246,7 @@ def test_backoff_counts_skips_and_a_success_resets_it() -> None:
 class FakeSideChannels:
     """Stands in for the network: records each attempt; engines in ``dead`` fail."""
 
-    MARKER = Destination("marker", "127.0.0.1", 1)
+    MARKER = SideChannelBoot("marker", "127.0.0.1", 1)
 
     def __init__(self) -> None:
         self.attempts: list[str] = []  # engine ids, in order; appended by the sender thread
@@ -273,7 +272,7 @@ class FakeSideChannels:
         assert self._marker_seen.wait(5.0)
 
 
-def submit(sender: HeartbeatSender, destination: Destination, num_messages: int) -> None:
+def submit(sender: HeartbeatSender, destination: SideChannelBoot, num_messages: int) -> None:
     for index in range(num_messages):
         ids = [f"r{index}"]
         assert sender.submit(
@@ -433,7 +432,7 @@ def test_releases_of_ids_never_leased_or_already_freed_are_stray_over_the_wire(
 
 def test_boot_ids_are_remembered_per_destination_and_bounded() -> None:
     boot_ids = BootIds(max_destinations=2)
-    first, second, third = (Destination("prefill-0", "127.0.0.1", port) for port in (1, 2, 3))
+    first, second, third = (SideChannelBoot("prefill-0", "127.0.0.1", port) for port in (1, 2, 3))
     boot_ids.learned(first, "a")
     boot_ids.learned(second, "b")
     boot_ids.learned(first, "a2")  # relearned: now the newest

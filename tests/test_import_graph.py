@@ -6,6 +6,9 @@
                    examples/          the example engine, toy router, demo
     planes         scheduler/         control plane    }  never import each other
                    worker/            data plane       }
+    planner        worker/plan/       which bytes go where: pure, imports only the contracts
+                                      and itself (worker/topology.py, the TP mapping the
+                                      DESIGN contract names at that path, belongs to it)
     shared I/O     connector/net/     the side-channel client both planes call
     observability  connector/observability/  metrics, Prometheus exposition, traces, rate-limited log
     contracts      connector/*.py     config, params, protocol, layout, errors ...: import only
@@ -37,6 +40,8 @@ FOLDERS = {
     "connector.net": "net",
     "scheduler": "scheduler",
     "worker": "worker",
+    "worker.plan": "planner",
+    "worker.topology": "planner",  # pure TP mapping, kept at the path DESIGN.md's contract names
     "connector.vllm": "adapter",
     "examples": "examples",
     "connector.tools": "tools",
@@ -50,11 +55,13 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "observability": frozenset({"contracts", "observability", "prometheus_client"}),
     "net": frozenset({"contracts", "observability", "net", "zmq"}),
     "scheduler": frozenset(_BELOW_PLANES | {"scheduler", "zmq"}),
-    "worker": frozenset(_BELOW_PLANES | {"worker", "nixl"}),
+    "planner": frozenset({"contracts", "planner"}),
+    "worker": frozenset(_BELOW_PLANES | {"planner", "worker", "nixl"}),
     "adapter": frozenset(
-        _BELOW_PLANES | {"scheduler", "worker", "adapter", "vllm", "torch", "prometheus_client"}
+        _BELOW_PLANES
+        | {"scheduler", "planner", "worker", "adapter", "vllm", "torch", "prometheus_client"}
     ),
-    "examples": frozenset(_BELOW_PLANES | {"scheduler", "worker", "examples", "zmq"}),
+    "examples": frozenset(_BELOW_PLANES | {"scheduler", "planner", "worker", "examples", "zmq"}),
     "tools": frozenset(set(FOLDERS.values()) | {"nixl", "zmq", "prometheus_client"}),
 }
 
@@ -168,7 +175,12 @@ PLANTED = [  # (importer, target, allowed by the rules)
     ("scheduler.connector", "worker.blocks", False),
     ("worker.loads", "scheduler.leases", False),
     ("worker.peers", "connector.vllm.facade", False),
-    ("worker.planner", "torch", False),
+    ("worker.plan.segments", "torch", False),
+    ("worker.plan.pairing", "worker.topology", True),
+    ("worker.plan.recipe", "worker.loads", False),
+    ("worker.plan.pairing", "connector.observability.metrics", False),
+    ("worker.loads", "worker.plan.recipe", True),
+    ("scheduler.connector", "worker.plan.recipe", False),
     ("worker.nixl_real", "nixl._api", True),
     ("scheduler.side_channel", "connector.tools.doctor", False),
     ("connector.vllm.facade", "worker.connector", True),
@@ -226,7 +238,7 @@ def test_core_modules_load_without_torch_nixl_or_vllm() -> None:
     """Contracts, observability, net, scheduler/ and every worker/ module but the NIXL edge
     (the ones whose own imports name nixl) import without torch, nixl or vllm (DESIGN.md)."""
     nixl_edges = {i.importer for i in IMPORTS if folder_of(i.target) == "nixl"}
-    core = {"contracts", "observability", "net", "scheduler", "worker"}
+    core = {"contracts", "observability", "net", "scheduler", "planner", "worker"}
     modules = sorted(
         name
         for name in map(_module_name, _product_files())

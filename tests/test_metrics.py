@@ -229,7 +229,7 @@ def test_notifications_are_counted_by_kind_with_a_trace_line_per_request(
     }  # fmt: skip
     (trace,) = traces(caplog)
     assert trace == {
-        "event": "send", "request_id": "r1", "num_notifications": 2, "senders": ["d0", "d1"],
+        "event": "send", "lease_key": "r1", "num_notifications": 2, "senders": ["d0", "d1"],
         "waited_ms": 200.0,
     }  # fmt: skip
 

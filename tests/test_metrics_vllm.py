@@ -177,6 +177,6 @@ def test_stats_reach_vllms_loggers_and_its_prometheus_objects(
     ]
     load, send = lines
     # Prefill's ranks count by lease key, "<request id>@<lease id>": the send line names it.
-    assert load["request_id"] == "req-1" and send["request_id"].startswith("req-1@")
+    assert load["request_id"] == "req-1" and send["lease_key"].startswith("req-1@")
     assert (load["outcome"], load["num_bytes"], load["remote_ranks"]) == ("ok", num_bytes, [0])
     assert send["senders"] == [load["agent"]]

@@ -331,7 +331,7 @@ def test_params_for_prefill_name_a_pull_of_decode_held_blocks() -> None:
         remote_block_ids=((4, 5, 6),),
         boot_id="boot1",
         lease_id="lease1",
-        num_tokens=40,
+        remote_num_tokens=40,
     )
 
 

@@ -1,7 +1,7 @@
 """The planning recipe's shape (issue 22 item 1), read from the source with ast (nothing imported).
 
-worker/plan.py is the recipe; the stage modules below it compute and never call back up; they
-are pure (no clocks, threads, logging, sockets, NIXL or torch); and the run-time import chain
+worker/plan/recipe.py is the recipe; the stage modules beside it in worker/plan/ compute and
+never call back up; they are pure (no clocks, threads, logging, sockets, NIXL or torch); and the run-time import chain
 from the worker connector stays short, so a newcomer following a request does not wander
 through a dozen modules (it was 11 deep before the recipe).
 """
@@ -17,25 +17,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "worker"
 
-STAGES = (  # the recipe's stage modules, handshake then request, as worker/plan.py lists them
-    "pairing",
-    "pairing_checks",
-    "pairing_packed",
-    "prepared_rows",
-    "segments",
-    "segment_checks",
-    "whole_blocks",
-    "exact_runs",
-    "byte_runs",
+STAGES = (  # the recipe's stage modules, handshake then request, as worker/plan/recipe.py lists them
+    "plan.pairing",
+    "plan.prepared_rows",
+    "plan.segments",
+    "plan.whole_blocks",
+    "plan.exact_runs",
+    "plan.byte_runs",
 )
-ABOVE_THE_STAGES = ("worker.plan", "worker.loads", "worker.peers", "worker.reads")
+RECIPE = "plan.recipe"
+ABOVE_THE_STAGES = ("worker.plan.recipe", "worker.loads", "worker.peers", "worker.reads")
 IMPURE = ("threading", "time", "logging", "socket", "zmq", "nixl", "torch", "worker.nixl_real")
 MAX_RUN_TIME_DEPTH = 7  # worker.connector -> loads -> plan -> ... (modules on the chain)
 
 
 def _imports(module: str, *, run_time: bool) -> set[str]:
-    """Absolute names ``module`` imports; with ``run_time``, not those under TYPE_CHECKING."""
-    tree = ast.parse((WORKER / f"{module}.py").read_text())
+    """Absolute names ``module`` (dotted, under worker/) imports; with ``run_time``, not those
+    under TYPE_CHECKING."""
+    tree = ast.parse((WORKER / f"{module.replace('.', '/')}.py").read_text())
     skipped: set[int] = set()
     if run_time:
         for node in ast.walk(tree):
@@ -59,24 +58,26 @@ def _within(name: str, roots: tuple[str, ...]) -> bool:
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_never_imports_the_recipe_or_its_callers(stage: str) -> None:
     upward = sorted(n for n in _imports(stage, run_time=False) if _within(n, ABOVE_THE_STAGES))
-    assert upward == [], f"worker/{stage}.py imports {upward}: stages sit below the recipe"
+    assert upward == [], f"worker.{stage} imports {upward}: stages sit below the recipe"
 
 
-@pytest.mark.parametrize("module", ("plan", *STAGES))
+@pytest.mark.parametrize("module", (RECIPE, *STAGES))
 def test_planning_modules_are_pure(module: str) -> None:
     impure = sorted(n for n in _imports(module, run_time=False) if _within(n, IMPURE))
-    assert impure == [], f"worker/{module}.py imports {impure}; planning takes ints and arrays"
+    assert impure == [], f"worker.{module} imports {impure}; planning takes ints and arrays"
 
 
 def test_the_recipe_imports_every_stage_it_names() -> None:
-    imported = {n.removeprefix("worker.") for n in _imports("plan", run_time=True)}
-    missing = sorted({"pairing", "pairing_checks", "prepared_rows", "segments"} - imported)
-    missing += sorted({"whole_blocks", "exact_runs", "byte_runs"} - imported)
-    assert missing == [], f"worker/plan.py does not call stages {missing} itself"
+    imported = {n.removeprefix("worker.") for n in _imports(RECIPE, run_time=True)}
+    missing = sorted(set(STAGES) - imported)
+    assert missing == [], f"worker/plan/recipe.py does not call stages {missing} itself"
 
 
 def _longest_chain(start: str) -> tuple[str, ...]:
-    modules = {path.stem for path in WORKER.glob("*.py")}
+    modules = {
+        path.relative_to(WORKER).with_suffix("").as_posix().replace("/", ".")
+        for path in WORKER.rglob("*.py")
+    }
 
     @functools.cache
     def longest(module: str) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""The planning recipe (worker/plan.py): named scenarios proven byte-exact by the oracle, and every rejection."""
+"""The planning recipe (worker/plan/recipe.py): named scenarios proven byte-exact by the oracle, and every rejection."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from connector.layout import (
     MemoryLayout,
 )
 from tests import oracle
-from worker.pairing import CopyMode, pair_groups
-from worker.plan import (
+from worker.plan.pairing import CopyMode, pair_groups
+from worker.plan.recipe import (
     PeerPlan,
     RankPlan,
     RequestPlan,

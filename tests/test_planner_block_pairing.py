@@ -28,7 +28,7 @@ from connector.layout import (
 )
 from tests import oracle
 from worker.blocks import apply_prefix_caching, logical_to_kernel_block_ids
-from worker.plan import TransferRequest, peer_plan, plan_request
+from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 
 PLACEHOLDER = 0  # the null block: SSM groups list it before the real state block
 

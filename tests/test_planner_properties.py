@@ -237,8 +237,8 @@ def test_same_block_sizes_cut_tokens_as_the_general_cutter_does(data: st.DataObj
     segments.token_segments on every range and set of ids."""
     import numpy as np
 
-    from worker.pairing import SideBlocks
-    from worker.segments import same_blocks_segments, token_segments
+    from worker.plan.pairing import SideBlocks
+    from worker.plan.segments import same_blocks_segments, token_segments
 
     kernel = data.draw(st.sampled_from([1, 2, 3, 4, 8]))
     ratio = data.draw(st.sampled_from([1, 2, 4]))

@@ -25,14 +25,14 @@ from connector.layout import (
 )
 from tests import oracle
 from tests.test_planner_properties import Case, cases, padded
-from worker.byte_runs import ByteRuns
-from worker.exact_runs import exact_runs
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import NixlAgent, TransferState
-from worker.plan import ReadPath, TransferRequest, peer_plan, plan_request
-from worker.prepared_rows import prepared_rows
-from worker.segments import cut_segments
-from worker.whole_blocks import choose_prepared, indexed_request, split_request
+from worker.plan.byte_runs import ByteRuns
+from worker.plan.exact_runs import exact_runs
+from worker.plan.prepared_rows import prepared_rows
+from worker.plan.recipe import ReadPath, TransferRequest, peer_plan, plan_request
+from worker.plan.segments import cut_segments
+from worker.plan.whole_blocks import choose_prepared, indexed_request, split_request
 
 _names = itertools.count()
 

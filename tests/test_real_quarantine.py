@@ -32,7 +32,7 @@ from tests.test_worker_lifecycles import ScriptedProofs
 from worker.loads import LoadTable, Outcome
 from worker.nixl_real import RealNixlAgent
 from worker.peer_lifecycle import Peer, PeerLink
-from worker.plan import peer_plan
+from worker.plan.recipe import peer_plan
 
 pytestmark = pytest.mark.real_nixl
 

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from connector.config import ConnectorConfig
-from connector.errors import InvalidTransferParams, UnsupportedConfiguration
+from connector.errors import UnsupportedConfiguration
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from connector.outcomes import FailureKind
@@ -306,13 +306,15 @@ def test_start_side_channel_checks_the_handshakes(
         "a remote_request_id no encoder accepts",
     ],
 )
-def test_bad_params_raise_on_first_sight_and_keep_no_state(
+def test_bad_params_never_raise_and_are_announced_as_a_failed_load_once(
     clock: FakeClock,
     heartbeats: RecordingHeartbeats,
     role: Role,
     params: dict[str, Any],
     message: str,
 ) -> None:
+    """Params bind at allocation: refused ones park the request (its tokens claimed), never
+    load, and come back once from take_refused with the reason."""
     connector = SchedulerConnector(
         CONFIG,
         engine_id="e",
@@ -323,10 +325,14 @@ def test_bad_params_raise_on_first_sight_and_keep_no_state(
         heartbeat_sender=heartbeats,
     )
     request = RequestInfo("r1", 40, params)
-    with pytest.raises(InvalidTransferParams, match=message):
-        connector.get_num_new_matched_tokens(request, 0)
+    assert connector.get_num_new_matched_tokens(request, 0) == (40, True)
     connector.update_state_after_alloc(request, ((1, 2, 3),), 40)
     assert connector.build_connector_meta() == ConnectorMetadata()
+    refused = connector.take_refused()
+    assert list(refused) == ["r1"]
+    assert re.search(message, refused["r1"].message)
+    assert connector.take_refused() == {}
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
     assert connector.request_finished(request, ((1, 2, 3),)) == (False, None)
     connector.update_connector_output(
         [report(0, finished_recving=("r1",), finished_sending=("r1",))]
@@ -522,11 +528,16 @@ def test_a_full_prefix_hit_only_releases_the_prefill_blocks(decode: SchedulerCon
     assert decode.request_finished(request, ((10, 11, 12),)) == (False, None)
 
 
-def test_abort_before_allocation_releases_and_frees_at_once(decode: SchedulerConnector) -> None:
+def test_abort_before_allocation_releases_and_frees_at_once(
+    decode: SchedulerConnector, heartbeats: RecordingHeartbeats
+) -> None:
+    """A claim aborted before allocation: no rank ever heard of it, so the scheduler releases
+    prefill itself, over the side channel."""
     request = decode_request()
     decode.get_num_new_matched_tokens(request, 16)
     assert decode.request_finished(request, ((),)) == (False, None)
-    assert decode.build_connector_meta() == ConnectorMetadata(releases=(ReleaseSpec("d1", REMOTE),))
+    assert decode.build_connector_meta() == ConnectorMetadata()
+    assert heartbeats.released == RELEASE_P1
     decode.update_connector_output(all_ranks(failed_recving={"d1": ABORTED}))
     assert decode.take_finished() == NO_FINISHED
 
@@ -672,10 +683,12 @@ def test_params_are_parsed_once_per_request_and_again_for_new_params(
 
     monkeypatch.setattr(module, "parse_kv_transfer_params", counting_parse)
     request = decode_request()
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)  # claimed, unread
     assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
-    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
+    assert len(calls) == 0
+    decode.update_state_after_alloc(request, ((10, 11, 12),), 24)  # read at allocation
+    assert len(decode.build_connector_meta().loads) == 1
     assert len(calls) == 1
     request.kv_transfer_params = dict(request.kv_transfer_params or {})  # a new object
-    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
     decode.request_finished(request, ((10, 11, 12),))
     assert len(calls) == 2

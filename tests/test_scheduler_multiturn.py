@@ -256,7 +256,7 @@ def test_prefill_loads_the_pull_then_leases_its_own_blocks_for_decode(
         prefill.update_state_after_alloc(info, ((20, 21, 22, 23),), 16)
         (load,) = prefill.build_connector_meta().loads
         assert (load.num_cached_tokens, load.num_tokens, load.local_block_ids) == (32, 48, ((22,),))
-        assert load.source.num_tokens == 48 and load.source.lease_id == "abc"
+        assert load.source.remote_num_tokens == 48 and load.source.lease_id == "abc"
         prefill.update_connector_output(all_ranks(finished_recving=("t2",)))
         assert prefill.take_finished().finished_recving == ("t2",)
         delay, params = prefill.request_finished(info, ((20, 21, 22, 23),))

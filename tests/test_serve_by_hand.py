@@ -238,7 +238,7 @@ BAD_COMMANDS = {
     "bad-transfer-params": (
         submit("r5", "[1, 2, 3]", ', "kv_transfer_params": {"do_remote_decode": "yes"}'),
         "output",
-        "InvalidTransferParams",
+        "invalid kv_transfer_params",
     ),
 }
 

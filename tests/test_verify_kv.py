@@ -27,7 +27,7 @@ from tests import oracle
 from tests.test_e2e_fake import CASES, options_for
 from tests.test_planner_properties import Case, cases
 from worker.kv_digest import check_digestible, lease_digests, read_claims
-from worker.plan import TransferRequest, peer_plan, plan_request
+from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 
 
 def _transfer(case: Case) -> tuple[dict[int, Any], list[tuple[Any, list[Any]]]]:

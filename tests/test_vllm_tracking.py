@@ -55,7 +55,6 @@ def walk(params: dict[str, Any], path: str) -> tuple[list[Any], MoveLog]:
         tp_size=1,
         clock=FakeClock(),
         heartbeat_sender=RecordingHeartbeats(),
-        bind_params_at_allocation=True,
         on_move=log,
     )
     side = SchedulerSide(connector, h.kv_cache_config(block_size=16, num_blocks=64))
@@ -187,7 +186,7 @@ def test_tracking_paths(params: dict[str, Any], path: str, expected: list[Any]) 
 
 
 def test_the_paths_take_every_edge_out_of_a_claim_or_a_refusal() -> None:
-    """The edges only bind_params_at_allocation takes, each through the adapter (the rest of
+    """The edges out of a claim or a refusal, each through the adapter (the rest of
     the table: tests/test_scheduler_lifecycles.py)."""
     taken = set().union(*(walk(params, path)[1].edges for _, params, path, _ in PATHS))
     every = {

@@ -26,7 +26,7 @@ from worker.load_lifecycle import RANK_LOAD_LIFECYCLE, RankLoadState
 from worker.loads import LoadTable
 from worker.nixl_api import TransferState
 from worker.peer_lifecycle import PEER_LIFECYCLE, Peer, PeerLink, PeerState
-from worker.plan import peer_plan
+from worker.plan.recipe import peer_plan
 
 NUM_REQUESTS = 4
 HANDSHAKE_WAIT_S = 10.0

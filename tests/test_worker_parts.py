@@ -15,7 +15,7 @@ from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, Memor
 from worker.compat import Fingerprint, check_compatible, digest_of, fingerprint
 from worker.handshake import HandshakeClient, HandshakeJob, any_boot
 from worker.notifications import NotificationCounter
-from worker.plan import TransferRequest, peer_plan, plan_request
+from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 from worker.topology import expected_notifications, head_shapes, notification_duty
 
 # --- model specs ------------------------------------------------------------------------------

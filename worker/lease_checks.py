@@ -27,7 +27,7 @@ from connector.errors import (
     SideChannelTimeout,
     TokensMismatch,
 )
-from connector.metadata import RemoteSource
+from connector.metadata import RemoteSource, SideChannelBoot
 from connector.protocol import (
     DIGEST_OK,
     REFUSED_BLOCKS,
@@ -84,11 +84,11 @@ class SilentSideChannels:
         self._window_s = window_s
         self._clock = clock
         self._lock = threading.Lock()  # guards _until
-        self._until: dict[tuple[str, int, str], tuple[float, str]] = {}  # -> (until, why)
+        self._until: dict[SideChannelBoot, tuple[float, str]] = {}  # -> (until, why)
 
     def check(self, remote: RemoteSource) -> None:
         """Raise HandshakeError at once for a side channel that was just found silent."""
-        key = (remote.host, remote.port, remote.boot_id)
+        key = remote.side_channel
         with self._lock:
             until_s, why = self._until.get(key, (0.0, ""))
             if self._clock() >= until_s:
@@ -98,7 +98,7 @@ class SilentSideChannels:
 
     def silent(self, remote: RemoteSource, error: HandshakeError) -> None:
         with self._lock:
-            self._until[(remote.host, remote.port, remote.boot_id)] = (
+            self._until[remote.side_channel] = (
                 self._clock() + self._window_s,
                 str(error),
             )

@@ -57,7 +57,7 @@ from connector.errors import (
     PeerRestarted,
     TokensMismatch,
 )
-from connector.metadata import RemoteSource
+from connector.metadata import RemoteSource, SideChannelBoot
 from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
 from worker.lease_checks import Answer, BatchCheck, DigestCheck, Staging, is_held
@@ -66,8 +66,7 @@ logger = logging.getLogger(__name__)
 
 # One side channel, the boot it is asked about, and whether the checks come after the READs
 # (asked again while silent) or before (not): the checks one LeaseCheck carries.
-Destination = tuple[str, int, str, str, bool]  # (host, port, engine id, boot id, patient)
-SideChannelBoot = tuple[str, int, str]  # (host, port, boot id): who answered a check
+BatchKey = tuple[SideChannelBoot, bool]  # (the side channel, patient)
 MAX_HEARD = 4096  # side channels remembered as recently heard; the oldest is forgotten
 
 DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
@@ -209,7 +208,7 @@ class LeaseProofs:
         # The transfer thread only: checks not yet dispatched, answers arrived, tickets whose
         # load no longer waits, when each side channel last answered, and the side channels
         # that answered for a staged lease (their loads always check before the READs).
-        self._batches: dict[Destination, list[_Item]] = {}
+        self._batches: dict[BatchKey, list[_Item]] = {}
         self._arrived: dict[int, LoadFailure | None] = {}
         self._abandoned: set[int] = set()
         self._heard_s: dict[SideChannelBoot, float] = {}
@@ -234,8 +233,7 @@ class LeaseProofs:
             self._pool.submit(self._run_digests, item, claims)
             return ticket
         patient = when != BEFORE_READS
-        destination = (remote.host, remote.port, remote.engine_id, remote.boot_id, patient)
-        self._batches.setdefault(destination, []).append(item)
+        self._batches.setdefault((remote.side_channel, patient), []).append(item)
         return ticket
 
     def dispatch(self) -> None:
@@ -254,7 +252,7 @@ class LeaseProofs:
         check in the last ``window_s`` seconds (held or not: it is alive and that boot), and
         never answered for a staged lease (whose loads must check before their READs)."""
         self._collect()
-        side_channel = (remote.host, remote.port, remote.boot_id)
+        side_channel = remote.side_channel
         heard_s = self._heard_s.get(side_channel)
         if heard_s is None or side_channel in self._staging:
             return False
@@ -391,5 +389,5 @@ def _answered_by(remote: RemoteSource, held: Answer) -> SideChannelBoot | None:
     not held, held for another reader's tokens or blocks, or a staged lease's answer; None
     when it did not answer (silent, restarted, refused)."""
     if isinstance(held, bool | LeaseRefused | Staging):
-        return (remote.host, remote.port, remote.boot_id)
+        return remote.side_channel
     return None

@@ -21,7 +21,7 @@ A failed load notifies the covered ranks too (best effort), so prefill does not 
 blocks until the lease expires; except when prefill restarted since it leased: that boot's
 agent is gone, and a notification to it would block this thread until UCX gives up.
 
-The stages a load calls, each in its own module: plan (worker/plan.py ``plan_request``),
+The stages a load calls, each in its own module: plan (worker/plan/recipe.py ``plan_request``),
 make the READs (worker/reads.py), notify (worker/notify.py), report (worker/load_report.py).
 Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
@@ -54,7 +54,7 @@ from worker.load_report import handshake_failure, record_outcome
 from worker.nixl_api import NixlAgent, TransferState
 from worker.notify import notify_rest
 from worker.peer_lifecycle import Peer, PeerLink
-from worker.plan import RankPlan, TransferRequest, plan_request
+from worker.plan.recipe import RankPlan, TransferRequest, plan_request
 from worker.reads import MakeRead, read_makers
 
 logger = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class LoadTable:
             spec.source.remote_block_ids,
             spec.num_tokens,
             spec.num_cached_tokens,
-            remote_holds_more=spec.source.num_tokens is not None,  # a pull from decode
+            remote_holds_more=spec.source.remote_num_tokens is not None,  # a pull from decode
         )
         try:
             plans = plan_request(link.plan, request).reads

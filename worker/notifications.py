@@ -1,13 +1,14 @@
-"""Prefill side: count free notifications per request id and report the ids whose count is reached.
+"""Prefill side: count free notifications per lease key and report the keys whose count is reached.
 
 A decode rank that finished reading (or gave up on) a prefill rank's blocks sends it
-``b"<prefill request id>:<consumers>"``, where ``consumers`` is how many decode ranks will
-notify this prefill rank for the request. The blocks may be freed once that many distinct
+``b"<lease key>:<consumers>"`` (connector/protocol.py ``lease_key``: the prefill request id
+and its lease id), where ``consumers`` is how many decode ranks will notify this prefill rank
+for the lease. The blocks may be freed once that many distinct
 senders have notified. Bad input from peers never raises out of here: garbage, duplicate and
 stray notifications are counted and logged, and the request is unaffected.
 
-A notification may overtake the scheduler's ``sends`` entry for its id (the decode engine can
-read before this engine's next step), so unknown ids are held for ``early_ttl_s`` seconds
+A notification may overtake the scheduler's ``sends`` entry for its key (the decode engine can
+read before this engine's next step), so unknown keys are held for ``early_ttl_s`` seconds
 before they are written off as stray.
 """
 
@@ -26,15 +27,15 @@ from connector.protocol import decode_free_notif
 
 logger = logging.getLogger(__name__)
 
-MAX_EARLY_IDS = 4096  # bound on ids held before their `sends` entry; more are dropped as stray
-MAX_RECENT_IDS = 4096  # finished ids remembered to tell a late duplicate from a stray
+MAX_EARLY_KEYS = 4096  # bound on keys held before their `sends` entry; more are dropped as stray
+MAX_RECENT_KEYS = 4096  # finished keys remembered to tell a late duplicate from a stray
 
 
 @dataclass
 class NotificationStats:
     """Counters of what arrived, for logs and tests."""
 
-    counted: int = 0  # accepted towards an expected request id
+    counted: int = 0  # accepted towards an expected lease key
     duplicate: int = 0
     stray: int = 0
     garbage: int = 0
@@ -42,7 +43,7 @@ class NotificationStats:
 
 @dataclass
 class _Tally:
-    """Notifications received for one request id."""
+    """Notifications received for one lease key."""
 
     senders: set[str] = field(default_factory=set)
     consumers: int = 0  # the largest count any message carried
@@ -50,7 +51,7 @@ class _Tally:
 
 
 class NotificationCounter:
-    """Counts free notifications per prefill request id. Not thread-safe: the rank's transfer
+    """Counts free notifications per lease key. Not thread-safe: the rank's transfer
     thread only (worker/connector.py publishes its stats under a lock)."""
 
     def __init__(
@@ -75,22 +76,22 @@ class NotificationCounter:
     def num_expected(self) -> int:
         return len(self._expected)
 
-    def expect(self, request_ids: Iterable[str]) -> None:
-        """Start counting for these ids (the scheduler put their blocks under a lease)."""
-        for request_id in request_ids:
-            if request_id in self._expected:
-                logger.warning("request %s is already expecting free notifications", request_id)
+    def expect(self, keys: Iterable[str]) -> None:
+        """Start counting for these lease keys (the scheduler put their blocks under a lease)."""
+        for key in keys:
+            if key in self._expected:
+                logger.warning("lease %s is already expecting free notifications", key)
                 continue
-            tally = self._early.pop(request_id, None) or _Tally(first_seen_s=self._clock())
+            tally = self._early.pop(key, None) or _Tally(first_seen_s=self._clock())
             self._count("counted", len(tally.senders))
-            self._expected[request_id] = tally
-            self._finish_if_complete(request_id, tally)
+            self._expected[key] = tally
+            self._finish_if_complete(key, tally)
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Stop counting for these ids (lease expired or released): nothing is reported."""
-        for request_id in request_ids:
-            self._expected.pop(request_id, None)
-            self._early.pop(request_id, None)
+    def forget(self, keys: Iterable[str]) -> None:
+        """Stop counting for these lease keys (lease expired or released): nothing is reported."""
+        for key in keys:
+            self._expected.pop(key, None)
+            self._early.pop(key, None)
 
     def receive(self, notifs: Mapping[str, Sequence[bytes]]) -> None:
         """Count notifications, as returned by the agent's get_new_notifs()."""
@@ -100,30 +101,30 @@ class NotificationCounter:
         self._expire_early()
 
     def take_finished(self) -> tuple[str, ...]:
-        """Ids whose count was reached since the last call; each id is returned once."""
+        """Lease keys whose count was reached since the last call; each is returned once."""
         finished, self._finished = tuple(self._finished), []
         return finished
 
     def _receive_one(self, sender: str, message: bytes) -> None:
         try:
-            request_id, consumers = decode_free_notif(message)
+            key, consumers = decode_free_notif(message)
         except InvalidNotification as error:
             self._count("garbage")
             self._log.warning("garbage", "ignoring garbage notification from %s: %s", sender, error)
             return
-        tally = self._expected.get(request_id)
+        tally = self._expected.get(key)
         if tally is None:
-            self._hold_early(sender, request_id, consumers)
+            self._hold_early(sender, key, consumers)
             return
-        if self._add(tally, sender, request_id, consumers):
+        if self._add(tally, sender, key, consumers):
             self._count("counted")
-            self._finish_if_complete(request_id, tally)
+            self._finish_if_complete(key, tally)
 
-    def _add(self, tally: _Tally, sender: str, request_id: str, consumers: int) -> bool:
+    def _add(self, tally: _Tally, sender: str, key: str, consumers: int) -> bool:
         if sender in tally.senders:
             self._count("duplicate")
             self._log.warning(
-                "duplicate", "duplicate free notification for %s from %s", request_id, sender
+                "duplicate", "duplicate free notification for %s from %s", key, sender
             )
             return False
         if tally.consumers and consumers != tally.consumers:
@@ -131,7 +132,7 @@ class NotificationCounter:
             logger.warning(
                 "free notifications for %s disagree on the reader count (%d vs %d); "
                 "waiting for the larger",
-                request_id,
+                key,
                 tally.consumers,
                 consumers,
             )
@@ -139,32 +140,30 @@ class NotificationCounter:
         tally.consumers = max(tally.consumers, consumers)
         return True
 
-    def _hold_early(self, sender: str, request_id: str, consumers: int) -> None:
-        if request_id in self._recent:
+    def _hold_early(self, sender: str, key: str, consumers: int) -> None:
+        if key in self._recent:
             self._count("duplicate")
             self._log.warning(
-                "duplicate", "free notification for finished request %s from %s", request_id, sender
+                "duplicate", "free notification for finished lease %s from %s", key, sender
             )
             return
-        tally = self._early.get(request_id)
+        tally = self._early.get(key)
         if tally is None:
-            if len(self._early) >= MAX_EARLY_IDS:
+            if len(self._early) >= MAX_EARLY_KEYS:
                 self._count("stray")
-                self._log.warning(
-                    "stray", "dropping notification for unknown request %s", request_id
-                )
+                self._log.warning("stray", "dropping notification for unknown lease %s", key)
                 return
-            tally = self._early[request_id] = _Tally(first_seen_s=self._clock())
-        self._add(tally, sender, request_id, consumers)
+            tally = self._early[key] = _Tally(first_seen_s=self._clock())
+        self._add(tally, sender, key, consumers)
 
-    def _finish_if_complete(self, request_id: str, tally: _Tally) -> None:
+    def _finish_if_complete(self, key: str, tally: _Tally) -> None:
         if tally.consumers == 0 or len(tally.senders) < tally.consumers:
             return
-        del self._expected[request_id]
-        self._finished.append(request_id)
-        send_ended(request_id, tally.senders, first_seen_s=tally.first_seen_s, now_s=self._clock())
-        self._recent[request_id] = None
-        if len(self._recent) > MAX_RECENT_IDS:
+        del self._expected[key]
+        self._finished.append(key)
+        send_ended(key, tally.senders, first_seen_s=tally.first_seen_s, now_s=self._clock())
+        self._recent[key] = None
+        if len(self._recent) > MAX_RECENT_KEYS:
             self._recent.popitem(last=False)
 
     def _count(self, kind: str, amount: int = 1) -> None:
@@ -179,16 +178,16 @@ class NotificationCounter:
             return
         now_s = self._clock()
         expired = [
-            request_id
-            for request_id, tally in self._early.items()
+            key
+            for key, tally in self._early.items()
             if now_s - tally.first_seen_s > self._early_ttl_s
         ]
-        for request_id in expired:
-            tally = self._early.pop(request_id)
+        for key in expired:
+            tally = self._early.pop(key)
             self._count("stray", len(tally.senders))
             self._log.warning(
                 "stray",
-                "free notification for unknown request %s from %s: no such lease; ignored",
-                request_id,
+                "free notification for unknown lease %s from %s: not held; ignored",
+                key,
                 sorted(tally.senders),
             )

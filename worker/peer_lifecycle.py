@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from connector.lifecycle import TransitionTable
+from connector.metadata import SideChannelBoot
 from connector.protocol import WorkerHandshake
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.plan import PeerPlan
+    from worker.plan.recipe import PeerPlan
     from worker.prepped import PreparedReads
 
-PeerKey = tuple[str, str, int, int, str]  # (engine id, host, port, remote TP size, boot id)
+PeerKey = tuple[SideChannelBoot, int]  # (the side channel, remote TP size)
 
 
 class PeerState(enum.Enum):
@@ -92,7 +93,8 @@ class Peer:
 
     @property
     def key(self) -> PeerKey:
-        return (self.engine_id, self.host, self.port, self.remote_tp_size, self.boot_id)
+        side_channel = SideChannelBoot(self.engine_id, self.host, self.port, self.boot_id)
+        return (side_channel, self.remote_tp_size)
 
     @property
     def address(self) -> str:

@@ -46,7 +46,7 @@ from worker.compat import Fingerprint, check_compatible, check_transport
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
 from worker.nixl_api import NixlAgent
 from worker.peer_lifecycle import Peer, PeerKey, PeerLink, PeerState
-from worker.plan import PeerPlan, peer_plan
+from worker.plan.recipe import PeerPlan, peer_plan
 from worker.prepped import PreparedLists, PreparedReads
 from worker.topology import head_shapes, notification_duty
 
@@ -58,7 +58,7 @@ MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
 
 
 def peer_key(source: RemoteSource) -> PeerKey:
-    return (source.engine_id, source.host, source.port, source.tp_size, source.boot_id)
+    return (source.side_channel, source.tp_size)
 
 
 @dataclass

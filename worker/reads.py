@@ -1,6 +1,6 @@
 """A RankPlan's READs on the agent: NIXL descriptors from byte runs, and the calls that make them.
 
-A remote rank's part of a request is one or two READs (worker/plan.py RankPlan): by index
+A remote rank's part of a request is one or two READs (worker/plan/recipe.py RankPlan): by index
 into the lists prepared at handshake (worker/prepped.py), and/or byte ranges, whose
 descriptors are built here. None carries a notification: the free notifications go once the
 lease is proven (worker/notify.py).
@@ -18,12 +18,12 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.memory import Memory
-from worker.byte_runs import ByteRuns
 from worker.nixl_api import Descriptors, NixlAgent
+from worker.plan.byte_runs import ByteRuns
 
 if TYPE_CHECKING:  # annotations only: no import at run time
     from worker.peer_lifecycle import PeerLink
-    from worker.plan import RankPlan
+    from worker.plan.recipe import RankPlan
 
 BY_INDEX, BY_RANGES = 0, 1  # the parts of a remote rank's reads (worker/load_lifecycle.py ReadKey)
 MakeRead = Callable[[], Any]  # makes one READ handle; raises ConnectorError

@@ -131,7 +131,7 @@ def fetch_handshake(
 def send_heartbeat(
     host: str,
     port: int,
-    remote_request_ids: Sequence[str],
+    lease_keys: Sequence[str],
     *,
     engine_id: str,
     secret: str | None,
@@ -140,20 +140,20 @@ def send_heartbeat(
     boot_id: str | None = None,
     reader: ReaderId | None = None,
 ) -> int:
-    """Extend the leases of ``remote_request_ids`` on prefill engine ``engine_id``.
+    """Extend the leases of ``lease_keys`` on prefill engine ``engine_id``.
 
     Returns how many the server still held; a server that is not ``engine_id`` (a restarted
     engine on the same host:port) refuses, and this raises HandshakeError; one that is not
     boot ``boot_id`` raises PeerRestarted. ``boot_id`` None: ask the server for it first.
     """
-    request = Heartbeat(engine_id, tuple(remote_request_ids), reader)
+    request = Heartbeat(engine_id, tuple(lease_keys), reader)
     return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
 
 
 def send_release(
     host: str,
     port: int,
-    remote_request_ids: Sequence[str],
+    lease_keys: Sequence[str],
     *,
     engine_id: str,
     secret: str | None,
@@ -162,12 +162,12 @@ def send_release(
     boot_id: str | None = None,
     reader: ReaderId | None = None,
 ) -> int:
-    """Tell prefill engine ``engine_id`` decode will never read ``remote_request_ids``.
+    """Tell prefill engine ``engine_id`` decode will never read ``lease_keys``.
 
     Returns how many it held; refused (HandshakeError) by a server that is not ``engine_id``,
     or (PeerRestarted) not boot ``boot_id``. ``boot_id`` None: ask the server for it first.
     """
-    request = Release(engine_id, tuple(remote_request_ids), reader)
+    request = Release(engine_id, tuple(lease_keys), reader)
     return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
 
 

@@ -82,9 +82,9 @@ class LoadTrace(
 class SendTrace(
     msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="event", tag="send"
 ):
-    """The trace line of one prefill request on one rank: its free notifications are all in."""
+    """The trace line of one prefill lease on one rank: its free notifications are all in."""
 
-    request_id: str
+    lease_key: str  # connector/protocol.py lease_key: the prefill request id @ lease id
     num_notifications: int
     senders: tuple[str, ...]  # the decode agents that notified
     # From the lease (or an early first notification, whichever came first) to the last one.
@@ -137,13 +137,13 @@ def load_ended(
 
 
 def send_ended(
-    request_id: str, senders: Iterable[str], *, first_seen_s: float, now_s: float
+    lease_key: str, senders: Iterable[str], *, first_seen_s: float, now_s: float
 ) -> None:
-    """Write a prefill request's trace line (every expected notification arrived)."""
+    """Write a prefill lease's trace line (every expected notification arrived)."""
     if not trace_logger.isEnabledFor(logging.DEBUG):
         return
     names = tuple(sorted(senders))
-    _emit(SendTrace(request_id, len(names), names, _ms(first_seen_s, now_s) or 0.0))
+    _emit(SendTrace(lease_key, len(names), names, _ms(first_seen_s, now_s) or 0.0))
 
 
 def _emit(trace: LoadTrace | SendTrace) -> None:

@@ -21,8 +21,8 @@ Who decides what (one request's journey through vLLM):
   blocks, as the lease names them) and, multi-turn, the holds leased since the last step
   (``stage_out``: not readable until every rank reports its copy); ranks copy those blocks
   device->host in wait_for_save, and loaded blocks host->device before reporting a load.
-- Malformed kv_transfer_params fail only their request: SchedulerConnector (built with
-  ``bind_params_at_allocation``, as vLLM binds a request at allocation) answers "tokens will
+- Malformed kv_transfer_params fail only their request: SchedulerConnector (its params bind
+  at allocation, as vLLM binds a request) answers "tokens will
   arrive", and the adapter announces the request as a failed load in the same step; vLLM then
   fails it ("fail") or recomputes it locally ("recompute").
 """
@@ -222,7 +222,6 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             role=role,
             spec=self.kv_cache_spec(),
             tp_size=self._tp_size,
-            bind_params_at_allocation=True,  # vLLM binds a request at allocation
             host_staging=host_staging,
         )
 

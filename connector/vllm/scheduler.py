@@ -4,7 +4,7 @@ It translates and nothing more: vLLM's Request and KVCacheBlocks become RequestI
 ids, the ranks' reports come out of vLLM's worker metadata (with vLLM's own aggregate of them),
 and the outcomes vLLM has not heard of from the ranks go back for them to echo. Each decode
 request's one record, its claim, parse, refusal and load, is SchedulerConnector's (Consumer's),
-built with ``bind_params_at_allocation``: see scheduler/connector.py.
+whose params bind at allocation: see scheduler/connector.py.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def _ids(request: Request) -> Sequence[int] | None:
 class SchedulerSide:
     """The scheduler process's half: request state via SchedulerConnector, plus the echo.
 
-    ``connector`` must be built with ``bind_params_at_allocation=True``: vLLM may ask
-    get_num_new_matched_tokens many times before it allocates, and nothing binds until then
-    (vLLM's own connector reads the params there too).
+    vLLM may ask get_num_new_matched_tokens many times before it allocates, and nothing binds
+    until then (vLLM's own connector reads the params there too): ``connector`` reads them
+    there as well.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Handshake part of the recipe (worker/plan.py): one strided row per plane, for READs by index.
+"""Handshake part of the recipe (worker/plan/recipe.py): one strided row per plane, for READs by index.
 
 NIXL can prepare a descriptor list once and build READs from it by index
 (``prep_xfer_dlist`` / ``make_prepped_xfer``), merging indices that are contiguous on both
@@ -15,7 +15,7 @@ SSM state, any opaque format) and both sides cut tokens into kernel blocks of th
 so a full segment is a full block on both sides. Per request, full segments become indices
 (int32, NIXL's index type); partial segments (the prompt's last block, a window start) stay
 byte ranges, exact as ever. Splitting a request into whole and partial blocks, and whether
-it reads by index at all, is worker/whole_blocks.py's job.
+it reads by index at all, is worker/plan/whole_blocks.py's job.
 
 Pure: ints and numpy arrays; the edge (worker/prepped.py) prepares the lists on NIXL.
 """
@@ -30,12 +30,12 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.layout import GroupKind
-from worker.byte_runs import Int64Array
-from worker.exact_runs import class_runs
-from worker.segments import Segments
+from worker.plan.byte_runs import Int64Array
+from worker.plan.exact_runs import class_runs
+from worker.plan.segments import Segments
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.pairing import GroupPairing, PlaneClass
+    from worker.plan.pairing import GroupPairing, PlaneClass
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
 

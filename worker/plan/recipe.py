@@ -6,16 +6,15 @@ so heterogeneous block sizes, partial prefix hits, TP head slices and per-layer 
 correct by construction. Who owns each stage:
 
     handshake, once per (local rank, remote engine): ``peer_plan``
-      pair the layouts (validate, plane classes)   worker/pairing.py (+ pairing_checks.py,
-                                                     pairing_packed.py)
-      prepared rows per remote rank                worker/prepared_rows.py
+      pair the layouts (validate, plane classes)   worker/plan/pairing.py
+      prepared rows per remote rank                worker/plan/prepared_rows.py
       who notifies, with which count               worker/topology.py notification_duty
     per request: ``plan_request``
-      1. cut segments                              worker/segments.py (+ segment_checks.py)
-      2. split whole and partial blocks            worker/whole_blocks.py split_request
-      3. whole blocks by index or by row ranges    worker/whole_blocks.py indexed_request,
+      1. cut segments (and check the request)      worker/plan/segments.py
+      2. split whole and partial blocks            worker/plan/whole_blocks.py split_request
+      3. whole blocks by index or by row ranges    worker/plan/whole_blocks.py indexed_request,
          (the cost rule)                             whole_ranges, reads_by_index
-      4. partial blocks as exact runs              worker/exact_runs.py
+      4. partial blocks as exact runs              worker/plan/exact_runs.py
       5. one result: a RequestPlan                 here
 
 A remote rank without prepared rows (tests, benchmarks, a pairing that is not whole-block
@@ -32,14 +31,12 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from connector.layout import RankLayout
-from worker.byte_runs import ByteRuns, concatenate
-from worker.exact_runs import exact_runs
-from worker.pairing import GroupPairing, pair_groups
-from worker.pairing_checks import validate_pair
-from worker.prepared_rows import PreparedRows, prepared_rows
-from worker.segments import RequestSegments, cut_segments, leading_remote_blocks
-from worker.topology import head_shapes, notification_duty
-from worker.whole_blocks import (
+from worker.plan.byte_runs import ByteRuns, concatenate
+from worker.plan.exact_runs import exact_runs
+from worker.plan.pairing import GroupPairing, pair_groups, validate_pair
+from worker.plan.prepared_rows import PreparedRows, prepared_rows
+from worker.plan.segments import RequestSegments, cut_segments, leading_remote_blocks
+from worker.plan.whole_blocks import (
     PreparedRequest,
     RequestSplit,
     indexed_request,
@@ -47,6 +44,7 @@ from worker.whole_blocks import (
     split_request,
     whole_ranges,
 )
+from worker.topology import head_shapes, notification_duty
 
 
 class PeerPlan(msgspec.Struct, frozen=True):

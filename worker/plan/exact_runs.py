@@ -1,6 +1,6 @@
-"""Stage 4 of the recipe (worker/plan.py): token segments read as exact, merged byte runs.
+"""Stage 4 of the recipe (worker/plan/recipe.py): token segments read as exact, merged byte runs.
 
-Runs are computed once per plane class (worker/pairing.py) in offsets relative to the plane,
+Runs are computed once per plane class (worker/plan/pairing.py) in offsets relative to the plane,
 then placed in every plane of the class by adding its (region, offset), then merged: a run of
 blocks contiguous on both sides in a layer plane is one run. This path reads whatever the
 prepared rows cannot: partial blocks, head slices, differing kernel block sizes, packed
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from worker.byte_runs import ByteRuns, Int64Array, concatenate
-from worker.pairing import CopyMode, GroupPairing, PlaneClass
+from worker.plan.byte_runs import ByteRuns, Int64Array, concatenate
+from worker.plan.pairing import CopyMode, GroupPairing, PlaneClass
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.segments import Mask, RequestSegments, Segments
+    from worker.plan.segments import Mask, RequestSegments, Segments
 
 RelativeRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local offset, remote offset, length)
 

@@ -1,7 +1,7 @@
-"""Stages 2 and 3 of the recipe (worker/plan.py): whole blocks apart from partial ones, and how
+"""Stages 2 and 3 of the recipe (worker/plan/recipe.py): whole blocks apart from partial ones, and how
 the whole blocks are read.
 
-Where a remote rank has prepared rows (worker/prepared_rows.py), a request's segments split
+Where a remote rank has prepared rows (worker/plan/prepared_rows.py), a request's segments split
 into full kernel blocks and partial segments (the prompt's last block, a window start). The
 full blocks go either by index into the prepared lists (NIXL merges indices contiguous on both
 sides; the partial segments then go as exact byte ranges in a second READ) or as byte ranges
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from worker.byte_runs import ByteRuns, Int64Array
+from worker.plan.byte_runs import ByteRuns, Int64Array
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.prepared_rows import IndexArray, PreparedGroup, PreparedRows, SideRows
-    from worker.segments import Mask, RequestSegments, Segments
+    from worker.plan.prepared_rows import IndexArray, PreparedGroup, PreparedRows, SideRows
+    from worker.plan.segments import Mask, RequestSegments, Segments
 
 # The cost rule of choose_prepared, in nanoseconds, measured on the 2-core machine with real
 # NIXL (benchmarks/plan_bench.py, "prepared" rows): building and posting one index (numpy
