@@ -18,8 +18,9 @@ Keys (the same ones vLLM's NixlConnector uses, so existing routers work):
     remote_blocks_expiry_time  float  bidirectional mode: when decode frees its held blocks
     transfer_key       str    overlapped dispatch (docs/overlap.md): the router's name for one
                               transfer, sent to prefill (with do_remote_decode) and to decode
-                              (with do_remote_prefill, remote_engine_id, remote_host and
-                              remote_port, but no remote_request_id/remote_block_ids/lease keys)
+                              (with do_remote_prefill, remote_host, remote_port and optionally
+                              remote_engine_id, but no remote_request_id/remote_block_ids/lease
+                              keys)
                               at the same time; decode learns the lease from prefill's side
                               channel under this key (``KVTransferParams.awaited_lease``)
 
@@ -177,7 +178,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         )
         if not self.do_remote_prefill or key is None:
             return None
-        if engine_id is None or host is None or port is None:  # __post_init__ refused these
+        if host is None or port is None:  # __post_init__ refused these
             raise InvalidTransferParams("kv_transfer_params: a remote_* key is missing")
         return AwaitedLease(key, engine_id, host, port)
 
@@ -233,17 +234,18 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
 class AwaitedLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """Overlapped dispatch, decode: which transfer to wait for, and whose side channel
-    announces its lease (the router's transfer_key, remote_engine_id, remote_host, remote_port)."""
+    announces its lease (the router's transfer_key, remote_engine_id, remote_host, remote_port;
+    without remote_engine_id, the engine serving that side channel)."""
 
     transfer_key: str
-    engine_id: str
+    engine_id: str | None  # None: whichever engine serves host:port (learned from its Hello)
     host: str
     port: int
 
 
 # Overlapped dispatch: decode's params name prefill's side channel and the key, never the
 # lease (the announcement carries it); with the lease's keys they would say two things.
-_REQUIRED_FOR_AWAITING = ("remote_engine_id", "remote_host", "remote_port")
+_REQUIRED_FOR_AWAITING = ("remote_host", "remote_port")
 _ANNOUNCED_ONLY = ("remote_request_id", "remote_block_ids", "remote_boot_id", "remote_lease_id")
 
 

@@ -23,14 +23,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from connector.config import ConnectorConfig
 import msgspec
 
+from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
 from connector.metadata import ConnectorMetadata, WorkerReport
-from connector.outcomes import LoadFailure
-from connector.outcomes import FailureKind
+from connector.outcomes import FailureKind, LoadFailure
 from connector.params import AwaitedLease, raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake, lease_key
 from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer, RequestLoad
@@ -340,9 +339,10 @@ class SchedulerConnector:
             source = parsed.source
             if source is None or parsed.pulls or parsed.awaits is not None:
                 raise InvalidTransferParams("they ask for no load from prefill")
-            if source.engine_id != awaited.engine_id:
+            if source.engine_id != settled.engine_id:
                 raise InvalidTransferParams(
-                    f"they name engine {source.engine_id!r}, the router named {awaited.engine_id!r}"
+                    f"they name engine {source.engine_id!r}, but engine "
+                    f"{settled.engine_id!r} announced them"
                 )
             # The record keeps the router's params object as raw: later hooks see that one.
             bound = msgspec.structs.replace(parsed, raw=request.kv_transfer_params)
@@ -415,11 +415,15 @@ class SchedulerConnector:
         """
         request_id = request.request_id
         record = self._consumer.record(request_id)
-        if record is not None and record.state is CLAIMED:  # overlapped: no lease bound yet
-            if self._overlapped.cancel(request_id, self._awaited(request, record)):
-                # Parked on allocated blocks: vLLM frees them once the load reports its end.
-                self._consumer.end_parked(request_id)
-                return True, None
+        # Overlapped, no lease bound yet: cancel; parked on allocated blocks, report the
+        # load's end (vLLM frees a waiting request's blocks only then).
+        if (
+            record is not None
+            and record.state is CLAIMED
+            and self._overlapped.cancel(request_id, self._awaited(request, record))
+        ):
+            self._consumer.end_parked(request_id)
+            return True, None
         if record is not None and record.state in UNREAD_OR_REFUSED and record.state is not CLAIMED:
             return self._consumer.request_finished(request_id, None)
         try:

@@ -44,6 +44,7 @@ class Settled(msgspec.Struct, frozen=True, gc=False):
     awaited: AwaitedLease
     params: dict[str, object] | None = None
     failure: LoadFailure | None = None
+    engine_id: str = ""  # the engine that announced (its Hello's; the params must name it)
 
 
 class LeaseWaiter:
@@ -150,7 +151,8 @@ class LeaseWaiter:
     ) -> Settled | None:
         """Ask until the key settles, the deadline passes or the wait is cancelled (None)."""
         deadline = self._clock() + self._timeout_s
-        boot_id, last_error = "", "its side channel never answered"
+        engine_id, boot_id = "", ""
+        last_error = "its side channel never answered"
         while not stop.is_set():
             remaining_s = deadline - self._clock()
             if remaining_s <= 0:
@@ -158,13 +160,14 @@ class LeaseWaiter:
             call_timeout_s = min(self._call_timeout_s, remaining_s)
             try:
                 if not boot_id:
-                    boot_id = side_channel_client.fetch_boot_id(
+                    hello = side_channel_client.fetch_identity(
                         awaited.host, awaited.port, engine_id=awaited.engine_id,
                         secret=self._secret, timeout_s=call_timeout_s,
                     )  # fmt: skip
+                    engine_id, boot_id = hello.engine_id, hello.boot_id
                 reply = side_channel_client.await_lease(
                     awaited.host, awaited.port, awaited.transfer_key,
-                    engine_id=awaited.engine_id, boot_id=boot_id,
+                    engine_id=engine_id, boot_id=boot_id,
                     hold_s=min(HOLD_S, remaining_s),
                     secret=self._secret, timeout_s=call_timeout_s, reader=self._reader,
                 )  # fmt: skip
@@ -177,16 +180,17 @@ class LeaseWaiter:
                 stop.wait(min(RETRY_S, max(0.0, deadline - self._clock())))
                 continue
             if reply.status == ANNOUNCED_LEASED:
-                return Settled(request_id, awaited, params=reply.params)
+                return Settled(request_id, awaited, params=reply.params, engine_id=engine_id)
             if reply.status == ANNOUNCED_FAILED:
-                why = f"prefill {awaited.engine_id!r} drew no lease: {reply.reason}"
+                why = f"prefill {engine_id!r} drew no lease: {reply.reason}"
                 return Settled(
                     request_id, awaited, failure=LoadFailure(FailureKind.PREFILL_FAILED, why)
                 )
         if stop.is_set():
             return None
         why = (
-            f"prefill {awaited.engine_id!r} at {awaited.host}:{awaited.port} announced no lease "
+            f"prefill {engine_id or awaited.engine_id or ''!r} at {awaited.host}:{awaited.port} "
+            "announced no lease "
             f"for transfer_key {awaited.transfer_key!r} within {self._timeout_s} s (last: "
             f"{last_error}); is it up, and did the router send it the request with that key?"
         )
@@ -204,9 +208,13 @@ class LeaseWaiter:
         while True:
             awaited = self._cancels.get()
             try:
+                hello = side_channel_client.fetch_identity(
+                    awaited.host, awaited.port, engine_id=awaited.engine_id,
+                    secret=self._secret, timeout_s=self._call_timeout_s,
+                )  # fmt: skip
                 side_channel_client.cancel_transfer(
                     awaited.host, awaited.port, awaited.transfer_key,
-                    engine_id=awaited.engine_id, secret=self._secret,
+                    engine_id=hello.engine_id, boot_id=hello.boot_id, secret=self._secret,
                     timeout_s=self._call_timeout_s, reader=self._reader,
                 )  # fmt: skip
             except HandshakeError as exc:

@@ -19,6 +19,7 @@ sends stops the thread; only ``stop()`` does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -189,6 +190,9 @@ class SideChannelServer:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving, close the socket and join the thread (bounded by ``timeout_s``)."""
         self._stop.set()
+        if self._thread is None:  # never served: the serving thread closes them otherwise
+            self._wake_recv.close()
+            self._wake_send.close()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -238,10 +242,8 @@ class SideChannelServer:
             self._wake_send.close()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
             self._wake_send.send(b"\0")
-        except OSError:  # full (a wake is pending anyway) or closed (stopping)
-            pass
 
     def _drain_wake(self) -> None:
         try:

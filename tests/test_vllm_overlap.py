@@ -103,10 +103,16 @@ def refusals(monkeypatch: pytest.MonkeyPatch) -> dict[str, LoadFailure]:
     return seen
 
 
-def test_decode_parks_before_prefill_starts_then_reads_prefills_bytes(make_pair: Any) -> None:
+@pytest.mark.parametrize("engine_id", [True, False], ids=["engine-id-named", "engine-id-learned"])
+def test_decode_parks_before_prefill_starts_then_reads_prefills_bytes(
+    make_pair: Any, engine_id: bool
+) -> None:
     prefill, decode = make_pair()
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
-    decode.add(_request("d-1", _decode_params(prefill, "key-1")))
+    params = _decode_params(prefill, "key-1")
+    if not engine_id:
+        del params["remote_engine_id"]
+    decode.add(_request("d-1", params))
     decode.run_until(lambda e: _parked(e, "d-1"))
     assert decode.num_free_blocks() == free_decode - NUM_TOKENS // BLOCK_SIZE
     for _ in range(5):  # waiting costs the engine nothing but its usual steps
@@ -218,8 +224,9 @@ def test_decode_abort_after_the_announcement_ends_prefills_lease_at_once(make_pa
         {"transfer_key": "has spaces"},
         {"remote_host": None},
         {"remote_request_id": "p-1", "remote_block_ids": [[0, 1]]},
+        {"remote_port": 0},
     ],
-    ids=["key-with-spaces", "no-side-channel-host", "key-and-a-lease-both"],
+    ids=["key-with-spaces", "no-side-channel-host", "key-and-a-lease-both", "port-zero"],
 )
 def test_malformed_overlapped_params_fail_one_request_not_the_engine(
     make_pair: Any, refusals: dict[str, LoadFailure], overrides: dict[str, Any]

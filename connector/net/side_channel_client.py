@@ -79,6 +79,25 @@ def fetch_boot_id(
 
     With ``engine_id``, a server that is another engine raises HandshakeError.
     """
+    return fetch_identity(
+        host, port, engine_id=engine_id, secret=secret, timeout_s=timeout_s,
+        max_message_bytes=max_message_bytes,
+    ).boot_id  # fmt: skip
+
+
+def fetch_identity(
+    host: str,
+    port: int,
+    *,
+    engine_id: str | None,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> HelloReply:
+    """Who serves the side channel at host:port: its engine id and boot id (Hello).
+
+    With ``engine_id``, a server that is another engine raises HandshakeError.
+    """
     reply = _call(host, port, Hello(), secret, timeout_s, max_message_bytes, boot_id="")
     if not isinstance(reply, HelloReply):
         raise HandshakeError(
@@ -90,7 +109,7 @@ def fetch_boot_id(
             "that engine restarted under another id (its KV is gone) or the request's "
             "remote_host/remote_port name the wrong engine"
         )
-    return reply.boot_id
+    return reply
 
 
 def fetch_handshake(
