@@ -78,6 +78,7 @@ VLLM_MODULES = {
     "test_vllm_layout",
     "test_vllm_multiturn",
     "test_vllm_no_reload",
+    "test_vllm_overlap",
     "test_vllm_semantics",
     "test_vllm_staging",
     "test_vllm_token_binding",
