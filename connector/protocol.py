@@ -37,6 +37,9 @@ to a reader whose ref says other tokens or other blocks, or says neither
 (``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
 decode, but an older reader's refs are refused.
 
+Overlapped dispatch (docs/overlap.md): AwaitLease long-polls what prefill drew for a
+router's transfer key (LeaseAnnouncement); CancelTransfer ends that lease.
+
 Decoders never raise anything but ProtocolError (InvalidNotification for free notifications):
 msgspec also raises UnicodeDecodeError for bad UTF-8 and RecursionError for deep nesting, and
 a peer must not be able to turn either into a traceback.
@@ -198,11 +201,8 @@ MAX_AWAIT_HOLD_MS = 10_000  # the longest a server parks one AwaitLease before "
 
 
 class AwaitLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="await_lease"):
-    """Overlapped dispatch: decode asks for the lease prefill draws for ``transfer_key``.
-
-    The server answers as soon as it knows (LeaseAnnouncement "leased" or "failed") or after
-    ``hold_ms`` with "pending" (ask again): a long poll, parked off the server's thread.
-    """
+    """Overlapped dispatch: decode asks for the lease prefill draws for ``transfer_key``; the
+    server answers as soon as it knows, or "pending" after ``hold_ms`` (ask again)."""
 
     engine_id: EngineId
     transfer_key: TransferKey

@@ -17,33 +17,31 @@ engine parks it, announced as a failed load (``take_refused``), and never loads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import msgspec
-
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
 from connector.metadata import ConnectorMetadata, WorkerReport
-from connector.outcomes import FailureKind, LoadFailure
-from connector.params import AwaitedLease, raw_flag, validate_block_groups
-from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake, lease_key
+from connector.outcomes import LoadFailure
+from connector.params import raw_flag, validate_block_groups
+from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
 from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer, RequestLoad
 from scheduler.heartbeats import HeartbeatSender
-from scheduler.lease_waiter import LeaseWaiter, Settled
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import OnMove
-from scheduler.overlap import OverlappedLoads, ParkedLoad
+from scheduler.overlap import OverlappedLoads
 from scheduler.params_reader import ParamsReader
 from scheduler.producer import Producer
 from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role
 from scheduler.side_channel import SideChannelServer
 from scheduler.suffix import PULLABLE_KINDS, held_blocks
-from scheduler.transfer_board import TransferBoard
+from scheduler.transfer_board import TransferBoard, lease_under_key
 
 __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]
 
@@ -87,19 +85,8 @@ class SchedulerConnector:
         self._boot_id = secrets.token_hex(BOOT_ID_CHARS // 2)
         self._reader = ReaderId(engine_id, self._boot_id)
         self._leases = LeaseTable(config.kv_lease_duration_s, num_ranks=tp_size)
-        # Overlapped dispatch (docs/overlap.md): prefill announces leases by transfer key
-        # here; decode parks loads until theirs is announced.
-        self._transfers = TransferBoard(
-            ttl_s=config.kv_lease_duration_s, release=self._leases.release, clock=clock
-        )
-        self._overlapped = OverlappedLoads(
-            LeaseWaiter(
-                timeout_s=config.overlap_wait_timeout_s,
-                call_timeout_s=config.handshake_timeout_s,
-                secret=config.side_channel_secret,
-                reader=self._reader,
-            )
-        )
+        # Overlapped dispatch (docs/overlap.md): prefill announces leases by transfer key.
+        self._transfers = TransferBoard(config.kv_lease_duration_s, self._leases.release, clock)
         self._bind_at_allocation = bind_params_at_allocation
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
@@ -137,6 +124,10 @@ class SchedulerConnector:
             on_move=on_move,
             reader=self._reader,
         )
+        self._overlapped = OverlappedLoads.for_config(  # decode: loads parked until announced
+            config, self._reader, self._consumer,
+            parse=self._parse, read=self._params.read, match=self._match,
+        )  # fmt: skip
 
     @property
     def reader(self) -> ReaderId:
@@ -202,9 +193,9 @@ class SchedulerConnector:
         """The read params' answer; raises InvalidTransferParams for a wrong group count."""
         source = parsed.source
         if source is None:
-            if parsed.awaits is not None:  # overlapped: claim now, wait at allocation
-                return self._claim_awaited(request, num_computed_tokens)
-            return 0, False
+            if parsed.awaits is None:
+                return 0, False
+            return self._overlapped.claim(request, num_computed_tokens)  # bound at announcement
         num_tokens = request.num_prompt_tokens
         if parsed.pulls:
             num_tokens = min(num_tokens, source.num_tokens or 0)
@@ -221,15 +212,6 @@ class SchedulerConnector:
             token_ids=request.token_ids,
             kv_salt=request.kv_salt,
         )
-
-    def _claim_awaited(self, request: RequestInfo, num_computed_tokens: int) -> tuple[int, bool]:
-        """Overlapped params read at an ask: claim the prompt's uncached tokens, as a
-        claim on a router's word is (the lease is bound when prefill announces it)."""
-        num_new_tokens = request.num_prompt_tokens - num_computed_tokens
-        if num_new_tokens <= 0:
-            return 0, False
-        raw = request.kv_transfer_params
-        return self._consumer.claim(request.request_id, num_new_tokens, num_computed_tokens, raw)
 
     def _ask_before_allocation(
         self, request: RequestInfo, num_computed_tokens: int
@@ -268,7 +250,7 @@ class SchedulerConnector:
         request_id = request.request_id
         record = self._consumer.record(request_id)
         if record is not None and record.state is CLAIMED:
-            if self._park_awaited(request, record, block_ids, num_external_tokens):
+            if self._overlapped.park_at_allocation(request, record, block_ids, num_external_tokens):
                 return
             if not self._read_claim(request, num_external_tokens):
                 return
@@ -276,88 +258,6 @@ class SchedulerConnector:
             self._consumer.refuse_claim(request_id, "", num_external_tokens)  # announce once
             return
         self._consumer.update_state_after_alloc(request_id, block_ids, num_external_tokens)
-
-    def _park_awaited(
-        self,
-        request: RequestInfo,
-        record: RequestLoad,
-        block_ids: Sequence[Sequence[int]],
-        num_external_tokens: int,
-    ) -> bool:
-        """Overlapped params at allocation: park the load until prefill announces its lease
-        (or, with nothing to load, cancel the transfer). False: not overlapped params."""
-        awaited = self._awaited(request, record)
-        if awaited is None:
-            return False
-        if num_external_tokens == 0:  # the engine loads nothing after all: prefill may free
-            self._overlapped.cancel(request.request_id, awaited)
-            self._consumer.drop_claim(request.request_id)
-            return True
-        self._overlapped.park(request, awaited, block_ids, num_external_tokens)
-        return True
-
-    def _awaited(self, request: RequestInfo, record: RequestLoad | None) -> AwaitedLease | None:
-        """The lease a request's overlapped params wait for; None for any other params
-        (refused ones too: the caller's usual path refuses them)."""
-        raw = request.kv_transfer_params
-        if type(raw) is not dict or "transfer_key" not in raw:  # the usual case: no parse
-            return None
-        try:
-            return self._parse(request, record).awaits
-        except InvalidTransferParams:
-            return None
-
-    def _bind_settled(self) -> None:
-        """Bind the parked loads whose lease prefill announced; fail those it will not."""
-        for parked, settled in self._overlapped.take_settled():
-            request_id = parked.request.request_id
-            record = self._consumer.record(request_id)
-            if record is None or record.state is not CLAIMED:
-                self._overlapped.cancel(request_id, parked.awaited)  # no longer wanted
-                continue
-            failure = settled.failure
-            if failure is None:
-                failure = self._bind_announced(parked, settled, record.num_cached_tokens)
-            if failure is not None:
-                self._consumer.refuse_claim(
-                    request_id, failure.message, parked.num_external_tokens, kind=failure.kind
-                )
-                continue
-            self._consumer.update_state_after_alloc(
-                request_id, parked.block_ids, parked.num_external_tokens
-            )
-
-    def _bind_announced(
-        self, parked: ParkedLoad, settled: Settled, num_cached_tokens: int
-    ) -> LoadFailure | None:
-        """Read prefill's announced params as a router's are read, bound to the parked
-        request (None: it loads); on a refusal the lease is cancelled at once."""
-        request, awaited = parked.request, parked.awaited
-        announced = msgspec.structs.replace(request, kv_transfer_params=settled.params)
-        try:
-            parsed = self._params.read(announced)
-            source = parsed.source
-            if source is None or parsed.pulls or parsed.awaits is not None:
-                raise InvalidTransferParams("they ask for no load from prefill")
-            if source.engine_id != settled.engine_id:
-                raise InvalidTransferParams(
-                    f"they name engine {source.engine_id!r}, but engine "
-                    f"{settled.engine_id!r} announced them"
-                )
-            # The record keeps the router's params object as raw: later hooks see that one.
-            bound = msgspec.structs.replace(parsed, raw=request.kv_transfer_params)
-            _, loads = self._match(request, bound, num_cached_tokens)
-        except InvalidTransferParams as exc:
-            self._overlapped.cancel(request.request_id, awaited)
-            return LoadFailure(
-                FailureKind.PARAMS,
-                f"prefill announced kv_transfer_params for transfer_key "
-                f"{awaited.transfer_key!r} that decode refuses: {exc}",
-            )
-        if not loads:
-            self._overlapped.cancel(request.request_id, awaited)
-            return LoadFailure(FailureKind.PARAMS, "the announced lease gives nothing to load")
-        return None
 
     def _read_claim(self, request: RequestInfo, num_external_tokens: int) -> bool:
         """Read a claimed request's params now that the engine allocated; True if it loads.
@@ -393,7 +293,7 @@ class SchedulerConnector:
         return self._consumer.take_refused()
 
     def build_connector_meta(self) -> ConnectorMetadata:
-        self._bind_settled()
+        self._overlapped.bind_settled()
         sends, forgotten, digests = self._producer.take_step()
         stage_out = self._producer.take_stage_out()
         loads, releases = self._consumer.take_step()
@@ -415,15 +315,8 @@ class SchedulerConnector:
         """
         request_id = request.request_id
         record = self._consumer.record(request_id)
-        # Overlapped, no lease bound yet: cancel; parked on allocated blocks, report the
-        # load's end (vLLM frees a waiting request's blocks only then).
-        if (
-            record is not None
-            and record.state is CLAIMED
-            and self._overlapped.cancel(request_id, self._awaited(request, record))
-        ):
-            self._consumer.end_parked(request_id)
-            return True, None
+        if record and record.state is CLAIMED and self._overlapped.end_unbound(request, record):
+            return True, None  # overlapped, unbound: parked on blocks the engine frees later
         if record is not None and record.state in UNREAD_OR_REFUSED and record.state is not CLAIMED:
             return self._consumer.request_finished(request_id, None)
         try:
@@ -443,41 +336,13 @@ class SchedulerConnector:
         params = parsed.params
         if params is None or not params.do_remote_decode:
             return False, None
-        key = params.transfer_key
-        if key is None:
-            if request.aborted:
-                return False, None
-            return self._lease_for_decode(request, block_ids)
-        return self._lease_for_key(request, block_ids, key)
-
-    def _lease_for_decode(
-        self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._producer.request_finished(
-            request.request_id,
-            block_ids,
-            request.num_prompt_tokens,
-            token_ids=request.token_ids,
-            kv_salt=request.kv_salt,
-        )
-
-    def _lease_for_key(
-        self, request: RequestInfo, block_ids: Sequence[Sequence[int]], key: str
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """Overlapped dispatch, prefill: lease as usual and announce the params under the
-        router's ``key`` (or why there is no lease); none when decode already cancelled."""
-        if self._transfers.is_cancelled(key):
-            return False, None  # decode ended first: free the blocks now
-        if request.aborted:
-            self._transfers.fail(key, "prefill aborted the request before its KV was complete")
-            return False, None
-        delay, params = self._lease_for_decode(request, block_ids)
-        if params is None:
-            self._transfers.fail(key, "prefill kept no lease for the request (see its log)")
-            return delay, None
-        lease = lease_key(str(params["remote_request_id"]), str(params.get("remote_lease_id", "")))
-        self._transfers.announce(key, params, lease)
-        return delay, params
+        lease = functools.partial(
+            self._producer.request_finished, request.request_id, block_ids,
+            request.num_prompt_tokens, token_ids=request.token_ids, kv_salt=request.kv_salt,
+        )  # fmt: skip
+        if params.transfer_key is not None:  # overlapped dispatch: announced under the key
+            return lease_under_key(self._transfers, params.transfer_key, request.aborted, lease)
+        return (False, None) if request.aborted else lease()
 
     def _hold_for_next_turn(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
@@ -540,11 +405,8 @@ class SchedulerConnector:
         An engine that stops stepping while this is true strands them: e.g. a release after a
         full prefix hit must still reach the prefill engine.
         """
-        return (
-            self._producer.has_pending_work
-            or self._consumer.has_pending_work
-            or self._overlapped.has_pending_work
-        )
+        pending = self._producer.has_pending_work or self._consumer.has_pending_work
+        return pending or self._overlapped.has_pending_work
 
     @property
     def holds_finished_requests(self) -> bool:

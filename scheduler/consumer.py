@@ -269,9 +269,8 @@ class Consumer:
             self._loads.move(request_id, ENDED)
 
     def end_parked(self, request_id: str) -> None:
-        """A claimed request the engine parked on allocated blocks ended before its params
-        gave a load (overlapped dispatch: no lease announced yet). Nothing was read into its
-        blocks; report it received so an engine that waits for the load's end frees them."""
+        """A claim parked on allocated blocks ended before it bound a load (overlapped
+        dispatch): report it received (nothing read) so the engine frees its blocks."""
         load = self._loads.get(request_id)
         if load is not None and load.state is CLAIMED:
             self._loads.move(request_id, ENDED)

@@ -7,9 +7,9 @@ an inbox the engine thread takes at its next step (``take``), as it takes the ra
 The engine thread never waits here.
 
 Bounds: at most ``max_waits`` waits at once (another fails at once), each ends by
-``timeout_s`` after it started (a prefill that is dead, unreachable or never got the request
-fails the load with PREFILL_TIMEOUT then), and a cancelled wait's thread ends within one
-hold. Cancels go to prefill from one sender thread through a bounded queue; one that does
+``timeout_s`` after it started, plus at most one ``call_timeout_s`` when a side channel stops
+answering mid-call (a prefill that is dead, unreachable or never got the request fails the
+load with PREFILL_TIMEOUT then), and a cancelled wait's thread ends within one hold. Cancels go to prefill from one sender thread through a bounded queue; one that does
 not fit is dropped with a warning (prefill's lease then ends by expiry, as an unread one does).
 """
 

@@ -10,6 +10,10 @@ A reader that names itself in a message (``reader``: its engine id and boot) is 
 ``on_reader`` with the leases the message named (for a lease check, those found held): the
 holder remembers which reader boot claimed which lease, and ends the leases of a reader's
 earlier boot (scheduler/readers.py). Messages without a reader (older peers) skip it.
+Overlapped dispatch (docs/overlap.md, with a ``transfers`` board): an AwaitLease whose
+transfer key has not settled is parked (at most MAX_PARKED, each until its ``hold_ms``) and
+answered from this thread as soon as the board says what the key came to; the board wakes
+the poll through a socket pair. A CancelTransfer goes to the board, which ends the lease.
 It is a network service: inbound messages are size-bounded (zmq.MAXMSGSIZE drops the peer's
 connection), decoded only through typed msgspec decoders, optionally authenticated, and any bad
 input is answered with an ErrorReply. Refusals are logged through a rate-limited log (one line

@@ -29,6 +29,7 @@ from connector.protocol import (
     ANNOUNCED_FAILED,
     ANNOUNCED_LEASED,
     LeaseAnnouncement,
+    lease_key,
 )
 
 MAX_KEYS = 65_536  # transfer keys remembered at once (~0.5 KB each)
@@ -53,7 +54,6 @@ class TransferBoard:
 
     def __init__(
         self,
-        *,
         ttl_s: float,
         release: Callable[[tuple[str, ...]], int],
         clock: Callable[[], float],
@@ -139,6 +139,32 @@ class TransferBoard:
         self._entries[key] = _Entry(announcement, lease, self._clock() + self._ttl_s)
         while len(self._entries) > self._max_keys:
             self._entries.popitem(last=False)
+
+
+LeaseResult = tuple[bool, dict[str, Any] | None]  # request_finished's (delay the free, params)
+
+
+def lease_under_key(
+    board: TransferBoard, key: str, aborted: bool, lease: Callable[[], LeaseResult]
+) -> LeaseResult:
+    """Prefill's request_finished for a request with a transfer key: ``lease`` as usual and
+    announce the params under ``key`` (or why there is no lease); none when decode already
+    cancelled it (the blocks are freed at once)."""
+    if board.is_cancelled(key):
+        return False, None
+    if aborted:
+        board.fail(key, "prefill aborted the request before its KV was complete")
+        return False, None
+    delay, params = lease()
+    if params is None:
+        board.fail(key, "prefill kept no lease for the request (see its log)")
+        return delay, None
+    board.announce(
+        key,
+        params,
+        lease_key(str(params["remote_request_id"]), str(params.get("remote_lease_id", ""))),
+    )
+    return delay, params
 
 
 def _notify(watchers: tuple[Callable[[], None], ...]) -> None:
