@@ -235,17 +235,20 @@ def test_decode_abort_after_the_announcement_ends_prefills_lease_at_once(make_pa
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "message"),
     [
-        {"transfer_key": "has spaces"},
-        {"remote_host": None},
-        {"remote_request_id": "p-1", "remote_block_ids": [[0, 1]]},
-        {"remote_port": 0},
+        ({"transfer_key": "has spaces"}, "kv_transfer_params['transfer_key']: value 'has spaces'"),
+        ({"remote_host": None}, "with transfer_key but remote_host missing"),
+        (
+            {"remote_request_id": "p-1", "remote_block_ids": [[0, 1]]},
+            "transfer_key with remote_request_id, remote_block_ids",
+        ),
+        ({"transfer_key": 7}, "kv_transfer_params['transfer_key']: value 7"),
     ],
-    ids=["key-with-spaces", "no-side-channel-host", "key-and-a-lease-both", "port-zero"],
+    ids=["key-with-spaces", "no-side-channel-host", "key-and-a-lease-both", "key-not-a-string"],
 )
 def test_malformed_overlapped_params_fail_one_request_not_the_engine(
-    make_pair: Any, refusals: dict[str, LoadFailure], overrides: dict[str, Any]
+    make_pair: Any, refusals: dict[str, LoadFailure], overrides: dict[str, Any], message: str
 ) -> None:
     prefill, decode = make_pair()
     free_decode = decode.num_free_blocks()
@@ -254,5 +257,5 @@ def test_malformed_overlapped_params_fail_one_request_not_the_engine(
     decode.run_until(lambda e: e.finished("bad") is not None and e.finished("good") is not None)
     assert str(decode.finished("good").finish_reason) == "length"
     assert str(decode.finished("bad").finish_reason) == "error"
-    assert refusals["bad"].kind == "params"
+    assert refusals["bad"].kind == "params" and message in refusals["bad"].message
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
