@@ -38,6 +38,7 @@ REAL_VLLM_MODULES = {
     "test_real_vllm_configs": "real `vllm serve` engines: the configuration tier",
     "test_real_vllm_fp8": "real `vllm serve` engines",
     "test_real_vllm_hybrid": "real `vllm serve` engines",
+    "test_real_vllm_mla": "real `vllm serve` engines: MLA against vLLM's connector",
     "test_real_vllm_multiturn": "real `vllm serve` engines",
     "test_real_vllm_router": "real `vllm serve` engines behind vllm-router",
     "test_real_vllm_two_hosts": "real `vllm serve` engines in two network namespaces",
