@@ -168,9 +168,10 @@ def test_a_hanging_handshake_is_logged_once_with_the_handshake_threads_stack(
 
 
 def test_a_load_that_waited_long_for_its_handshake_names_its_phases_when_it_fails(
-    hanging_handshake: FakeRank,
+    hanging_handshake: FakeRank, caplog: pytest.LogCaptureFixture
 ) -> None:
     rank = hanging_handshake
+    caplog.set_level(logging.WARNING, logger="worker.peers")
     rank.leases.answers["p-req"] = False  # prefill's lease is gone by the time it is asked
     rank.worker.start_load_kv(ConnectorMetadata(loads=(load("d1", source()),)))
     rank.collect()
@@ -188,6 +189,8 @@ def test_a_load_that_waited_long_for_its_handshake_names_its_phases_when_it_fail
     assert "this load waited 20.0 s for the handshake; handshake phases: queued 0.00 s, " in reason
     assert "fetch rank 0 20.00 s" in reason
     assert "add agents 0.00 s, prepare lists 0.00 s; 20.00 s in all" in reason
+    [slow] = [r.getMessage() for r in caplog.records if r.name == "worker.peers"]
+    assert "handshake with engine p at 127.0.0.1:7001 done in 20.00 s (handshake phases: " in slow
 
 
 def test_a_transfer_thread_stuck_in_a_nixl_call_is_reported_with_its_stack(

@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0  # a failed peer key gets at most one background probe per interval
 STALE_AFTER_S = 3.0  # a failure no attempt confirmed for this long: the next request retries
 MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
+SLOW_HANDSHAKE_S = 5.0  # a handshake this slow is logged as a warning, with its phases
 
 
 def peer_key(source: RemoteSource) -> PeerKey:
@@ -263,8 +264,14 @@ class PeerTable:
             return
         peer.handshake_phases = describe_phases(phases)
         peer.connect(link)
-        self._metrics.observe(HANDSHAKE_SECONDS, self._clock() - peer.submitted_s)
-        logger.info("handshake with engine %s at %s done", peer.engine_id, peer.address)
+        took_s = self._clock() - peer.submitted_s
+        self._metrics.observe(HANDSHAKE_SECONDS, took_s)
+        # A slow handshake is worth a line even when no load fails for it: where did it wait?
+        level = logging.WARNING if took_s >= SLOW_HANDSHAKE_S else logging.INFO
+        logger.log(
+            level, "handshake with engine %s at %s done in %.2f s (%s)",
+            peer.engine_id, peer.address, took_s, peer.handshake_phases,
+        )  # fmt: skip
         if was_probe:
             self._promote(peer)
         self._retire_replaced(peer)
