@@ -58,6 +58,11 @@ from scheduler.auth import DEFAULT_REPLAY_WINDOW_S, RequestAuthenticator
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 50
+# A turn of the serving loop (a poll, and the answer if a request came) this slow means peers
+# waited as long for their handshakes and lease checks: logged (rate-limited) with how much of
+# it went into answering (a callback waiting on a lock) and how much elsewhere (a poll that
+# returned late: this thread did not get the CPU or the GIL).
+SLOW_TURN_S = 5.0
 LeaseCallback = Callable[[tuple[str, ...]], int]  # request ids -> how many were held
 # The leases a LeaseCheck names -> whether each very lease is held now (and its digests match)
 LeaseCheckCallback = Callable[[tuple[LeaseRef, ...]], LeaseStatus]
@@ -121,6 +126,7 @@ class SideChannelServer:
         self._auth = RequestAuthenticator(secret, replay_window_s=replay_window_s)
         self._boot_id = boot_id or secrets.token_hex(16)
         self._log = RateLimitedLog(logger, interval_s=log_interval_s, clock=log_clock)
+        self._log_clock = log_clock  # also times the serving loop's turns
         self.num_refused = 0  # requests answered with an ErrorReply; side-channel thread writes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -179,9 +185,12 @@ class SideChannelServer:
             return
         try:
             while not self._stop.is_set():
+                turn_started_s = self._log_clock()
                 try:
+                    answering_s = 0.0
                     if socket.poll(POLL_INTERVAL_MS, zmq.POLLIN):
-                        self._serve_one(socket)
+                        answering_s = self._serve_one(socket)
+                    self._note_slow_turn(self._log_clock() - turn_started_s, answering_s)
                 except zmq.ZMQError as exc:
                     if exc.errno == zmq.ETERM:
                         return  # the zmq context is shutting down (interpreter exit)
@@ -191,19 +200,33 @@ class SideChannelServer:
             socket.close(linger=0)
             self._socket = None
 
-    def _serve_one(self, socket: zmq.Socket) -> None:
+    def _serve_one(self, socket: zmq.Socket) -> float:
+        """Receive one request and reply; returns the seconds spent answering it."""
         try:
             identity, *frames = socket.recv_multipart(zmq.NOBLOCK)
         except (zmq.ZMQError, ValueError) as exc:  # EAGAIN after a dropped oversized message
             self._log.log(logging.DEBUG, "receive", "side channel receive: %s", exc)
-            return
+            return 0.0
         # A REQ peer sends [b"", message] and expects the empty delimiter back; DEALER: [message].
         delimiter = [b""] if frames and frames[0] == b"" else []
+        started_s = self._log_clock()
         reply_frame = self.answer(frames[len(delimiter) :])
+        answering_s = self._log_clock() - started_s
         try:
             socket.send_multipart([identity, *delimiter, reply_frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._log.warning("reply", "side channel could not reply to a peer: %s", exc)
+        return answering_s
+
+    def _note_slow_turn(self, turn_s: float, answering_s: float) -> None:
+        if turn_s >= SLOW_TURN_S:
+            self._log.warning(
+                "slow turn",
+                "side channel of engine %s: one turn of its loop took %.1f s, %.1f s of it "
+                "answering a request (the rest: the %d ms poll returned late, so this thread "
+                "waited for the CPU or the GIL); peers' handshakes and lease checks waited as long",
+                self._engine_id, turn_s, answering_s, POLL_INTERVAL_MS,
+            )  # fmt: skip
 
     def answer(self, frames: list[bytes]) -> bytes:
         """The reply frame to one request's message frames; bad input becomes an ErrorReply.
