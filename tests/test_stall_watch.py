@@ -189,6 +189,7 @@ def test_a_load_that_waited_long_for_its_handshake_names_its_phases_when_it_fail
     assert "this load waited 20.0 s for the handshake; handshake phases: queued 0.00 s, " in reason
     assert "fetch rank 0 20.00 s" in reason
     assert "add agents 0.00 s, prepare lists 0.00 s; 20.00 s in all" in reason
+    assert reason.endswith("(this rank's load: handshake ready +20.0 s, failed +20.0 s)")
     [slow] = [r.getMessage() for r in caplog.records if r.name == "worker.peers"]
     assert "handshake with engine p at 127.0.0.1:7001 done in 20.00 s (handshake phases: " in slow
 

@@ -389,7 +389,7 @@ class LoadTable:
             self._recent.popitem(last=False)
         if load.proof_ticket is not None:  # aborted while prefill was being asked
             self._proofs.abandon(load.proof_ticket)
-        reason = _with_handshake_phases(load, load.reason)
+        reason = _with_timeline(load, _with_handshake_phases(load, load.reason), self._clock())
         if reason is not None and reason.kind is FailureKind.PREFILL_RESTARTED:
             # The boot that leased is gone: nothing to free there, and a notification to its
             # dead agent would block this thread until UCX gives up on it (~20 s measured).
@@ -450,6 +450,24 @@ def _with_handshake_phases(load: Load, reason: LoadFailure | None) -> LoadFailur
         return reason
     note = f" (this load waited {waited_s:.1f} s for the handshake; {phases})"
     return LoadFailure(reason.kind, reason.message + note)
+
+
+def _with_timeline(load: Load, reason: LoadFailure | None, now_s: float) -> LoadFailure | None:
+    """A lease that ended under a load says how long this rank held the load, and where: was
+    the lease's time spent here, or before decode scheduled the request?"""
+    if reason is None or reason.kind is not FailureKind.LEASE_EXPIRED:
+        return reason
+    timeline = load.timeline
+    stamps = (
+        ("handshake ready", timeline.handshake_ready_s),
+        ("READs posted", timeline.posted_s),
+        ("READs done", timeline.done_s),
+        ("failed", now_s),
+    )
+    steps = ", ".join(
+        f"{name} +{when_s - load.created_s:.1f} s" for name, when_s in stamps if when_s is not None
+    )
+    return LoadFailure(reason.kind, f"{reason.message} (this rank's load: {steps})")
 
 
 def _num_blocks(load: Load) -> int:
