@@ -72,6 +72,11 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL_MS = 50
 MAX_PARKED = 1024  # AwaitLease requests parked at once; past it, one is answered "pending" now
 PENDING = LeaseAnnouncement(ANNOUNCED_PENDING)
+# A turn of the serving loop (a poll, and the answer if a request came) this slow means peers
+# waited as long for their handshakes and lease checks: logged (rate-limited) with how much of
+# it went into answering (a callback waiting on a lock) and how much elsewhere (a poll that
+# returned late: this thread did not get the CPU or the GIL).
+SLOW_TURN_S = 5.0
 LeaseCallback = Callable[[tuple[str, ...]], int]  # lease keys -> how many were held
 # The leases a LeaseCheck names -> whether each very lease is held now (and its digests match)
 LeaseCheckCallback = Callable[[tuple[LeaseRef, ...]], LeaseStatus]
@@ -153,7 +158,7 @@ class SideChannelServer:
         self._auth = RequestAuthenticator(secret, replay_window_s=replay_window_s)
         self._boot_id = boot_id or secrets.token_hex(16)
         self._log = RateLimitedLog(logger, interval_s=log_interval_s, clock=log_clock)
-        self._monotonic = log_clock
+        self._log_clock = log_clock  # also times the serving loop's turns
         self._transfers = transfers
         self._parked: list[_Parked] = []  # the serving thread's own
         # A board change wakes the serving thread's poll through this pair (any thread writes).
@@ -226,14 +231,17 @@ class SideChannelServer:
         poller.register(self._wake_recv.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                turn_started_s = self._log_clock()
                 try:
+                    answering_s = 0.0
                     ready = dict(poller.poll(POLL_INTERVAL_MS))
                     if socket in ready:
-                        self._serve_one(socket)
+                        answering_s = self._serve_one(socket)
                     if self._wake_recv.fileno() in ready:
                         self._drain_wake()
                     if self._parked:
                         self._answer_parked(socket)
+                    self._note_slow_turn(self._log_clock() - turn_started_s, answering_s)
                 except zmq.ZMQError as exc:
                     if exc.errno == zmq.ETERM:
                         return  # the zmq context is shutting down (interpreter exit)
@@ -258,7 +266,7 @@ class SideChannelServer:
 
     def _answer_parked(self, socket: zmq.Socket) -> None:
         """Answer the parked AwaitLease requests whose key settled or whose hold ran out."""
-        now, still = self._monotonic(), []
+        now, still = self._log_clock(), []
         for parked in self._parked:
             status = (
                 None if self._transfers is None else self._transfers.status(parked.transfer_key)
@@ -276,23 +284,38 @@ class SideChannelServer:
         except zmq.ZMQError as exc:
             self._log.warning("reply", "side channel could not reply to a peer: %s", exc)
 
-    def _serve_one(self, socket: zmq.Socket) -> None:
+    def _serve_one(self, socket: zmq.Socket) -> float:
+        """Receive one request and reply; returns the seconds spent answering it."""
         try:
             identity, *frames = socket.recv_multipart(zmq.NOBLOCK)
         except (zmq.ZMQError, ValueError) as exc:  # EAGAIN after a dropped oversized message
             self._log.log(logging.DEBUG, "receive", "side channel receive: %s", exc)
-            return
+            return 0.0
         # A REQ peer sends [b"", message] and expects the empty delimiter back; DEALER: [message].
         delimiter = [b""] if frames and frames[0] == b"" else []
+        started_s = self._log_clock()
         reply, nonce = self._reply(frames[len(delimiter) :])
         if isinstance(reply, _Park):
             if len(self._parked) < MAX_PARKED:
-                deadline = self._monotonic() + reply.hold_ms / 1000
+                deadline = self._log_clock() + reply.hold_ms / 1000
                 route = (identity, *delimiter)
                 self._parked.append(_Parked(reply.transfer_key, route, nonce, deadline))
-                return
+                return self._log_clock() - started_s
             reply = PENDING
-        self._send(socket, [identity, *delimiter, self._encode(reply, nonce)])
+        frame = self._encode(reply, nonce)
+        answering_s = self._log_clock() - started_s
+        self._send(socket, [identity, *delimiter, frame])
+        return answering_s
+
+    def _note_slow_turn(self, turn_s: float, answering_s: float) -> None:
+        if turn_s >= SLOW_TURN_S:
+            self._log.warning(
+                "slow turn",
+                "side channel of engine %s: one turn of its loop took %.1f s, %.1f s of it "
+                "answering a request (the rest: the %d ms poll returned late, so this thread "
+                "waited for the CPU or the GIL); peers' handshakes and lease checks waited as long",
+                self._engine_id, turn_s, answering_s, POLL_INTERVAL_MS,
+            )  # fmt: skip
 
     def answer(self, frames: list[bytes]) -> bytes:
         """The reply frame to one request's message frames; bad input becomes an ErrorReply.

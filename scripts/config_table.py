@@ -2,13 +2,15 @@
 
     .venv/bin/python scripts/config_table.py RESULTS.json [MORE.json ...] [--doc docs/vllm.md]
 
-RESULTS.json is what tests/test_real_vllm_configs.py writes (NIXL_PD_CONFIG_RESULTS), or
-tests/test_real_vllm_fp8.py (NIXL_PD_FP8_RESULTS): a list of outcomes, one per case and
-connector (passed and failed request counts, or the message of a configuration an engine
-refused). The table, ours and vLLM's NixlConnector side by side, goes into DEFAULT_DOC
-(docs/vllm.md, "Configurations on real engines") between the two marker comments below,
-replacing what was there; a refused configuration shows its message. Pure stdlib: the table
-is built by ``render`` (no I/O).
+RESULTS.json is what tests/test_real_vllm_configs.py writes (NIXL_PD_CONFIG_RESULTS),
+tests/test_real_vllm_fp8.py (NIXL_PD_FP8_RESULTS) or tests/test_real_vllm_mla.py
+(NIXL_PD_MLA_RESULTS): a list of outcomes, one per case and connector (passed and failed request
+counts, or the message of a configuration an engine refused). A case whose oracle is not the
+single engine says so: ours names its ``oracle`` (and the loads verify_kv checked), the
+connector that is the oracle is marked ``is_oracle``. The table, ours and vLLM's NixlConnector
+side by side, goes into DEFAULT_DOC (docs/vllm.md, "Configurations on real engines") between
+the two marker comments below, replacing what was there; a refused configuration shows its
+message. Pure stdlib: the table is built by ``render`` (no I/O).
 """
 
 from __future__ import annotations
@@ -34,9 +36,19 @@ def cell(outcome: Mapping[str, Any] | None) -> str:
         return "refused: " + _escape(str(outcome["refused"]))
     passed, failed = int(outcome["passed"]), int(outcome["failed"])
     total = passed + failed
-    if failed == 0:
+    if outcome.get("is_oracle"):
+        return f"the oracle ({passed}/{total} served)"
+    if failed:
+        return f"FAIL ({failed} of {total} failed or differed)"
+    oracle = outcome.get("oracle")
+    if oracle is None:
         return f"pass ({passed}/{total} token-identical)"
-    return f"FAIL ({failed} of {total} failed or differed)"
+    verified = (
+        f"; {outcome['verified_loads']} loads digest-verified"
+        if "verified_loads" in outcome
+        else ""
+    )
+    return _escape(f"pass ({passed}/{total} token-identical to {oracle}{verified})")
 
 
 def _escape(text: str) -> str:

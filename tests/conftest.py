@@ -38,6 +38,7 @@ REAL_VLLM_MODULES = {
     "test_real_vllm_configs": "real `vllm serve` engines: the configuration tier",
     "test_real_vllm_fp8": "real `vllm serve` engines",
     "test_real_vllm_hybrid": "real `vllm serve` engines",
+    "test_real_vllm_mla": "real `vllm serve` engines: MLA against vLLM's connector",
     "test_real_vllm_multiturn": "real `vllm serve` engines",
     "test_real_vllm_overlap": "real `vllm serve` engines behind proxy.py --overlap",
     "test_real_vllm_router": "real `vllm serve` engines behind vllm-router",

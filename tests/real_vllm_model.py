@@ -1,11 +1,12 @@
 """Write a tiny seeded random model and its tokenizer to a directory (run with .venv-vllm's python).
 
-    .venv-vllm/bin/python tests/real_vllm_model.py OUT_DIR [llama|qwen3-next|gemma3]
+    .venv-vllm/bin/python tests/real_vllm_model.py OUT_DIR [llama|qwen3-next|gemma3|deepseek-v2]
 
 ``llama`` (the default) is a dense 2-layer Llama; ``qwen3-next`` a hybrid: linear-attention
 (gated delta net, a recurrent state per request) and full-attention layers alternating;
 ``gemma3`` a sliding-window hybrid: Gemma3's text model, 5 sliding-window layers (64 tokens)
-and 1 full-attention layer.
+and 1 full-attention layer; ``deepseek-v2`` an MLA model: DeepSeek-V2's attention (one
+576-wide latent per token and layer), dense MLPs.
 
 No hub: the weights come from a fixed seed, the tokenizer is a word-level vocabulary built in
 memory. The weights are drawn wider than Llama's default (initializer_range 0.2 instead of
@@ -67,7 +68,23 @@ SLIDING_CONFIG: dict[str, Any] = {
     "sliding_window": 64,
     "query_pre_attn_scalar": 64,
 }
-MODELS = ("llama", "qwen3-next", "gemma3")
+# The MLA model: DeepSeek-V2's attention with the latent the CPU MLA kernel compiles for
+# (kv_lora_rank 512 + rope 64 = 576 values per token and layer, one "head"); every layer's MLP
+# dense (first_k_dense_replace = the layer count), no query LoRA: a small checkpoint.
+MLA_CONFIG: dict[str, Any] = {
+    **CONFIG,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+}
+MODELS = ("llama", "qwen3-next", "gemma3", "deepseek-v2")
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -102,6 +119,10 @@ def build_model(out_dir: Path, kind: str = "llama") -> None:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         model = Gemma3ForCausalLM(Gemma3TextConfig(**SLIDING_CONFIG))  # float32
+    elif kind == "deepseek-v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**MLA_CONFIG))  # float32
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -34,6 +34,21 @@ def test_rows_put_ours_and_vllms_side_by_side_and_show_refusals() -> None:
     assert lines[3] == "| MLA | m | not run | refused: no \\| MLA here |"
 
 
+def test_a_case_judged_by_another_connector_names_its_oracle() -> None:
+    mla = {"configuration": "MLA", "case": "m", "passed": 8, "failed": 0}
+    outcomes = [
+        {**mla, "connector": "nixlpd", "oracle": "vLLM's connector", "verified_loads": 16},
+        {**mla, "connector": "vllm", "is_oracle": True},
+    ]
+
+    [row] = render(outcomes, ["mla.json"]).splitlines()[2:3]
+
+    assert row == (
+        "| MLA | m | pass (8/8 token-identical to vLLM's connector; 16 loads digest-verified) "
+        "| the oracle (8/8 served) |"
+    )
+
+
 def test_table_replaces_only_what_lies_between_the_markers() -> None:
     readme = f"intro\n{BEGIN}\nold table\n{END}\noutro\n"
 

@@ -16,8 +16,9 @@ Configurations:
   first set's: the same model and prompts);
 - ``ngram-spec-decode``: the tiny Llama with n-gram speculative decoding on the decode engine.
 
-Not here yet: MLA (a DeepSeek-V2-style model, whose oracle is vLLM's connector plus verify_kv,
-not the single engine). FP8 is tests/test_real_vllm_fp8.py's (its record: NIXL_PD_FP8_RESULTS).
+MLA (a DeepSeek-V2-style model, whose oracle is vLLM's connector plus verify_kv, not the single
+engine) is tests/test_real_vllm_mla.py's (its record: NIXL_PD_MLA_RESULTS); FP8 is
+tests/test_real_vllm_fp8.py's (NIXL_PD_FP8_RESULTS).
 
 Every case's outcome (configuration, connector, prompts passed and failed, or the refusal) is
 written as JSON to ``NIXL_PD_CONFIG_RESULTS`` (default: a file in the system's temp directory)

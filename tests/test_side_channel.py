@@ -506,6 +506,35 @@ def test_refusals_are_logged_once_per_kind_per_interval(
     assert not any(r.exc_info for r in lines)
 
 
+def test_a_slow_answer_is_logged_with_the_time_it_took(caplog: pytest.LogCaptureFixture) -> None:
+    """A turn of the serving loop that took 5 s or more is logged: peers waited that long."""
+    now_s = [100.0]
+    leases = Leases()
+
+    def slow_heartbeat(ids: tuple[str, ...]) -> int:
+        now_s[0] += 6.0  # the callback waited 6 s (on the lease table's lock, say)
+        return len(ids)
+
+    leases.on_heartbeat = slow_heartbeat  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="scheduler.side_channel"):
+        server = start_server(leases, secret=None, log_clock=lambda: now_s[0])
+        try:
+            assert send_heartbeat(HOST, server.port, ["a"], engine_id=ENGINE_ID, **OPEN) == 1
+            for _ in range(200):  # the line follows the reply, on the server's thread
+                slow = [r.getMessage() for r in caplog.records if "one turn" in r.getMessage()]
+                if slow:
+                    break
+                threading.Event().wait(0.01)
+        finally:
+            server.stop()
+
+    assert slow == [
+        f"side channel of engine {ENGINE_ID}: one turn of its loop took 6.0 s, 6.0 s of it "
+        "answering a request (the rest: the 50 ms poll returned late, so this thread waited "
+        "for the CPU or the GIL); peers' handshakes and lease checks waited as long"
+    ]
+
+
 PAUSED_CLIENT = """
 import sys
 from connector.net.side_channel_client import send_heartbeat

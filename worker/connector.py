@@ -62,6 +62,7 @@ from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
 from worker.peers import PeerTable
 from worker.prepped import PreparedLists
+from worker.stall_watch import StallWatch, StallWatchdog
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class WorkerConnector:
         self._client = HandshakeClient(
             any_boot(fetch) if fetch else side_channel_fetcher(config),
             retries=config.handshake_retries,
+            clock=clock,
         )
         self._peers = PeerTable(
             agent,
@@ -146,6 +148,8 @@ class WorkerConnector:
         )
         self._loads: LoadTable | None = None  # created by register_kv_caches
         self._transfer: TransferThread[ConnectorMetadata] | None = None  # ditto
+        self._stall_watch = StallWatch()  # the transfer thread publishes, the watchdog reads
+        self._watchdog: StallWatchdog | None = None  # started with the transfer thread
         self._region_addresses: tuple[int, ...] = ()
         self._memory = HOST_MEMORY
         self._registration: Any = None
@@ -205,6 +209,13 @@ class WorkerConnector:
             f"nixl-pd-transfer-r{self._tp_rank}", self._pass, busy=lambda: len(loads) > 0
         )
         self._transfer.start()
+        self._watchdog = StallWatchdog(
+            f"nixl-pd-stall-watch-r{self._tp_rank}",
+            self._stall_watch,
+            clock=self._clock,
+            context=f"rank {self._tp_rank} of engine {self._engine_id}: ",
+        )
+        self._watchdog.start()
 
     def get_handshake_metadata(self) -> WorkerHandshake:
         """What this rank tells peers; the scheduler side serves it on the side channel."""
@@ -250,6 +261,13 @@ class WorkerConnector:
             self._failed_recving.clear()
         return report
 
+    def check_stalls(self) -> bool:
+        """Log a stall report now if one is due (worker/stall_watch.py); the watchdog thread
+        does the same every second. True if this call logged one."""
+        if self._watchdog is None:
+            return False
+        return self._watchdog.check()
+
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the transfer thread has run a whole pass after this call, so what was
         queued before it is applied and what finished is published. For tests and drills
@@ -265,6 +283,8 @@ class WorkerConnector:
     def shutdown(self) -> None:
         """Stop the transfer and handshake threads, drop transfers and remote agents,
         deregister memory."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._transfer is not None and not self._transfer.stop():
             logger.error(
                 "the transfer thread of rank %d did not stop; leaving the NIXL agent to it",
@@ -308,8 +328,17 @@ class WorkerConnector:
         return self._transfer
 
     def _pass(self, batch: list[ConnectorMetadata]) -> None:
-        """Transfer thread: apply the queued steps, move every load, collect notifications."""
+        """Transfer thread: one pass, and what every load waits on after it for the stall
+        watchdog (a pass that does not return is a stall the watchdog sees too)."""
         loads = self._require_loads()
+        self._stall_watch.pass_started(self._clock())
+        try:
+            self._move(loads, batch)
+        finally:
+            self._stall_watch.publish(loads.waits(), self._clock())
+
+    def _move(self, loads: LoadTable, batch: list[ConnectorMetadata]) -> None:
+        """Apply the queued steps, move every load, collect notifications, publish outcomes."""
         for metadata in batch:
             self._apply(loads, metadata)
         self._peers.poll()

@@ -56,11 +56,14 @@ from worker.notify import notify_rest
 from worker.peer_lifecycle import Peer, PeerLink
 from worker.plan.recipe import RankPlan, TransferRequest, plan_request
 from worker.reads import MakeRead, read_makers
+from worker.stall_watch import Wait
 
 logger = logging.getLogger(__name__)
 
 MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
 QUARANTINE_WARN_TIMEOUTS = 4  # a quarantine this many transfer timeouts long is logged as stuck
+# A failed load that waited this long for its peer's handshake names the handshake's phases.
+HANDSHAKE_NOTE_S = 1.0
 
 Outcome = tuple[str, LoadFailure | None]  # (request id, failure or None for success)
 
@@ -170,6 +173,10 @@ class LoadTable:
                 outcomes.append(self._finish(load))
         self._proofs.dispatch()  # this pass's lease checks: one message per prefill boot
         return outcomes
+
+    def waits(self) -> list[Wait]:
+        """What each load waits on now, for the stall watchdog (worker/stall_watch.py)."""
+        return [_wait_of(load) for load in self._loads.values()]
 
     def abandon_all(self) -> None:
         """Shutdown: release every live READ handle (best effort) and drop the records."""
@@ -382,7 +389,7 @@ class LoadTable:
             self._recent.popitem(last=False)
         if load.proof_ticket is not None:  # aborted while prefill was being asked
             self._proofs.abandon(load.proof_ticket)
-        reason = load.reason
+        reason = _with_timeline(load, _with_handshake_phases(load, load.reason), self._clock())
         if reason is not None and reason.kind is FailureKind.PREFILL_RESTARTED:
             # The boot that leased is gone: nothing to free there, and a notification to its
             # dead agent would block this thread until UCX gives up on it (~20 s measured).
@@ -420,6 +427,47 @@ class LoadTable:
             logger.warning("request %s: releasing READ handle failed: %s", load.request_id, error)
         del load.posted[key]
         load.peer.transfer_ended()
+
+
+def _wait_of(load: Load) -> Wait:
+    peer = load.peer
+    if load.waiting:
+        kind = "handshake" if peer.waiting else "lease check"
+    else:
+        kind = "proof" if load.confirming else "reads"
+    return Wait(load.request_id, kind, peer.engine_id, peer.address)
+
+
+def _with_handshake_phases(load: Load, reason: LoadFailure | None) -> LoadFailure | None:
+    """A failure of a load that waited long for its peer's handshake says where that time went
+    (a lease that expired meanwhile, say)."""
+    ready_s = load.timeline.handshake_ready_s
+    phases = load.peer.handshake_phases
+    if reason is None or not phases or ready_s is None:
+        return reason
+    waited_s = ready_s - load.created_s
+    if waited_s < HANDSHAKE_NOTE_S:
+        return reason
+    note = f" (this load waited {waited_s:.1f} s for the handshake; {phases})"
+    return LoadFailure(reason.kind, reason.message + note)
+
+
+def _with_timeline(load: Load, reason: LoadFailure | None, now_s: float) -> LoadFailure | None:
+    """A lease that ended under a load says how long this rank held the load, and where: was
+    the lease's time spent here, or before decode scheduled the request?"""
+    if reason is None or reason.kind is not FailureKind.LEASE_EXPIRED:
+        return reason
+    timeline = load.timeline
+    stamps = (
+        ("handshake ready", timeline.handshake_ready_s),
+        ("READs posted", timeline.posted_s),
+        ("READs done", timeline.done_s),
+        ("failed", now_s),
+    )
+    steps = ", ".join(
+        f"{name} +{when_s - load.created_s:.1f} s" for name, when_s in stamps if when_s is not None
+    )
+    return LoadFailure(reason.kind, f"{reason.message} (this rank's load: {steps})")
 
 
 def _num_blocks(load: Load) -> int:

@@ -87,6 +87,7 @@ class Peer:
     num_live_transfers: int = 0  # posted READs not yet released (transfer_started/ended)
     num_loads: int = 0  # loads that hold this record (load_attached/detached)
     submitted_s: float = 0.0  # when its handshake was submitted (table's clock), for metrics
+    handshake_phases: str = ""  # where its handshake's time went (worker/handshake.py)
     # The prefill boot the requests' params name ("": params without one). A prefill restarted
     # under the same engine id and address is another peer: its params name another boot.
     boot_id: str = ""

@@ -43,7 +43,7 @@ from connector.observability.metrics import (
 )
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 from worker.compat import Fingerprint, check_compatible, check_transport
-from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
+from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult, Phase, describe_phases
 from worker.nixl_api import NixlAgent
 from worker.peer_lifecycle import Peer, PeerKey, PeerLink, PeerState
 from worker.plan.recipe import PeerPlan, peer_plan
@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0  # a failed peer key gets at most one background probe per interval
 STALE_AFTER_S = 3.0  # a failure no attempt confirmed for this long: the next request retries
 MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
+SLOW_HANDSHAKE_S = 5.0  # a handshake this slow is logged as a warning, with its phases
 
 
 def peer_key(source: RemoteSource) -> PeerKey:
@@ -255,14 +256,22 @@ class PeerTable:
             self._fail(peer, f"engine {peer.engine_id} at {peer.address}: {peer.stale_reason}")
             return
         was_probe = peer.state is PeerState.PROBING
+        phases = [*result.phases, Phase("collected", self._clock() - result.finished_s)]
         try:
-            link = self._link(peer, result.handshakes)
+            link = self._link(peer, result.handshakes, phases)
         except ConnectorError as error:
-            self._fail(peer, str(error))
+            self._fail(peer, f"{error} ({describe_phases(phases)})")
             return
+        peer.handshake_phases = describe_phases(phases)
         peer.connect(link)
-        self._metrics.observe(HANDSHAKE_SECONDS, self._clock() - peer.submitted_s)
-        logger.info("handshake with engine %s at %s done", peer.engine_id, peer.address)
+        took_s = self._clock() - peer.submitted_s
+        self._metrics.observe(HANDSHAKE_SECONDS, took_s)
+        # A slow handshake is worth a line even when no load fails for it: where did it wait?
+        level = logging.WARNING if took_s >= SLOW_HANDSHAKE_S else logging.INFO
+        logger.log(
+            level, "handshake with engine %s at %s done in %.2f s (%s)",
+            peer.engine_id, peer.address, took_s, peer.handshake_phases,
+        )  # fmt: skip
         if was_probe:
             self._promote(peer)
         self._retire_replaced(peer)
@@ -275,9 +284,12 @@ class PeerTable:
             return
         self._current[probe.key] = probe
 
-    def _link(self, peer: Peer, handshakes: dict[int, WorkerHandshake]) -> PeerLink:
+    def _link(
+        self, peer: Peer, handshakes: dict[int, WorkerHandshake], phases: list[Phase]
+    ) -> PeerLink:
         """Validate, build the PeerPlan, then load the agents and prepare lists (the steps with
-        side effects, undone if a later one fails)."""
+        side effects, undone if a later one fails); each step's time is appended to ``phases``."""
+        started_s = self._clock()
         validate_handshakes(peer.engine_id, peer.remote_tp_size, handshakes)
         for handshake in handshakes.values():
             check_transport(self._local_backends, handshake.backends)
@@ -290,6 +302,7 @@ class PeerTable:
                     "; ".join(tolerated),
                 )
         plan = self._peer_plan(peer, handshakes)
+        started_s = _timed(phases, "plan", started_s, self._clock())
         agent_names: dict[int, str] = {}
         try:
             for remote_rank, handshake in sorted(handshakes.items()):
@@ -298,7 +311,9 @@ class PeerTable:
             for name in agent_names.values():
                 self._release_agent(name)
             raise
+        started_s = _timed(phases, "add agents", started_s, self._clock())
         prepared = self._prepare(plan, agent_names, handshakes)
+        _timed(phases, "prepare lists", started_s, self._clock())
         plan = plan.without_rows([rank for rank in plan.rows if rank not in prepared])
         return PeerLink(plan, dict(handshakes), agent_names, prepared)
 
@@ -415,6 +430,12 @@ class PeerTable:
             self._agent.remove_remote_agent(name)
         except ConnectorError as error:
             logger.warning("removing remote agent %s failed: %s", name, error)
+
+
+def _timed(phases: list[Phase], name: str, started_s: float, now_s: float) -> float:
+    """Append the step that ran from ``started_s`` to ``now_s``; the next step starts now."""
+    phases.append(Phase(name, now_s - started_s))
+    return now_s
 
 
 def _failed_peer(source: RemoteSource, reason: str, *, restarted: bool = False) -> Peer:
