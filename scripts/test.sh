@@ -26,7 +26,8 @@ fi
 # A step's end: wall seconds since the start and the CPU time (user, system) of the children
 # waited for so far. On a shared machine the wall time says little; the CPU time does.
 stamp() {
-    echo "== $1 at $SECONDS s; CPU (user, system) of finished children: $(times | tail -1)" >&2
+    times >"$LOGS/times"  # not in a pipe: a subshell's children are not ours
+    echo "== $1 at $SECONDS s; CPU (user, system) of finished steps: $(tail -1 "$LOGS/times")" >&2
 }
 SECONDS=0
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/nixl-pd-ci-XXXXXX")
