@@ -12,7 +12,10 @@ pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-ch
 # torch first, pinned: the CPU wheel of this machine kind. nixl declares a torch dependency and
 # would otherwise pull a multi-GB CUDA build.
 pip_install "torch==2.13.0"
-pip_install -e ".[test]"
+# Under a lock on pyproject.toml: scripts/test.sh builds .venv-vllm at the same time, and two
+# editable installs of one checkout write the same *.egg-info folder.
+flock pyproject.toml .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    -e ".[test]"
 if [ "${WITH_VLLM:-1}" = "1" ]; then
     bash scripts/install_vllm.sh
 fi

@@ -43,7 +43,9 @@ imports_here() {  # does the venv import `connector` from this checkout?
 import connector, sys
 sys.exit(0 if connector.__file__.startswith(sys.argv[1]) else 1)" "$HERE/connector/") 2>/dev/null
 }
-imports_here || pip_ install --quiet --no-deps -e .
+# Under scripts/setup.sh's lock (it may be installing this checkout into .venv right now).
+imports_here || flock pyproject.toml "$VENV/bin/python" -m pip --disable-pip-version-check \
+    install --quiet --no-deps -e .
 (cd / && HF_HUB_OFFLINE=1 "$HERE/$VENV/bin/python" -I -c "
 import torch, vllm, nixl, connector.vllm
 assert torch.__version__.endswith('+cpu'), f'torch was replaced: {torch.__version__}'

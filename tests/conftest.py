@@ -16,12 +16,17 @@ table names a module that does not exist.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 # UCX opens lanes on every interface unless told otherwise; tests stay on loopback.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+if TYPE_CHECKING:
+    from tests.real_vllm_workspace import Workspace
 
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
@@ -121,3 +126,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("vllm")
         if module in NETNS_MODULES:
             item.add_marker("netns")
+
+
+@pytest.fixture(scope="session")
+def real_vllm(request: pytest.FixtureRequest) -> Iterator[Workspace]:
+    """The real-vLLM tier's shared models, single engine and log folders for this session
+    (tests/real_vllm_workspace.py); built on the first module that asks."""
+    from tests.real_vllm_workspace import Workspace  # imported here: only real-vLLM uses it
+
+    with Workspace.open(request.session) as workspace:
+        yield workspace

@@ -138,6 +138,7 @@ class Fleet:
     decodes: tuple[Engine, ...]
     log_dir: Path
     routers: list[Router] = field(default_factory=list)
+    owns_reference: bool = True  # False: a shared single engine, started and stopped elsewhere
 
     @classmethod
     @contextlib.contextmanager
@@ -149,8 +150,11 @@ class Fleet:
         *,
         num_prefills: int = 2,
         num_decodes: int = 2,
+        reference: Engine | None = None,
     ) -> Iterator[Fleet]:
-        """Start every engine at once (startup dominates) and wait until all are up."""
+        """Start every engine at once (startup dominates) and wait until all are up.
+        ``reference``: a started single engine to compare with instead of one of our own
+        (tests/real_vllm_workspace.py's shared one); waited for, not started or stopped."""
         sized = ("--num-gpu-blocks-override", str(FLEET_NUM_BLOCKS))
 
         def engine(name: str, role: str | None) -> Engine:
@@ -161,13 +165,14 @@ class Fleet:
 
         fleet = cls(
             connector=connector,
-            reference=engine("reference", None),
+            reference=reference or engine("reference", None),
             prefills=tuple(engine(f"prefill{i}", "kv_producer") for i in range(num_prefills)),
             decodes=tuple(engine(f"decode{i}", "kv_consumer") for i in range(num_decodes)),
             log_dir=log_dir,
+            owns_reference=reference is None,
         )
         try:
-            for each in fleet.engines():
+            for each in fleet.own_engines():
                 each.start()
             for each in fleet.engines():
                 each.wait_ready(FLEET_READY_TIMEOUT_S)
@@ -177,6 +182,10 @@ class Fleet:
 
     def engines(self) -> tuple[Engine, ...]:
         return (self.reference, *self.prefills, *self.decodes)
+
+    def own_engines(self) -> tuple[Engine, ...]:
+        """The engines this fleet started and stops (not a shared reference)."""
+        return self.engines() if self.owns_reference else (*self.prefills, *self.decodes)
 
     def add_router(
         self, name: str, prefills: Sequence[Engine], decodes: Sequence[Engine]
@@ -190,7 +199,7 @@ class Fleet:
     def close(self) -> None:
         for router in self.routers:
             router.stop()
-        for engine in self.engines():
+        for engine in self.own_engines():
             engine.cleanup()
 
 

@@ -254,8 +254,11 @@ class Engine:
         self._started_at = time.monotonic()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Poll /health until 200; fail early if the process exits."""
+        """Poll /health until 200; fail early if the process exits. Returns at once when an
+        earlier call saw it ready (a shared engine is waited for by each user)."""
         assert self._proc is not None, "start() first"
+        if self.ready_s is not None:
+            return
         deadline = self._started_at + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -565,15 +568,18 @@ class Deployment:
         *,
         extra_config: Mapping[str, Any] | None = None,
         prefill_failure_policy: str = "fail",
+        reference: Engine | None = None,
     ) -> Iterator[Deployment]:
         """Start the three engines at once (startup dominates), then the proxy. Engine logs
-        go to ``log_dir``; ``extra_config`` goes to both P/D engines' extra config."""
+        go to ``log_dir``; ``extra_config`` goes to both P/D engines' extra config;
+        ``reference``: a started single engine to use instead of starting one."""
         with cls.running_together(
             model_dir,
             (connector,),
             log_dir,
             extra_config=extra_config,
             prefill_failure_policy=prefill_failure_policy,
+            reference=reference,
         ) as (deployment,):
             yield deployment
 
@@ -591,15 +597,21 @@ class Deployment:
         prefill_args: tuple[str, ...] = (),
         decode_args: tuple[str, ...] = (),
         with_reference: bool = True,
+        reference: Engine | None = None,
     ) -> Iterator[tuple[Deployment, ...]]:
         """One P/D pair per connector, sharing one reference engine (the first deployment's),
         all engines started at once, then one proxy per pair. ``extra_args`` go to every
         engine (e.g. ``--dtype bfloat16``), ``prefill_args`` and ``decode_args`` to one role's
         (e.g. ``--tensor-parallel-size 2``). ``with_reference`` False: no single engine is
-        started (another deployment's serves as the reference)."""
-        reference = Engine(
-            EngineSpec("reference", model_dir, free_port(), None, None, extra_args), log_dir
-        )
+        started (another deployment's serves as the reference). ``reference``: a single
+        engine someone else started and stops (tests/real_vllm_workspace.py's shared one),
+        waited for with ours and not started here."""
+        shared = reference
+        if reference is None:
+            reference = Engine(
+                EngineSpec("reference", model_dir, free_port(), None, None, extra_args), log_dir
+            )
+        with_reference = with_reference and shared is None
         deployments = tuple(
             cls._unstarted(
                 model_dir,
@@ -618,7 +630,7 @@ class Deployment:
             engines = [engine for deployment in deployments for engine in deployment.engines()]
             for engine in engines:
                 engine.start()
-            for engine in engines:
+            for engine in engines if shared is None else (*engines, shared):
                 engine.wait_ready()
             for deployment in deployments:
                 deployment._start_proxy()

@@ -21,10 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import statistics
-import tempfile
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,13 +33,13 @@ from tests.real_vllm_harness import (
     Completion,
     Deployment,
     RequestFailed,
-    build_model,
     complete,
     complete_streamed,
     connector_under_test,
     missing_vllm_venv,
     prefill_params,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -73,37 +70,25 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
-    # Our own directory, not pytest's tmp_path: pytest deletes all but the three newest
-    # basetemps, and other pytest runs on this machine would delete the model under the
-    # engines. The engine logs stay for post-mortems when a case failed.
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-vllm-"))
-    failed_before = request.session.testsfailed
-    keep_logs = True  # until every case has run without a failure
-    model_dir = work_dir / "model"
-    logs = work_dir / "logs"
-    logs.mkdir()
-    try:
-        build_model(model_dir)
-        with Deployment.running(model_dir, connector_under_test(), logs) as running:
-            # An engine's first request pays one-time costs (lazy imports, first kernel
-            # runs); pay them before the cases, so the latency report sees steady state.
-            warm_up = prompt(seed=0, num_tokens=200)
-            complete(running.reference.url, warm_up, 2)
-            complete(running.proxy_url, warm_up, 2)
-            yield running
-            keep_logs = request.session.testsfailed > failed_before
-    finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        if keep_logs:  # a warning, so that pytest's summary shows where they are
-            warnings.warn(f"real-vLLM engine logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+def deployment(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    reference = real_vllm.reference()  # the session's shared single engine
+    with (
+        real_vllm.module_logs(request, "real-vLLM engine") as logs,
+        Deployment.running(
+            real_vllm.model(), connector_under_test(), logs, reference=reference
+        ) as running,
+    ):
+        # An engine's first request pays one-time costs (lazy imports, first kernel
+        # runs); pay them before the cases, so the latency report sees steady state.
+        warm_up = prompt(seed=0, num_tokens=200)
+        complete(running.reference.url, warm_up, 2)
+        complete(running.proxy_url, warm_up, 2)
+        yield running
 
 
 @pytest.fixture(scope="module")
 def block_size(deployment: Deployment) -> int:
-    sizes = {engine.block_size() for engine in deployment.engines()}
+    sizes = {engine.block_size() for engine in (deployment.reference, *deployment.engines())}
     assert len(sizes) == 1, f"engines disagree on block size: {sizes}"
     return sizes.pop()
 

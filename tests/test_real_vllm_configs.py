@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import tempfile
 import time
 import urllib.error
@@ -50,12 +49,13 @@ import pytest
 from tests.real_vllm_harness import (
     REQUEST_TIMEOUT_S,
     Deployment,
+    Engine,
     EngineError,
     RequestFailed,
-    build_model,
     completion_body,
     missing_vllm_venv,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(1500)]
 
@@ -233,18 +233,10 @@ def assert_ours_matched(outcomes: dict[str, Outcome]) -> None:
 
 
 @pytest.fixture(scope="module")
-def work_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
-    """Models and engine logs; the logs stay when a test failed."""
-    path = Path(tempfile.mkdtemp(prefix="nixlpd-real-configs-"))
-    (path / "logs").mkdir()
-    failed_before = request.session.testsfailed
-    yield path
-    for model in path.glob("model-*"):
-        shutil.rmtree(model, ignore_errors=True)
-    if request.session.testsfailed > failed_before:
-        warnings.warn(f"configuration tier engine logs kept in {path / 'logs'}", stacklevel=1)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+def logs(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """Every configuration's engine logs; they stay when a test failed."""
+    with real_vllm.module_logs(request, "configuration tier engine") as path:
+        yield path
 
 
 @contextlib.contextmanager
@@ -256,9 +248,10 @@ def engine_set(
     prefill_args: tuple[str, ...] = (),
     decode_args: tuple[str, ...] = (),
     with_reference: bool = True,
+    reference: Engine | None = None,
 ) -> Iterator[EngineSet]:
-    """Our pair, vLLM's pair (and a single engine), started at once; an engine that does not
-    start fails the configuration's cases with its log tail."""
+    """Our pair, vLLM's pair (and a single engine, or the shared ``reference``), started at
+    once; an engine that does not start fails the configuration's cases with its log tail."""
     try:
         with Deployment.running_together(
             model_dir,
@@ -267,6 +260,7 @@ def engine_set(
             prefill_args=prefill_args,
             decode_args=decode_args,
             with_reference=with_reference,
+            reference=reference,
         ) as deployments:
             pairs = {d.connector: d for d in deployments}
             yield EngineSet(configuration, pairs, deployments[0].reference.url)
@@ -283,38 +277,39 @@ def sliding_reference(prompts: Sequence[Sequence[int]]) -> list[Answer]:
 
 
 @pytest.fixture(scope="module")
-def gemma3_model(work_dir: Path) -> Path:
-    return build_model(work_dir / "model-gemma3", kind="gemma3")
+def gemma3_model(real_vllm: Workspace) -> Path:
+    return real_vllm.model("gemma3")
 
 
 # Class-scoped: each configuration's engines stop when its class's cases are done, so one
 # engine set runs at a time.
 @pytest.fixture(scope="class")
-def sliding_tp1(gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+def sliding_tp1(gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
     configuration = "sliding-window hybrid, P TP1 -> D TP1"
-    with engine_set(configuration, gemma3_model, work_dir / "logs") as engines:
+    with engine_set(configuration, gemma3_model, logs) as engines:
         yield engines
 
 
 @pytest.fixture(scope="class")
-def sliding_tp2(gemma3_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+def sliding_tp2(gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
     configuration = "sliding-window hybrid, P TP2 -> D TP1"
     with engine_set(
-        configuration, gemma3_model, work_dir / "logs", prefill_args=TP2_PREFILL,
-        with_reference=False,
-    ) as engines:  # fmt: skip
+        configuration, gemma3_model, logs, prefill_args=TP2_PREFILL, with_reference=False
+    ) as engines:
         yield engines
 
 
-@pytest.fixture(scope="module")
-def llama_model(work_dir: Path) -> Path:
-    return build_model(work_dir / "model-llama")
-
-
 @pytest.fixture(scope="class")
-def ngram_engines(llama_model: Path, work_dir: Path) -> Iterator[EngineSet]:
+def ngram_engines(real_vllm: Workspace, logs: Path) -> Iterator[EngineSet]:
     configuration = "dense Llama, n-gram speculative decoding on decode"
-    with engine_set(configuration, llama_model, work_dir / "logs", decode_args=NGRAM) as engines:
+    # The dense Llama's single engine is the session's shared one.
+    with engine_set(
+        configuration,
+        real_vllm.model(),
+        logs,
+        decode_args=NGRAM,
+        reference=real_vllm.reference(),
+    ) as engines:
         yield engines
 
 

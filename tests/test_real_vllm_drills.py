@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -45,7 +43,6 @@ import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,7 +54,6 @@ from tests.real_vllm_harness import (
     Engine,
     EngineSpec,
     RequestFailed,
-    build_model,
     complete,
     connector_under_test,
     failure_reason,
@@ -66,6 +62,7 @@ from tests.real_vllm_harness import (
     missing_vllm_venv,
     prefill_params,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 
@@ -149,54 +146,44 @@ class Drills:
 
 
 @pytest.fixture(scope="module")
-def drills(request: pytest.FixtureRequest) -> Iterator[Drills]:
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-drills-"))
-    failed_before = request.session.testsfailed
-    keep_logs = True
-    logs = work_dir / "logs"
-    logs.mkdir()
+def drills(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Drills]:
     connector = connector_under_test()
     extra = connector_extra_config(connector)
-    model_dir = build_model(work_dir / "model")
-    prefill_spec = EngineSpec(
-        "prefill",
-        model_dir,
-        free_port(),
-        kv_transfer_config(connector, "kv_producer", extra_config=extra),
-        free_port(),
-        extra_args=("--num-gpu-blocks-override", str(PREFILL_BLOCKS)),
-    )
-    decodes = {
-        policy: Engine(
-            EngineSpec(
-                f"decode-{policy}",
-                model_dir,
-                free_port(),
-                kv_transfer_config(
-                    connector, "kv_consumer", failure_policy=policy, extra_config=extra
-                ),
-                free_port(),
-            ),
-            logs,
+    model_dir = real_vllm.model()
+    with real_vllm.module_logs(request, "drill engine") as logs:
+        prefill_spec = EngineSpec(
+            "prefill",
+            model_dir,
+            free_port(),
+            kv_transfer_config(connector, "kv_producer", extra_config=extra),
+            free_port(),
+            extra_args=("--num-gpu-blocks-override", str(PREFILL_BLOCKS)),
         )
-        for policy in POLICIES
-    }
-    deployment = Drills(connector, Engine(prefill_spec, logs), decodes)
-    try:
-        deployment.start()
-        block = deployment.prefill.block_size()
-        warm_up = prompt(seed=0, num_tokens=block + 5)
-        for policy in POLICIES:  # first requests pay handshakes and one-time costs
-            warm(deployment.proxy_urls[policy], deployment.decodes[policy], warm_up)
-        yield deployment
-        keep_logs = request.session.testsfailed > failed_before
-    finally:
-        deployment.close()
-        shutil.rmtree(model_dir, ignore_errors=True)
-        if keep_logs:
-            warnings.warn(f"drill engine logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+        decodes = {
+            policy: Engine(
+                EngineSpec(
+                    f"decode-{policy}",
+                    model_dir,
+                    free_port(),
+                    kv_transfer_config(
+                        connector, "kv_consumer", failure_policy=policy, extra_config=extra
+                    ),
+                    free_port(),
+                ),
+                logs,
+            )
+            for policy in POLICIES
+        }
+        deployment = Drills(connector, Engine(prefill_spec, logs), decodes)
+        try:
+            deployment.start()
+            block = deployment.prefill.block_size()
+            warm_up = prompt(seed=0, num_tokens=block + 5)
+            for policy in POLICIES:  # first requests pay handshakes and one-time costs
+                warm(deployment.proxy_urls[policy], deployment.decodes[policy], warm_up)
+            yield deployment
+        finally:
+            deployment.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +27,10 @@ from tests.real_vllm_harness import (
     Completion,
     Deployment,
     RequestFailed,
-    build_model,
     complete,
     missing_vllm_venv,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -63,32 +61,22 @@ class Fp8:
 
 
 @pytest.fixture(scope="module")
-def fp8(request: pytest.FixtureRequest) -> Iterator[Fp8]:
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-fp8-"))
-    failed_before = request.session.testsfailed
-    keep_logs = True
-    logs = work_dir / "logs"
-    logs.mkdir()
-    try:
-        model_dir = build_model(work_dir / "model")
-        with Deployment.running_together(model_dir, ("nixlpd",), logs, extra_args=ENGINE_ARGS) as (
-            deployment,
-        ):
-            sizes = {engine.block_size() for engine in deployment.engines()}
-            assert len(sizes) == 1, f"engines disagree on block size: {sizes}"
-            for engine in deployment.engines():  # vLLM's cache_config_info says what it runs
-                assert 'cache_dtype="fp8"' in engine.metrics(), engine.spec.name
-            warm(deployment, prompt(seed=0, num_tokens=200))
-            state = Fp8(deployment, sizes.pop())
-            yield state
-            keep_logs = request.session.testsfailed > failed_before
-            report(state)
-    finally:
-        shutil.rmtree(work_dir / "model", ignore_errors=True)
-        if keep_logs:
-            warnings.warn(f"real-vLLM FP8 engine logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+def fp8(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Fp8]:
+    # Its own single engine: the reference runs with the FP8 cache too (ENGINE_ARGS).
+    with (
+        real_vllm.module_logs(request, "real-vLLM FP8 engine") as logs,
+        Deployment.running_together(
+            real_vllm.model(), ("nixlpd",), logs, extra_args=ENGINE_ARGS
+        ) as (deployment,),
+    ):
+        sizes = {engine.block_size() for engine in deployment.engines()}
+        assert len(sizes) == 1, f"engines disagree on block size: {sizes}"
+        for engine in deployment.engines():  # vLLM's cache_config_info says what it runs
+            assert 'cache_dtype="fp8"' in engine.metrics(), engine.spec.name
+        warm(deployment, prompt(seed=0, num_tokens=200))
+        state = Fp8(deployment, sizes.pop())
+        yield state
+        report(state)
 
 
 def warm(deployment: Deployment, warm_up: list[int]) -> None:

@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +34,11 @@ import pytest
 from tests.real_vllm_harness import (
     Completion,
     Deployment,
-    build_model,
     complete,
     missing_vllm_venv,
     prefill_params,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -81,29 +79,18 @@ class Hybrid:
 
 
 @pytest.fixture(scope="module")
-def hybrid(request: pytest.FixtureRequest) -> Iterator[Hybrid]:
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-hybrid-"))
-    failed_before = request.session.testsfailed
-    keep_logs = True
-    logs = work_dir / "logs"
-    logs.mkdir()
-    try:
-        model_dir = build_model(work_dir / "model", kind="qwen3-next")
-        with Deployment.running_together(
-            model_dir, ("nixlpd", "vllm"), logs, extra_args=ENGINE_ARGS
-        ) as (ours, theirs):
-            sizes = {engine.block_size() for engine in (*ours.engines(), *theirs.engines())}
-            assert len(sizes) == 1, f"engines disagree on block size: {sizes}"
-            hybrid = Hybrid(ours, theirs, sizes.pop())
-            yield hybrid
-            keep_logs = request.session.testsfailed > failed_before
-            report_agreement(hybrid)
-    finally:
-        shutil.rmtree(work_dir / "model", ignore_errors=True)
-        if keep_logs:
-            warnings.warn(f"real-vLLM hybrid engine logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+def hybrid(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Hybrid]:
+    with (
+        real_vllm.module_logs(request, "real-vLLM hybrid engine") as logs,
+        Deployment.running_together(
+            real_vllm.model("qwen3-next"), ("nixlpd", "vllm"), logs, extra_args=ENGINE_ARGS
+        ) as (ours, theirs),
+    ):
+        sizes = {engine.block_size() for engine in (*ours.engines(), *theirs.engines())}
+        assert len(sizes) == 1, f"engines disagree on block size: {sizes}"
+        hybrid = Hybrid(ours, theirs, sizes.pop())
+        yield hybrid
+        report_agreement(hybrid)
 
 
 def report_agreement(hybrid: Hybrid) -> None:

@@ -24,14 +24,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
-import tempfile
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +39,6 @@ from tests.real_vllm_harness import (
     Deployment,
     Engine,
     RequestFailed,
-    build_model,
     complete,
     complete_turn,
     connector_under_test,
@@ -51,6 +46,7 @@ from tests.real_vllm_harness import (
     free_port,
     missing_vllm_venv,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -86,32 +82,22 @@ def extra_config() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-vllm-multiturn-"))
-    failed_before = request.session.testsfailed
-    keep_logs = True
-    model_dir = work_dir / "model"
-    logs = work_dir / "logs"
-    logs.mkdir()
-    try:
-        build_model(model_dir)
-        # Prefill recomputes a failed pull (a hold that lapsed): with vLLM's default "fail" a
-        # late turn would fail. Decode keeps "fail": a broken P->D load must fail the test.
-        with Deployment.running(
-            model_dir,
+def deployment(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    reference = real_vllm.reference()  # the session's shared single engine
+    # Prefill recomputes a failed pull (a hold that lapsed): with vLLM's default "fail" a
+    # late turn would fail. Decode keeps "fail": a broken P->D load must fail the test.
+    with (
+        real_vllm.module_logs(request, "real-vLLM engine") as logs,
+        Deployment.running(
+            real_vllm.model(),
             connector_under_test(),
             logs,
             extra_config=extra_config(),
             prefill_failure_policy="recompute",
-        ) as running:
-            yield running
-            keep_logs = request.session.testsfailed > failed_before
-    finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        if keep_logs:
-            warnings.warn(f"real-vLLM engine logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+            reference=reference,
+        ) as running,
+    ):
+        yield running
 
 
 def external_tokens(engine: Engine) -> float:

@@ -25,13 +25,9 @@ import json
 import operator
 import os
 import random
-import shutil
-import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -40,10 +36,10 @@ from tests.real_vllm_harness import (
     VLLM_PYTHON,
     Completion,
     Engine,
-    build_model,
     complete,
     connector_under_test,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -79,28 +75,18 @@ def fleet_prompts(block_size: int, count: int, seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    # Our own directory, not pytest's tmp_path (see test_real_vllm.py's deployment fixture).
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-router-"))
-    failed_before = request.session.testsfailed
-    keep_logs = True
-    model_dir = work_dir / "model"
-    logs = work_dir / "logs"
-    logs.mkdir()
-    try:
-        build_model(model_dir)
-        with Fleet.running(model_dir, connector_under_test(), logs) as running:
-            first, second = running.decodes
-            running.add_router("a", running.prefills, (first, second))
-            running.add_router("b", running.prefills, (second, first))
-            yield running
-            keep_logs = request.session.testsfailed > failed_before
-    finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        if keep_logs:
-            warnings.warn(f"real-vLLM router-tier logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+def fleet(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    reference = real_vllm.reference()  # the session's shared single engine
+    with (
+        real_vllm.module_logs(request, "real-vLLM router-tier") as logs,
+        Fleet.running(
+            real_vllm.model(), connector_under_test(), logs, reference=reference
+        ) as running,
+    ):
+        first, second = running.decodes
+        running.add_router("a", running.prefills, (first, second))
+        running.add_router("b", running.prefills, (second, first))
+        yield running
 
 
 @pytest.fixture(scope="module")

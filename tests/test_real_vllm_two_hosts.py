@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 import threading
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -44,12 +41,11 @@ from tests.real_vllm_harness import (
     Engine,
     EngineSpec,
     RequestFailed,
-    build_model,
     complete,
     connector_under_test,
-    free_port,
     kv_transfer_config,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -98,37 +94,29 @@ def engine_on(host: Host, name: str, model_dir: Path, kv_role: str, logs: Path) 
 
 
 @pytest.fixture(scope="module")
-def two_hosts(request: pytest.FixtureRequest) -> Iterator[TwoHosts]:
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-two-hosts-"))
-    logs = work_dir / "logs"
-    logs.mkdir()
-    failed_before = request.session.testsfailed
-    try:
-        model_dir = build_model(work_dir / "model")
-        with ExitStack() as stack:
-            hosts = stack.enter_context(host_pair())
-            on_prefill = stack.enter_context(threads_in(hosts.prefill, max_workers=1))
-            on_decode = stack.enter_context(threads_in(hosts.decode))
-            reference = Engine(EngineSpec("reference", model_dir, free_port()), logs)
-            prefill = engine_on(hosts.prefill, "prefill", model_dir, "kv_producer", logs)
-            decode = engine_on(hosts.decode, "decode", model_dir, "kv_consumer", logs)
-            for engine in (reference, prefill, decode):
-                stack.callback(engine.cleanup)  # before the namespaces go (LIFO)
-                engine.start()
-            # /health of an engine on another host is reached from a thread on that host.
-            waits = [on_prefill.submit(prefill.wait_ready), on_decode.submit(decode.wait_ready)]
-            reference.wait_ready()
-            for wait in waits:
-                wait.result()
-            proxy_url = on_decode.submit(start_proxy, stack, hosts.decode, prefill, decode).result()
-            yield TwoHosts(hosts, reference, prefill, decode, proxy_url, on_decode)
-        assert our_namespaces() == [], "a namespace outlived the test"
-    finally:
-        shutil.rmtree(work_dir / "model", ignore_errors=True)
-        if request.session.testsfailed > failed_before:  # a warning: the summary shows it
-            warnings.warn(f"two-host engine and UCX logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+def two_hosts(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[TwoHosts]:
+    reference = real_vllm.reference()  # the session's shared single engine, on loopback
+    model_dir = real_vllm.model()
+    with (
+        real_vllm.module_logs(request, "two-host engine and UCX") as logs,
+        ExitStack() as stack,
+    ):
+        hosts = stack.enter_context(host_pair())
+        on_prefill = stack.enter_context(threads_in(hosts.prefill, max_workers=1))
+        on_decode = stack.enter_context(threads_in(hosts.decode))
+        prefill = engine_on(hosts.prefill, "prefill", model_dir, "kv_producer", logs)
+        decode = engine_on(hosts.decode, "decode", model_dir, "kv_consumer", logs)
+        for engine in (prefill, decode):
+            stack.callback(engine.cleanup)  # before the namespaces go (LIFO)
+            engine.start()
+        # /health of an engine on another host is reached from a thread on that host.
+        waits = [on_prefill.submit(prefill.wait_ready), on_decode.submit(decode.wait_ready)]
+        reference.wait_ready()
+        for wait in waits:
+            wait.result()
+        proxy_url = on_decode.submit(start_proxy, stack, hosts.decode, prefill, decode).result()
+        yield TwoHosts(hosts, reference, prefill, decode, proxy_url, on_decode)
+    assert our_namespaces() == [], "a namespace outlived the test"
 
 
 def start_proxy(stack: ExitStack, host: Host, prefill: Engine, decode: Engine) -> str:
