@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
@@ -44,10 +43,10 @@ from tests.real_vllm_harness import (
     Deployment,
     Engine,
     RequestFailed,
-    build_model,
     complete,
     missing_vllm_venv,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -77,25 +76,18 @@ Answer = tuple[int, ...] | str  # the tokens, or why the request failed
 
 
 @pytest.fixture(scope="module")
-def mla_pairs(request: pytest.FixtureRequest) -> Iterator[dict[str, Deployment]]:
+def mla_pairs(
+    real_vllm: Workspace, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Deployment]]:
     """Our pair and vLLM's, started at once; logs stay when a test failed."""
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-mla-"))
-    logs = work_dir / "logs"
-    logs.mkdir()
-    failed_before = request.session.testsfailed
-    try:
-        model_dir = build_model(work_dir / "model", kind="deepseek-v2")
-        with Deployment.running_together(
-            model_dir, CONNECTORS, logs, with_reference=False
-        ) as deployments:
-            deployments[0].reference.cleanup()  # never started: only its temp directory
-            yield {deployment.connector: deployment for deployment in deployments}
-    finally:
-        shutil.rmtree(work_dir / "model", ignore_errors=True)
-        if request.session.testsfailed > failed_before:
-            warnings.warn(f"real-vLLM MLA engine logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+    with (
+        real_vllm.module_logs(request, "real-vLLM MLA engines") as logs,
+        Deployment.running_together(
+            real_vllm.model("deepseek-v2"), CONNECTORS, logs, with_reference=False
+        ) as deployments,
+    ):
+        deployments[0].reference.cleanup()  # never started: only its temp directory
+        yield {deployment.connector: deployment for deployment in deployments}
 
 
 def answers(url: str, prompts: Sequence[Sequence[int]]) -> list[Answer]:

@@ -13,13 +13,9 @@ request within the wait and leaves the engine serving.
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,11 +26,11 @@ from tests.real_vllm_harness import (
     Completion,
     Deployment,
     RequestFailed,
-    build_model,
     complete,
     free_port,
     missing_vllm_venv,
 )
+from tests.real_vllm_workspace import Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -60,37 +56,30 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(request: pytest.FixtureRequest) -> Iterator[Served]:
-    work_dir = Path(tempfile.mkdtemp(prefix="nixlpd-real-vllm-overlap-"))
-    failed_before, keep_logs = request.session.testsfailed, True
-    logs = work_dir / "logs"
-    logs.mkdir()
+def served(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Served]:
     extra = {"overlap_wait_timeout": WAIT_S}
-    try:
-        model_dir = build_model(work_dir / "model")
-        with Deployment.running(model_dir, "nixlpd", logs, extra_config=extra) as deployment:
-            side_channel_port = deployment.prefill.spec.side_channel_port
-            assert side_channel_port is not None
-            overlap = Overlap(HOST, side_channel_port)
-            proxy = make_server(
-                HOST, free_port(), deployment.prefill.url, deployment.decode.url, overlap
-            )
-            thread = threading.Thread(target=proxy.serve_forever, name="overlap-proxy", daemon=True)
-            thread.start()
-            try:
-                url = f"http://{HOST}:{proxy.server_address[1]}"
-                complete(url, prompt(0, 200), 2)  # warm both engines' first-request costs
-                yield Served(deployment, url)
-                keep_logs = request.session.testsfailed > failed_before
-            finally:
-                proxy.shutdown()
-                proxy.server_close()
-                thread.join(timeout=10)
-    finally:
-        if keep_logs:
-            warnings.warn(f"real-vLLM engine logs kept in {logs}", stacklevel=1)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
+    with (
+        real_vllm.module_logs(request, "overlap engines") as logs,
+        Deployment.running(
+            real_vllm.model(), "nixlpd", logs, extra_config=extra, reference=real_vllm.reference()
+        ) as deployment,
+    ):
+        side_channel_port = deployment.prefill.spec.side_channel_port
+        assert side_channel_port is not None
+        overlap = Overlap(HOST, side_channel_port)
+        proxy = make_server(
+            HOST, free_port(), deployment.prefill.url, deployment.decode.url, overlap
+        )
+        thread = threading.Thread(target=proxy.serve_forever, name="overlap-proxy", daemon=True)
+        thread.start()
+        try:
+            url = f"http://{HOST}:{proxy.server_address[1]}"
+            complete(url, prompt(0, 200), 2)  # warm both engines' first-request costs
+            yield Served(deployment, url)
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+            thread.join(timeout=10)
 
 
 def mismatch(actual: Completion, expected: Completion) -> str | None:
