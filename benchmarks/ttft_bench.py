@@ -17,8 +17,12 @@ Our pair (both our modes) runs first beside a single engine, then vLLM's pair be
 five engines at once would not fit the machine. Within a pair's phase every request is a fresh
 random prompt (no prefix-cache hit anywhere), the modes take turns per prompt length in an
 order rotated each round, and each P/D mode is compared with the single engine's requests of
-the same phase. Every request streams; its first and second token times are taken at the
-client from sending it. Every engine and proxy is stopped on the way out, on success or not.
+the same phase. While one mode serves, the phase's other engines are stopped (SIGSTOP;
+``--no-pause-idle`` keeps them running): the idle workers of vLLM's NixlConnector pair were
+seen using as much CPU as the serving single engine's (/proc, 2026-11-28), which slows the
+single engine's requests and not the pair's. Every request streams; its first and second
+token times are taken at the client from sending it. Every engine and proxy is stopped on the
+way out, on success or not.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.ttft_stream import ProxyProcess, proxy_has_option, stream_token_times
@@ -117,25 +121,55 @@ def proxies(modes: Sequence[str], prefill: Engine, decode: Engine) -> Iterator[d
         yield urls
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a mode's requests go, and the engines that serve them (kept running for it)."""
+
+    url: str
+    engines: tuple[Engine, ...]
+
+
 def measure(
     phase: str,
-    urls: dict[str, str],
+    endpoints: dict[str, Endpoint],
     lengths: Sequence[int],
     rounds: int,
     rng: random.Random,
+    *,
+    pause_idle: bool,
 ) -> list[Sample]:
-    """Warm every endpoint once, then ``rounds`` rounds of each length through every mode."""
-    for url in urls.values():  # first-request costs: handshakes, first kernels of a shape
-        stream_token_times(url, fresh_prompt(rng, min(lengths)), MAX_TOKENS, REQUEST_TIMEOUT_S)
+    """Warm every endpoint once, then ``rounds`` rounds of each length through every mode.
+    ``pause_idle``: while a mode serves, every other engine of the phase is stopped
+    (SIGSTOP), so that one engine's busy threads do not slow another's requests."""
+    for mode, endpoint in endpoints.items():  # first-request costs: handshakes, first kernels
+        serve_only(endpoints, mode if pause_idle else None)
+        stream_token_times(
+            endpoint.url, fresh_prompt(rng, min(lengths)), MAX_TOKENS, REQUEST_TIMEOUT_S
+        )
     samples = []
-    modes = list(urls)
+    modes = list(endpoints)
     for round_index in range(rounds):
         turn = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
         for num_tokens in lengths:
             for mode in turn:
-                samples.append(one_sample(phase, mode, urls[mode], num_tokens, round_index, rng))
+                serve_only(endpoints, mode if pause_idle else None)
+                url = endpoints[mode].url
+                samples.append(one_sample(phase, mode, url, num_tokens, round_index, rng))
                 print(_sample_line(samples[-1]), flush=True)
+    serve_only(endpoints, None)
     return samples
+
+
+def serve_only(endpoints: dict[str, Endpoint], mode: str | None) -> None:
+    """Resume ``mode``'s engines and stop every other engine; None: resume all."""
+    serving = set() if mode is None else {id(engine) for engine in endpoints[mode].engines}
+    every = {id(engine): engine for endpoint in endpoints.values() for engine in endpoint.engines}
+    for key, engine in every.items():
+        if mode is not None and key not in serving:
+            engine.pause()
+    for key, engine in every.items():
+        if mode is None or key in serving:
+            engine.resume()
 
 
 def one_sample(
@@ -166,7 +200,9 @@ def _sample_line(sample: Sample) -> str:
     )
 
 
-def run(lengths: Sequence[int], rounds: int, modes: Sequence[str], seed: int) -> list[Sample]:
+def run(
+    lengths: Sequence[int], rounds: int, modes: Sequence[str], seed: int, *, pause_idle: bool
+) -> list[Sample]:
     work_dir = Path(tempfile.mkdtemp(prefix="ttft-bench-"))
     logs = work_dir / "logs"
     logs.mkdir()
@@ -185,8 +221,10 @@ def run(lengths: Sequence[int], rounds: int, modes: Sequence[str], seed: int) ->
         )  # one per phase, started with the pair: a stopped Engine does not start again
         engines = [single, prefill, decode] if "single" in modes else [prefill, decode]
         with running(engines), proxies(phase_modes, prefill, decode) as urls:
-            endpoints = {"single": single.url, **urls} if "single" in modes else urls
-            samples += measure(connector, endpoints, lengths, rounds, rng)
+            endpoints = {mode: Endpoint(url, (prefill, decode)) for mode, url in urls.items()}
+            if "single" in modes:
+                endpoints = {"single": Endpoint(single.url, (single,)), **endpoints}
+            samples += measure(connector, endpoints, lengths, rounds, rng, pause_idle=pause_idle)
     return samples
 
 
@@ -209,12 +247,18 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(ALL_MODES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every sample here")
+    parser.add_argument(
+        "--no-pause-idle",
+        dest="pause_idle",
+        action="store_false",
+        help="keep every engine running while another serves (default: SIGSTOP them)",
+    )
     args = parser.parse_args()
     lengths = [int(value) for value in args.lengths.split(",")]
     modes, notes = runnable_modes(args.modes.split(","))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.monotonic()
-    samples = run(lengths, args.requests, modes, args.seed)
+    samples = run(lengths, args.requests, modes, args.seed, pause_idle=args.pause_idle)
     print(f"\n{len(samples)} requests in {time.monotonic() - started:.0f} s", *notes, sep="\n")
     print("\n".join(table(samples)))
     if args.json is not None:
