@@ -60,7 +60,10 @@ VOCAB_IDS = range(4, 512)  # the model's words (0-3 are special)
 # of 2048 tokens, stated so that the run does not depend on the default of a vLLM version.
 ENGINE_ARGS = ("--max-model-len", "8192", "--max-num-batched-tokens", "2048")
 PAIR_MODES = {"ours": "nixlpd", "ours-overlap": "nixlpd", "vllm": "vllm"}
-PROXY_ARGS = {"ours": (), "ours-overlap": ("--overlap",), "vllm": ()}
+# Overlapped dispatch: decode waits for prefill's lease announcement at most this long (the
+# connector's overlap_wait_timeout, 30 s by default); a 4k-token prefill on two cores shared
+# with other work has taken 85 s here, and a timeout would fail the request, not time it.
+OVERLAP_WAIT_TIMEOUT_S = REQUEST_TIMEOUT_S
 ALL_MODES = ("single", "ours", "ours-overlap", "vllm")
 
 
@@ -75,16 +78,20 @@ def build_model(out_dir: Path) -> Path:
     return out_dir
 
 
-def pair_engines(model_dir: Path, connector: str, log_dir: Path) -> list[Engine]:
+def pair_engines(
+    model_dir: Path, connector: str, log_dir: Path, *, overlap: bool = False
+) -> list[Engine]:
     """Prefill (kv_producer) and decode (kv_consumer) with ``connector``, in its default
-    configuration (ours: verify_kv off, as deployed), not started."""
+    configuration (ours: verify_kv off, as deployed; with ``overlap``, decode's wait for a
+    lease raised to OVERLAP_WAIT_TIMEOUT_S), not started."""
+    extra = {"overlap_wait_timeout": OVERLAP_WAIT_TIMEOUT_S} if overlap else None
     return [
         Engine(
             EngineSpec(
                 f"{name}-{connector}",
                 model_dir,
                 free_port(),
-                kv_transfer_config(connector, role, verify_kv=False),
+                kv_transfer_config(connector, role, verify_kv=False, extra_config=extra),
                 free_port(),
                 ENGINE_ARGS,
             ),
@@ -92,6 +99,14 @@ def pair_engines(model_dir: Path, connector: str, log_dir: Path) -> list[Engine]
         )
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))
     ]
+
+
+def proxy_args(mode: str, prefill: Engine) -> tuple[str, ...]:
+    """The proxy's options for ``mode``: overlapped dispatch names prefill's side channel."""
+    if mode != "ours-overlap":
+        return ()
+    side_channel = f"{prefill.spec.host}:{prefill.spec.side_channel_port}"
+    return ("--overlap", "--prefill-side-channel", side_channel)
 
 
 @contextmanager
@@ -114,7 +129,7 @@ def proxies(modes: Sequence[str], prefill: Engine, decode: Engine) -> Iterator[d
     with ExitStack() as stack:
         urls = {}
         for mode in modes:
-            proxy = ProxyProcess(prefill.url, decode.url, PROXY_ARGS[mode])
+            proxy = ProxyProcess(prefill.url, decode.url, proxy_args(mode, prefill))
             stack.callback(proxy.stop)
             proxy.start()
             urls[mode] = proxy.url
@@ -214,7 +229,8 @@ def run(
         phase_modes = [m for m in modes if PAIR_MODES.get(m) == connector]
         if not phase_modes:
             continue
-        prefill, decode = pair_engines(model_dir, connector, logs)
+        overlap = "ours-overlap" in phase_modes
+        prefill, decode = pair_engines(model_dir, connector, logs, overlap=overlap)
         single = Engine(
             EngineSpec(f"single-{connector}", model_dir, free_port(), None, None, ENGINE_ARGS),
             logs,
