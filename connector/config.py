@@ -63,6 +63,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bidirectional_kv_xfer: bool = False  # "bidirectional_kv_xfer"
     kv_recompute_threshold: int = 64  # "kv_recompute_threshold" (tokens; 0: pull any)
     decoder_kv_blocks_ttl_s: float = 480.0  # "decoder_kv_blocks_ttl" (seconds)
+    # "overlap_wait_timeout": overlapped dispatch (docs/overlap.md), how long a decode load
+    # waits for prefill to announce its lease before it fails (prefill_timeout)
+    overlap_wait_timeout_s: float = 30.0
 
     def __repr__(self) -> str:
         """Every field, with the secret masked: configs get logged."""
@@ -149,6 +152,7 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         Annotated[int, msgspec.Meta(ge=0, le=2**40)],
         "an integer number of tokens >= 0 (0: pull whatever decode holds)",
     ),
+    "overlap_wait_timeout": ("overlap_wait_timeout_s", PositiveSeconds, "a number of seconds > 0"),
     "decoder_kv_blocks_ttl": (
         "decoder_kv_blocks_ttl_s",
         PositiveSeconds,

@@ -30,6 +30,9 @@ class FailureKind(enum.StrEnum):
     TOKENS_MISMATCH = "tokens_mismatch"  # the lease holds other tokens than this prompt
     BLOCKS_MISMATCH = "blocks_mismatch"  # the load reads other blocks than the lease holds
     ENGINE = "engine"  # the engine reported the load failed before this rank did
+    # Overlapped dispatch (docs/overlap.md): decode waited for prefill's lease announcement
+    PREFILL_FAILED = "prefill_failed"  # prefill ended the request without a lease
+    PREFILL_TIMEOUT = "prefill_timeout"  # no announcement within the wait (dead, never sent)
 
 
 class LoadFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

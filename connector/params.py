@@ -16,6 +16,13 @@ Keys (the same ones vLLM's NixlConnector uses, so existing routers work):
     remote_boot_id     str    the boot id of prefill's side channel when it leased the blocks
     remote_lease_id    str    the lease prefill drew for these blocks (random, never reused)
     remote_blocks_expiry_time  float  bidirectional mode: when decode frees its held blocks
+    transfer_key       str    overlapped dispatch (docs/overlap.md): the router's name for one
+                              transfer, sent to prefill (with do_remote_decode) and to decode
+                              (with do_remote_prefill, remote_host, remote_port and optionally
+                              remote_engine_id, but no remote_request_id/remote_block_ids/lease
+                              keys)
+                              at the same time; decode learns the lease from prefill's side
+                              channel under this key (``KVTransferParams.awaited_lease``)
 
 Bidirectional mode (multi-turn): a decode engine returns ``do_remote_decode: true`` with its
 own remote_* keys for the next turn; a prefill engine given them pulls the first
@@ -93,6 +100,15 @@ _LeaseId = Annotated[
         description="the lease id string the prefill engine returned",
     ),
 ]
+_TransferKey = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=64,
+        pattern="^[0-9A-Za-z_.-]+$",
+        description="1..64 characters of [0-9A-Za-z_.-], e.g. a uuid4 hex the router drew",
+    ),
+]
 _Expiry = Annotated[float, msgspec.Meta(description="a number: when decode frees the held blocks")]
 
 
@@ -115,6 +131,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     remote_boot_id: _BootId | None = None
     remote_lease_id: _LeaseId | None = None
     remote_blocks_expiry_time: _Expiry | None = None  # decode's clock; advisory (pull_source)
+    transfer_key: _TransferKey | None = None  # overlapped dispatch: see awaited_lease
     ignored_keys: tuple[str, ...] = ()  # unknown keys seen in the dict (tolerated, for logging)
 
     def __post_init__(self) -> None:
@@ -125,7 +142,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
                 "request goes to a prefill engine (do_remote_decode) or a decode engine "
                 "(do_remote_prefill)"
             )
-        if self.do_remote_prefill:
+        if self.transfer_key is not None:
+            _check_overlap_keys(self)
+        elif self.do_remote_prefill:
             missing = [key for key in _REQUIRED_FOR_PREFILL if getattr(self, key) is None]
             if missing:
                 raise InvalidTransferParams(
@@ -147,6 +166,21 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             text = getattr(self, key)
             if text is not None and not text.isascii():
                 check_utf8(f"[{key!r}]", text)  # msgspec converts, never encodes, strings
+
+    def awaited_lease(self) -> AwaitedLease | None:
+        """Overlapped dispatch, decode: the prefill engine whose side channel will announce
+        this request's lease under ``transfer_key``; None for any other params."""
+        engine_id, host, port, key = (
+            self.remote_engine_id,
+            self.remote_host,
+            self.remote_port,
+            self.transfer_key,
+        )
+        if not self.do_remote_prefill or key is None:
+            return None
+        if host is None or port is None:  # __post_init__ refused these
+            raise InvalidTransferParams("kv_transfer_params: a remote_* key is missing")
+        return AwaitedLease(key, engine_id, host, port)
 
     def remote_source(self) -> RemoteSource:
         """Where decode reads this request's KV from; only for do_remote_prefill params."""
@@ -195,6 +229,49 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             boot_id=self.remote_boot_id or "",
             lease_id=self.remote_lease_id or "",
             num_tokens=self.remote_num_tokens,
+        )
+
+
+class AwaitedLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """Overlapped dispatch, decode: which transfer to wait for, and whose side channel
+    announces its lease (the router's transfer_key, remote_engine_id, remote_host, remote_port;
+    without remote_engine_id, the engine serving that side channel)."""
+
+    transfer_key: str
+    engine_id: str | None  # None: whichever engine serves host:port (learned from its Hello)
+    host: str
+    port: int
+
+
+# Overlapped dispatch: decode's params name prefill's side channel and the key, never the
+# lease (the announcement carries it); with the lease's keys they would say two things.
+_REQUIRED_FOR_AWAITING = ("remote_host", "remote_port")
+_ANNOUNCED_ONLY = ("remote_request_id", "remote_block_ids", "remote_boot_id", "remote_lease_id")
+
+
+def _check_overlap_keys(params: KVTransferParams) -> None:
+    """transfer_key's joint rules; raises InvalidTransferParams naming the keys."""
+    if not (params.do_remote_decode or params.do_remote_prefill):
+        raise InvalidTransferParams(
+            "kv_transfer_params: transfer_key is set but neither do_remote_decode nor "
+            "do_remote_prefill is true; send the key to prefill with do_remote_decode and to "
+            "decode with do_remote_prefill (docs/overlap.md)"
+        )
+    if not params.do_remote_prefill:
+        return
+    missing = [key for key in _REQUIRED_FOR_AWAITING if getattr(params, key) is None]
+    if missing:
+        raise InvalidTransferParams(
+            f"kv_transfer_params: do_remote_prefill with transfer_key but {', '.join(missing)} "
+            "missing; name the prefill engine and its side channel the key was sent to "
+            "(docs/overlap.md)"
+        )
+    present = [key for key in _ANNOUNCED_ONLY if getattr(params, key) is not None]
+    if present:
+        raise InvalidTransferParams(
+            f"kv_transfer_params: transfer_key with {', '.join(present)}; decode learns the "
+            "lease from prefill's side channel under transfer_key: send either the key "
+            "(overlapped) or prefill's returned params (sequential), not both"
         )
 
 

@@ -37,6 +37,9 @@ to a reader whose ref says other tokens or other blocks, or says neither
 (``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
 decode, but an older reader's refs are refused.
 
+Overlapped dispatch (docs/overlap.md): AwaitLease long-polls what prefill drew for a
+router's transfer key (LeaseAnnouncement); CancelTransfer ends that lease.
+
 Decoders never raise anything but ProtocolError (InvalidNotification for free notifications):
 msgspec also raises UnicodeDecodeError for bad UTF-8 and RecursionError for deep nesting, and
 a peer must not be able to turn either into a traceback.
@@ -193,7 +196,32 @@ class LeaseCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="l
     reader: ReaderId | None = None
 
 
-Request = Hello | HandshakeRequest | Heartbeat | Release | LeaseCheck
+TransferKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[0-9A-Za-z_.-]+$")]
+MAX_AWAIT_HOLD_MS = 10_000  # the longest a server parks one AwaitLease before "pending"
+
+
+class AwaitLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="await_lease"):
+    """Overlapped dispatch: decode asks for the lease prefill draws for ``transfer_key``; the
+    server answers as soon as it knows, or "pending" after ``hold_ms`` (ask again)."""
+
+    engine_id: EngineId
+    transfer_key: TransferKey
+    hold_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_AWAIT_HOLD_MS)] = 1000
+    reader: ReaderId | None = None
+
+
+class CancelTransfer(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="cancel_transfer"
+):
+    """Overlapped dispatch: decode will never read ``transfer_key``'s lease: end it now, or
+    (not drawn yet) never draw it. Answered with Ack (1: a lease was ended)."""
+
+    engine_id: EngineId
+    transfer_key: TransferKey
+    reader: ReaderId | None = None
+
+
+Request = Hello | HandshakeRequest | Heartbeat | Release | LeaseCheck | AwaitLease | CancelTransfer
 
 
 # Replies: server -> client.
@@ -263,7 +291,25 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="e
     code: str = ""  # machine-readable kind where the client acts on it (STALE_BOOT), else ""
 
 
-Reply = HelloReply | HandshakeReply | Ack | LeaseStatus | ErrorReply
+AnnouncementStatus = Literal["leased", "failed", "pending"]
+ANNOUNCED_LEASED: AnnouncementStatus = "leased"  # ``params``: what prefill returned for decode
+ANNOUNCED_FAILED: AnnouncementStatus = "failed"  # prefill ended the request without a lease
+ANNOUNCED_PENDING: AnnouncementStatus = "pending"  # nothing yet (or not known here): ask again
+
+
+class LeaseAnnouncement(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_announcement"
+):
+    """The answer to AwaitLease. ``params`` ("leased") are exactly the kv_transfer_params
+    prefill returned for its decode engine: decode validates them as it validates a router's.
+    ``reason`` says why ("failed")."""
+
+    status: AnnouncementStatus
+    params: dict[str, object] | None = None
+    reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+
+
+Reply = HelloReply | HandshakeReply | Ack | LeaseStatus | ErrorReply | LeaseAnnouncement
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -17,6 +17,7 @@ engine parks it, announced as a failed load (``take_refused``), and never loads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -34,11 +35,13 @@ from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Co
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import OnMove
+from scheduler.overlap import OverlappedLoads
 from scheduler.params_reader import ParamsReader
 from scheduler.producer import Producer
 from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role
 from scheduler.side_channel import SideChannelServer
 from scheduler.suffix import PULLABLE_KINDS, held_blocks
+from scheduler.transfer_board import TransferBoard, lease_under_key
 
 __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]
 
@@ -82,6 +85,8 @@ class SchedulerConnector:
         self._boot_id = secrets.token_hex(BOOT_ID_CHARS // 2)
         self._reader = ReaderId(engine_id, self._boot_id)
         self._leases = LeaseTable(config.kv_lease_duration_s, num_ranks=tp_size)
+        # Overlapped dispatch (docs/overlap.md): prefill announces leases by transfer key.
+        self._transfers = TransferBoard(config.kv_lease_duration_s, self._leases.release, clock)
         self._bind_at_allocation = bind_params_at_allocation
         self._side_channel: SideChannelServer | None = None
         self._heartbeats = heartbeat_sender or HeartbeatSender(
@@ -119,6 +124,10 @@ class SchedulerConnector:
             on_move=on_move,
             reader=self._reader,
         )
+        self._overlapped = OverlappedLoads.for_config(  # decode: loads parked until announced
+            config, self._reader, self._consumer,
+            parse=self._parse, read=self._params.read, match=self._match,
+        )  # fmt: skip
 
     @property
     def reader(self) -> ReaderId:
@@ -157,6 +166,7 @@ class SchedulerConnector:
             secret=self._config.side_channel_secret,
             max_message_bytes=self._config.max_message_bytes,
             boot_id=self._boot_id,
+            transfers=self._transfers,
         )
         server.start()
         self._side_channel = server
@@ -183,7 +193,9 @@ class SchedulerConnector:
         """The read params' answer; raises InvalidTransferParams for a wrong group count."""
         source = parsed.source
         if source is None:
-            return 0, False
+            if parsed.awaits is None:
+                return 0, False
+            return self._overlapped.claim(request, num_computed_tokens)  # bound at announcement
         num_tokens = request.num_prompt_tokens
         if parsed.pulls:
             num_tokens = min(num_tokens, source.num_tokens or 0)
@@ -238,6 +250,8 @@ class SchedulerConnector:
         request_id = request.request_id
         record = self._consumer.record(request_id)
         if record is not None and record.state is CLAIMED:
+            if self._overlapped.park_at_allocation(request, record, block_ids, num_external_tokens):
+                return
             if not self._read_claim(request, num_external_tokens):
                 return
         elif record is not None and record.state in UNREAD_OR_REFUSED:
@@ -279,6 +293,7 @@ class SchedulerConnector:
         return self._consumer.take_refused()
 
     def build_connector_meta(self) -> ConnectorMetadata:
+        self._overlapped.bind_settled()
         sends, forgotten, digests = self._producer.take_step()
         stage_out = self._producer.take_stage_out()
         loads, releases = self._consumer.take_step()
@@ -300,6 +315,8 @@ class SchedulerConnector:
         """
         request_id = request.request_id
         record = self._consumer.record(request_id)
+        if record and record.state is CLAIMED and self._overlapped.end_unbound(request, record):
+            return True, None  # overlapped, unbound: parked on blocks the engine frees later
         if record is not None and record.state in UNREAD_OR_REFUSED and record.state is not CLAIMED:
             return self._consumer.request_finished(request_id, None)
         try:
@@ -317,15 +334,15 @@ class SchedulerConnector:
             if not parsed.pulls:
                 return self._hold_for_next_turn(request, block_ids)
         params = parsed.params
-        if params is None or request.aborted or not params.do_remote_decode:
+        if params is None or not params.do_remote_decode:
             return False, None
-        return self._producer.request_finished(
-            request.request_id,
-            block_ids,
-            request.num_prompt_tokens,
-            token_ids=request.token_ids,
-            kv_salt=request.kv_salt,
-        )
+        lease = functools.partial(
+            self._producer.request_finished, request.request_id, block_ids,
+            request.num_prompt_tokens, token_ids=request.token_ids, kv_salt=request.kv_salt,
+        )  # fmt: skip
+        if params.transfer_key is not None:  # overlapped dispatch: announced under the key
+            return lease_under_key(self._transfers, params.transfer_key, request.aborted, lease)
+        return (False, None) if request.aborted else lease()
 
     def _hold_for_next_turn(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
@@ -388,7 +405,8 @@ class SchedulerConnector:
         An engine that stops stepping while this is true strands them: e.g. a release after a
         full prefix hit must still reach the prefill engine.
         """
-        return self._producer.has_pending_work or self._consumer.has_pending_work
+        pending = self._producer.has_pending_work or self._consumer.has_pending_work
+        return pending or self._overlapped.has_pending_work
 
     @property
     def holds_finished_requests(self) -> bool:
@@ -406,6 +424,7 @@ class SchedulerConnector:
             self._side_channel.stop()
             self._side_channel = None
         self._heartbeats.stop()
+        self._overlapped.stop()
 
     def _parse(self, request: RequestInfo, record: RequestLoad | None) -> ParsedParams:
         """The request's params: its ``record``'s parse (the caller's lookup) while the

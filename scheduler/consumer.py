@@ -239,11 +239,17 @@ class Consumer:
             return num_new_tokens, True
         return 0, False
 
-    def refuse_claim(self, request_id: str, reason: str, num_external_tokens: int) -> None:
+    def refuse_claim(
+        self,
+        request_id: str,
+        reason: str,
+        num_external_tokens: int,
+        kind: FailureKind = FailureKind.PARAMS,
+    ) -> None:
         """At allocation, the claimed (or refused) request's params do not give a load.
 
-        Parked (``num_external_tokens`` > 0): announce its load failed, once; either way it
-        never loads (REFUSED).
+        Parked (``num_external_tokens`` > 0): announce its load failed (``kind``), once;
+        either way it never loads (REFUSED).
         """
         load = self._loads.get(request_id)
         if load is None or load.state not in (CLAIMED, REFUSING):
@@ -253,7 +259,7 @@ class Consumer:
             logger.warning("request %s: %s", request_id, reason)
         load.refusal = reason
         if num_external_tokens > 0:
-            self._refused[request_id] = LoadFailure(FailureKind.PARAMS, reason)
+            self._refused[request_id] = LoadFailure(kind, reason)
         self._loads.move(request_id, REFUSED)
 
     def drop_claim(self, request_id: str) -> None:
@@ -261,6 +267,14 @@ class Consumer:
         load = self._loads.get(request_id)
         if load is not None and load.state is CLAIMED:
             self._loads.move(request_id, ENDED)
+
+    def end_parked(self, request_id: str) -> None:
+        """A claim parked on allocated blocks ended before it bound a load (overlapped
+        dispatch): report it received (nothing read) so the engine frees its blocks."""
+        load = self._loads.get(request_id)
+        if load is not None and load.state is CLAIMED:
+            self._loads.move(request_id, ENDED)
+            self._finished.append(request_id)
 
     def take_refused(self) -> dict[str, LoadFailure]:
         """Refused requests the engine parked since the last call: request id -> reason."""

@@ -49,6 +49,9 @@ class ParamsReader:
         if params.do_remote_prefill:
             if not self._consumes:
                 self._note_other_role(request, params)
+            awaited = params.awaited_lease()
+            if awaited is not None:  # overlapped: the lease is announced later
+                return ParsedParams(raw, params, None, awaits=awaited)
             return ParsedParams(raw, params, params.remote_source())
         if params.do_remote_decode and not self._produces:
             self._note_other_role(request, params)

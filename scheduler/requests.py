@@ -10,7 +10,7 @@ import msgspec
 
 from connector.metadata import RemoteSource
 from connector.outcomes import LoadFailure
-from connector.params import KVTransferParams
+from connector.params import AwaitedLease, KVTransferParams
 from connector.token_digest import KVSalt
 
 
@@ -76,9 +76,11 @@ class FinishedRequests(msgspec.Struct):
 
 class ParsedParams(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers to no record
     """One request's params as parsed: ``source`` is set for a load, from a prefill engine or
-    (``pulls``, bidirectional mode) from a decode engine holding an earlier turn."""
+    (``pulls``, bidirectional mode) from a decode engine holding an earlier turn; ``awaits``
+    instead (overlapped dispatch) while the source is still to be announced by prefill."""
 
     raw: object  # the params object parsed: the parse is reused only while the request has it
     params: KVTransferParams | None
     source: RemoteSource | None
     pulls: bool = False
+    awaits: AwaitedLease | None = None

@@ -10,6 +10,10 @@ A reader that names itself in a message (``reader``: its engine id and boot) is 
 ``on_reader`` with the leases the message named (for a lease check, those found held): the
 holder remembers which reader boot claimed which lease, and ends the leases of a reader's
 earlier boot (scheduler/readers.py). Messages without a reader (older peers) skip it.
+Overlapped dispatch (docs/overlap.md, with a ``transfers`` board): an AwaitLease whose
+transfer key has not settled is parked (at most MAX_PARKED, each until its ``hold_ms``) and
+answered from this thread as soon as the board says what the key came to; the board wakes
+the poll through a socket pair. A CancelTransfer goes to the board, which ends the lease.
 It is a network service: inbound messages are size-bounded (zmq.MAXMSGSIZE drops the peer's
 connection), decoded only through typed msgspec decoders, optionally authenticated, and any bad
 input is answered with an ErrorReply. Refusals are logged through a rate-limited log (one line
@@ -19,8 +23,11 @@ sends stops the thread; only ``stop()`` does.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import secrets
+import socket as stdlib_socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,8 +38,11 @@ from connector.errors import ProtocolError, UnsupportedConfiguration
 from connector.net.side_channel_client import zmq_endpoint
 from connector.observability.ratelimit import DEFAULT_INTERVAL_S, RateLimitedLog
 from connector.protocol import (
+    ANNOUNCED_PENDING,
     STALE_BOOT,
     Ack,
+    AwaitLease,
+    CancelTransfer,
     Envelope,
     ErrorReply,
     HandshakeReply,
@@ -40,6 +50,7 @@ from connector.protocol import (
     Heartbeat,
     Hello,
     HelloReply,
+    LeaseAnnouncement,
     LeaseCheck,
     LeaseRef,
     LeaseStatus,
@@ -54,10 +65,13 @@ from connector.protocol import (
     lease_key,
 )
 from scheduler.auth import DEFAULT_REPLAY_WINDOW_S, RequestAuthenticator
+from scheduler.transfer_board import TransferBoard
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_MS = 50
+MAX_PARKED = 1024  # AwaitLease requests parked at once; past it, one is answered "pending" now
+PENDING = LeaseAnnouncement(ANNOUNCED_PENDING)
 LeaseCallback = Callable[[tuple[str, ...]], int]  # request ids -> how many were held
 # The leases a LeaseCheck names -> whether each very lease is held now (and its digests match)
 LeaseCheckCallback = Callable[[tuple[LeaseRef, ...]], LeaseStatus]
@@ -71,6 +85,23 @@ def _no_leases(refs: tuple[LeaseRef, ...]) -> LeaseStatus:
 
 def _ignore_reader(reader: ReaderId, names: tuple[str, ...]) -> int:
     return 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Park:
+    """An AwaitLease with nothing to announce yet: answer it when the key settles or at
+    ``hold_ms``, from the serving thread (the only one that touches the socket)."""
+
+    transfer_key: str
+    hold_ms: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Parked:
+    transfer_key: str
+    route: tuple[bytes, ...]  # the peer's identity, and the REQ delimiter if any
+    nonce: bytes
+    deadline: float  # monotonic seconds
 
 
 class SideChannelServer:
@@ -102,6 +133,7 @@ class SideChannelServer:
         boot_id: str | None = None,
         log_interval_s: float = DEFAULT_INTERVAL_S,
         log_clock: Callable[[], float] = time.monotonic,
+        transfers: TransferBoard | None = None,  # overlapped dispatch (scheduler/transfer_board.py)
     ) -> None:
         if not engine_id:
             raise UnsupportedConfiguration(
@@ -121,6 +153,15 @@ class SideChannelServer:
         self._auth = RequestAuthenticator(secret, replay_window_s=replay_window_s)
         self._boot_id = boot_id or secrets.token_hex(16)
         self._log = RateLimitedLog(logger, interval_s=log_interval_s, clock=log_clock)
+        self._monotonic = log_clock
+        self._transfers = transfers
+        self._parked: list[_Parked] = []  # the serving thread's own
+        # A board change wakes the serving thread's poll through this pair (any thread writes).
+        self._wake_recv, self._wake_send = stdlib_socket.socketpair()
+        self._wake_send.setblocking(False)
+        self._wake_recv.setblocking(False)
+        if transfers is not None:
+            transfers.watch(self._wake)
         self.num_refused = 0  # requests answered with an ErrorReply; side-channel thread writes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -153,6 +194,9 @@ class SideChannelServer:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving, close the socket and join the thread (bounded by ``timeout_s``)."""
         self._stop.set()
+        if self._thread is None:  # never served: the serving thread closes them otherwise
+            self._wake_recv.close()
+            self._wake_send.close()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -177,11 +221,19 @@ class SideChannelServer:
         socket = self._socket
         if socket is None:
             return
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._wake_recv.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    if socket.poll(POLL_INTERVAL_MS, zmq.POLLIN):
+                    ready = dict(poller.poll(POLL_INTERVAL_MS))
+                    if socket in ready:
                         self._serve_one(socket)
+                    if self._wake_recv.fileno() in ready:
+                        self._drain_wake()
+                    if self._parked:
+                        self._answer_parked(socket)
                 except zmq.ZMQError as exc:
                     if exc.errno == zmq.ETERM:
                         return  # the zmq context is shutting down (interpreter exit)
@@ -190,6 +242,39 @@ class SideChannelServer:
         finally:
             socket.close(linger=0)
             self._socket = None
+            self._wake_recv.close()
+            self._wake_send.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
+            self._wake_send.send(b"\0")
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_recv.recv(4096):
+                pass
+        except OSError:  # drained
+            pass
+
+    def _answer_parked(self, socket: zmq.Socket) -> None:
+        """Answer the parked AwaitLease requests whose key settled or whose hold ran out."""
+        now, still = self._monotonic(), []
+        for parked in self._parked:
+            status = (
+                None if self._transfers is None else self._transfers.status(parked.transfer_key)
+            )
+            if status is None and parked.deadline > now:
+                still.append(parked)
+                continue
+            frame = encode_reply(status or PENDING, secret=self._secret, request_nonce=parked.nonce)
+            self._send(socket, [*parked.route, frame])
+        self._parked = still
+
+    def _send(self, socket: zmq.Socket, frames: list[bytes]) -> None:
+        try:
+            socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._log.warning("reply", "side channel could not reply to a peer: %s", exc)
 
     def _serve_one(self, socket: zmq.Socket) -> None:
         try:
@@ -199,18 +284,32 @@ class SideChannelServer:
             return
         # A REQ peer sends [b"", message] and expects the empty delimiter back; DEALER: [message].
         delimiter = [b""] if frames and frames[0] == b"" else []
-        reply_frame = self.answer(frames[len(delimiter) :])
-        try:
-            socket.send_multipart([identity, *delimiter, reply_frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            self._log.warning("reply", "side channel could not reply to a peer: %s", exc)
+        reply, nonce = self._reply(frames[len(delimiter) :])
+        if isinstance(reply, _Park):
+            if len(self._parked) < MAX_PARKED:
+                deadline = self._monotonic() + reply.hold_ms / 1000
+                route = (identity, *delimiter)
+                self._parked.append(_Parked(reply.transfer_key, route, nonce, deadline))
+                return
+            reply = PENDING
+        self._send(socket, [identity, *delimiter, self._encode(reply, nonce)])
 
     def answer(self, frames: list[bytes]) -> bytes:
         """The reply frame to one request's message frames; bad input becomes an ErrorReply.
 
-        Never raises. The serving thread calls it; tests may call it on a server that was
-        never started (it touches no socket).
+        Never raises. Tests may call it on a server that was never started (it touches no
+        socket); an AwaitLease with nothing to announce is answered "pending" at once here.
         """
+        reply, nonce = self._reply(frames)
+        return self._encode(PENDING if isinstance(reply, _Park) else reply, nonce)
+
+    def _encode(self, reply: Reply, nonce: bytes) -> bytes:
+        if isinstance(reply, ErrorReply):
+            self.num_refused += 1
+        return encode_reply(reply, secret=self._secret, request_nonce=nonce)
+
+    def _reply(self, frames: list[bytes]) -> tuple[Reply | _Park, bytes]:
+        """The reply to one request (or _Park: answer it later) and the request's nonce."""
         nonce = b""
         stage = "malformed"  # the kind of refusal, for the rate-limited log
         try:
@@ -228,11 +327,9 @@ class SideChannelServer:
         except Exception as exc:  # a bug must not kill the listener; the peer gets the reason
             self._log.error("internal", "side channel failed to answer a request", exc_info=True)
             reply = ErrorReply(f"internal error: {type(exc).__name__}: {exc}")
-        if isinstance(reply, ErrorReply):
-            self.num_refused += 1
-        return encode_reply(reply, secret=self._secret, request_nonce=nonce)
+        return reply, nonce
 
-    def _dispatch(self, request: Request, envelope: Envelope) -> Reply:
+    def _dispatch(self, request: Request, envelope: Envelope) -> Reply | _Park:
         if isinstance(request, Hello):
             return HelloReply(self._engine_id, self._boot_id)
         if envelope.boot_id != self._boot_id:
@@ -241,6 +338,8 @@ class SideChannelServer:
             return self._handshake(request.tp_rank)
         if request.engine_id != self._engine_id:
             return self._refuse_other_engine(request)
+        if isinstance(request, AwaitLease | CancelTransfer):
+            return self._transfer(request)
         reply: Reply
         if isinstance(request, LeaseCheck):
             reply = self._on_lease_check(request.leases)
@@ -252,6 +351,20 @@ class SideChannelServer:
         if request.reader is not None:
             self._note_reader(request.reader, names)
         return reply
+
+    def _transfer(self, request: AwaitLease | CancelTransfer) -> Reply | _Park:
+        """Overlapped dispatch: what a transfer key came to (parked until known), or its cancel."""
+        if self._transfers is None:
+            return ErrorReply(
+                f"engine {self._engine_id!r} serves no overlapped dispatch (transfer keys)"
+            )
+        key = request.transfer_key
+        if isinstance(request, CancelTransfer):
+            return Ack(self._transfers.cancel(key))
+        status = self._transfers.status(key)
+        if status is not None:
+            return status
+        return _Park(key, request.hold_ms)
 
     def _note_reader(self, reader: ReaderId, names: tuple[str, ...]) -> None:
         """Tell the holder who sent the message; log the leases its restart orphaned."""
@@ -290,7 +403,9 @@ class SideChannelServer:
             code=STALE_BOOT,
         )
 
-    def _refuse_other_engine(self, request: Heartbeat | Release | LeaseCheck) -> ErrorReply:
+    def _refuse_other_engine(
+        self, request: Heartbeat | Release | LeaseCheck | AwaitLease | CancelTransfer
+    ) -> ErrorReply:
         """Touch no lease: the ids are another engine's, and may name this engine's requests."""
         kind = type(request).__name__.lower()
         self._log.info(

@@ -39,6 +39,7 @@ REAL_VLLM_MODULES = {
     "test_real_vllm_fp8": "real `vllm serve` engines",
     "test_real_vllm_hybrid": "real `vllm serve` engines",
     "test_real_vllm_multiturn": "real `vllm serve` engines",
+    "test_real_vllm_overlap": "real `vllm serve` engines behind proxy.py --overlap",
     "test_real_vllm_router": "real `vllm serve` engines behind vllm-router",
     "test_real_vllm_two_hosts": "real `vllm serve` engines in two network namespaces",
 }
@@ -77,6 +78,7 @@ VLLM_MODULES = {
     "test_vllm_layout",
     "test_vllm_multiturn",
     "test_vllm_no_reload",
+    "test_vllm_overlap",
     "test_vllm_semantics",
     "test_vllm_staging",
     "test_vllm_token_binding",

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from examples.vllm.proxy import decode_body, make_server, prefill_body
+from examples.vllm.proxy import Overlap, decode_body, make_server, prefill_body
 
 PARAMS = {"do_remote_prefill": True, "remote_request_id": "r1", "remote_block_ids": [[1, 2]]}
 
@@ -148,3 +148,90 @@ def test_prefill_gets_the_previous_turns_params_the_client_passed_back(
 def test_decode_gets_prefill_params_not_the_clients() -> None:
     body = {"prompt": [1], "kv_transfer_params": HELD_BY_DECODE}
     assert decode_body(body, {"kv_transfer_params": PARAMS})["kv_transfer_params"] == PARAMS
+
+
+class OverlapEngine(BaseHTTPRequestHandler):
+    """Prefill answers only once decode got its request (or fails, when told to): a proxy
+    that waits for prefill before it calls decode never gets an answer from either."""
+
+    seen: list[tuple[str, str, dict[str, Any]]] = []
+    decode_called = threading.Event()
+    role = ""
+    prefill_status = 200
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.seen.append((self.role, self.headers["X-Request-Id"], body))
+        status = 200
+        if self.role == "decode":
+            self.decode_called.set()
+        else:
+            self.decode_called.wait(5.0)
+            status = self.prefill_status if self.decode_called.is_set() else 504
+        data = json.dumps({"choices": [{"text": self.role}]}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def overlap_proxy(request: pytest.FixtureRequest) -> Iterator[tuple[str, list]]:
+    seen: list[tuple[str, str, dict[str, Any]]] = []
+    called = threading.Event()
+    servers = []
+    for role in ("prefill", "decode"):
+        attrs = {"role": role, "seen": seen, "decode_called": called}
+        attrs["prefill_status"] = getattr(request, "param", 200)
+        handler = type(f"Overlap{role}", (OverlapEngine,), attrs)
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), handler))
+    prefill, decode = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    overlap = Overlap("127.0.0.1", 5600, "prefill-0")
+    proxy = make_server("127.0.0.1", 0, prefill, decode, overlap)
+    servers.append(proxy)
+    threads = [_serve(server) for server in servers]
+    yield f"http://127.0.0.1:{proxy.server_address[1]}", seen
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    for thread in threads:
+        thread.join(timeout=5)
+
+
+def test_overlap_sends_both_at_once_under_one_transfer_key(overlap_proxy: Any) -> None:
+    url, seen = overlap_proxy
+    answer = _post(url + "/v1/completions", {"prompt": "abc", "max_tokens": 20})
+    assert answer == {"choices": [{"text": "decode"}]}
+    by_role = {role: (request_id, body) for role, request_id, body in seen}
+    (p_id, p_body), (d_id, d_body) = by_role["prefill"], by_role["decode"]
+    assert p_id == d_id == "client-7"
+    key = p_body["kv_transfer_params"]["transfer_key"]
+    assert len(key) == 32 and p_body["max_tokens"] == 1
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "transfer_key": key}
+    assert d_body["max_tokens"] == 20
+    assert d_body["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "transfer_key": key,
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_engine_id": "prefill-0",
+    }
+
+
+@pytest.mark.parametrize("overlap_proxy", [500], indirect=True)
+def test_overlap_logs_a_failing_prefill_and_still_answers_with_decode(
+    overlap_proxy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    url, _ = overlap_proxy
+    with caplog.at_level("WARNING", logger="examples.vllm.proxy"):
+        answer = _post(url + "/v1/completions", {"prompt": "abc", "max_tokens": 20})
+        for _ in range(100):  # prefill's answer is drained on its own thread
+            if "prefill answered 500" in caplog.text:
+                break
+            threading.Event().wait(0.02)
+    assert answer == {"choices": [{"text": "decode"}]}
+    assert "request client-7: prefill answered 500" in caplog.text

@@ -28,15 +28,19 @@ import zmq
 
 from connector.errors import HandshakeError, PeerRestarted, ProtocolError, SideChannelTimeout
 from connector.protocol import (
+    MAX_AWAIT_HOLD_MS,
     NONCE_BYTES,
     STALE_BOOT,
     Ack,
+    AwaitLease,
+    CancelTransfer,
     ErrorReply,
     HandshakeReply,
     HandshakeRequest,
     Heartbeat,
     Hello,
     HelloReply,
+    LeaseAnnouncement,
     LeaseCheck,
     LeaseRef,
     LeaseStatus,
@@ -75,6 +79,25 @@ def fetch_boot_id(
 
     With ``engine_id``, a server that is another engine raises HandshakeError.
     """
+    return fetch_identity(
+        host, port, engine_id=engine_id, secret=secret, timeout_s=timeout_s,
+        max_message_bytes=max_message_bytes,
+    ).boot_id  # fmt: skip
+
+
+def fetch_identity(
+    host: str,
+    port: int,
+    *,
+    engine_id: str | None,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> HelloReply:
+    """Who serves the side channel at host:port: its engine id and boot id (Hello).
+
+    With ``engine_id``, a server that is another engine raises HandshakeError.
+    """
     reply = _call(host, port, Hello(), secret, timeout_s, max_message_bytes, boot_id="")
     if not isinstance(reply, HelloReply):
         raise HandshakeError(
@@ -86,7 +109,7 @@ def fetch_boot_id(
             "that engine restarted under another id (its KV is gone) or the request's "
             "remote_host/remote_port name the wrong engine"
         )
-    return reply.boot_id
+    return reply
 
 
 def fetch_handshake(
@@ -228,10 +251,57 @@ def check_leases_status(
     return reply
 
 
+def await_lease(
+    host: str,
+    port: int,
+    transfer_key: str,
+    *,
+    engine_id: str,
+    boot_id: str,
+    hold_s: float,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    reader: ReaderId | None = None,
+) -> LeaseAnnouncement:
+    """Overlapped dispatch: what prefill ``engine_id`` (boot ``boot_id``) drew for
+    ``transfer_key``, waiting up to ``hold_s`` on its side (then "pending": ask again).
+    ``timeout_s`` bounds the wait for the reply beyond the hold."""
+    hold_ms = max(0, min(MAX_AWAIT_HOLD_MS, round(hold_s * 1000)))
+    request = AwaitLease(engine_id, transfer_key, hold_ms, reader)
+    reply = _call(
+        host, port, request, secret, hold_ms / 1000 + timeout_s, max_message_bytes,
+        boot_id=boot_id,
+    )  # fmt: skip
+    if not isinstance(reply, LeaseAnnouncement):
+        raise HandshakeError(
+            f"side channel {host}:{port} answered an AwaitLease with {type(reply).__name__}"
+        )
+    return reply
+
+
+def cancel_transfer(
+    host: str,
+    port: int,
+    transfer_key: str,
+    *,
+    engine_id: str,
+    secret: str | None,
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    boot_id: str | None = None,
+    reader: ReaderId | None = None,
+) -> int:
+    """Overlapped dispatch: decode will never read ``transfer_key``'s lease on prefill
+    ``engine_id``; returns 1 if a lease was ended, 0 if the cancel was remembered for later."""
+    request = CancelTransfer(engine_id, transfer_key, reader)
+    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
+
+
 def _expect_ack(
     host: str,
     port: int,
-    request: Heartbeat | Release,
+    request: Heartbeat | Release | CancelTransfer,
     secret: str | None,
     timeout_s: float,
     max_message_bytes: int,

@@ -13,17 +13,31 @@ keeps no state: the client carries the conversation's params, as it carries its 
 
     python -m examples.vllm.proxy --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --port 8000
+
+Overlapped (``--overlap``, docs/overlap.md): the request goes to prefill and to decode at
+the same time under one fresh ``transfer_key``; decode is told prefill's side channel
+(``--prefill-side-channel HOST:PORT``, its VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, and optionally
+``--prefill-engine-id``) and learns the lease from it as soon as prefill draws it. Decode's
+answer streams back; prefill's is read and dropped (its errors are logged).
+
+    python -m examples.vllm.proxy --prefill http://127.0.0.1:8100 \\
+        --decode http://127.0.0.1:8200 --port 8000 \\
+        --overlap --prefill-side-channel 127.0.0.1:5600
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import threading
 import urllib.error
 import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+logger = logging.getLogger("examples.vllm.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 TIMEOUT_S = 300.0  # per upstream call; long generations stream within it
@@ -59,6 +73,49 @@ def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[
     return dict(body, kv_transfer_params=params)
 
 
+class Overlap:
+    """Where decode learns prefill's leases in overlapped mode: prefill's side channel."""
+
+    def __init__(self, host: str, port: int, engine_id: str | None = None) -> None:
+        self.host, self.port, self.engine_id = host, port, engine_id
+
+    def decode_params(self, transfer_key: str) -> dict[str, Any]:
+        """Decode's kv_transfer_params: wait for ``transfer_key``'s lease on that prefill."""
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "transfer_key": transfer_key,
+            "remote_host": self.host,
+            "remote_port": self.port,
+        }
+        if self.engine_id:
+            params["remote_engine_id"] = self.engine_id
+        return params
+
+
+def overlapped_bodies(
+    body: dict[str, Any], overlap: Overlap, transfer_key: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill's copy, decode's copy) of a request dispatched to both at once."""
+    prefill = prefill_body(body)
+    prefill["kv_transfer_params"] = dict(prefill["kv_transfer_params"], transfer_key=transfer_key)
+    decode = dict(body, kv_transfer_params=overlap.decode_params(transfer_key))
+    return prefill, decode
+
+
+def _drain_prefill(url: str, body: dict[str, Any], request_id: str) -> None:
+    """Overlapped mode: prefill's answer is not needed (decode learns the lease from its side
+    channel); read it so the engine finishes cleanly, and log what went wrong."""
+    try:
+        with _post(url, body, request_id) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        logger.warning(
+            "request %s: prefill answered %d: %r", request_id, exc.code, exc.read()[:500]
+        )
+    except (OSError, ValueError) as exc:
+        logger.warning("request %s: prefill failed: %s", request_id, exc)
+
+
 def _post(url: str, body: dict[str, Any], request_id: str) -> Any:
     request = urllib.request.Request(
         url,
@@ -72,6 +129,7 @@ def _post(url: str, body: dict[str, Any], request_id: str) -> Any:
 class ProxyHandler(BaseHTTPRequestHandler):
     prefill_url = ""  # set by make_server
     decode_url = ""
+    overlap: Overlap | None = None  # set: overlapped dispatch
 
     def do_POST(self) -> None:
         if self.path not in ROUTES:
@@ -84,9 +142,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return
         request_id = self.headers.get("X-Request-Id") or str(uuid.uuid4())
         try:
-            with _post(self.prefill_url + self.path, prefill_body(body), request_id) as response:
-                prefilled = json.loads(response.read())
-            upstream = _post(self.decode_url + self.path, decode_body(body, prefilled), request_id)
+            upstream = self._dispatch(body, request_id)
         except urllib.error.HTTPError as exc:
             self._reply(exc.code, {"error": f"upstream {exc.url}: {exc.read()[:500]!r}"})
             return
@@ -101,6 +157,21 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
                 self.wfile.flush()
 
+    def _dispatch(self, body: dict[str, Any], request_id: str) -> Any:
+        """Decode's open response: after prefill's (sequential), or alongside it (overlap)."""
+        if self.overlap is None:
+            with _post(self.prefill_url + self.path, prefill_body(body), request_id) as response:
+                prefilled = json.loads(response.read())
+            return _post(self.decode_url + self.path, decode_body(body, prefilled), request_id)
+        prefill, decode = overlapped_bodies(body, self.overlap, uuid.uuid4().hex)
+        threading.Thread(
+            target=_drain_prefill,
+            args=(self.prefill_url + self.path, prefill, request_id),
+            name=f"prefill-{request_id[:16]}",
+            daemon=True,
+        ).start()
+        return _post(self.decode_url + self.path, decode, request_id)
+
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
@@ -113,11 +184,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """Quiet: one line per request is the upstream engines' job."""
 
 
-def make_server(host: str, port: int, prefill_url: str, decode_url: str) -> ThreadingHTTPServer:
+def make_server(
+    host: str, port: int, prefill_url: str, decode_url: str, overlap: Overlap | None = None
+) -> ThreadingHTTPServer:
     handler = type(
         "BoundProxyHandler",
         (ProxyHandler,),
-        {"prefill_url": prefill_url.rstrip("/"), "decode_url": decode_url.rstrip("/")},
+        {
+            "prefill_url": prefill_url.rstrip("/"),
+            "decode_url": decode_url.rstrip("/"),
+            "overlap": overlap,
+        },
     )
     return ThreadingHTTPServer((host, port), handler)
 
@@ -128,13 +205,40 @@ def main() -> None:
     parser.add_argument("--decode", required=True, help="decode engine URL")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--overlap", action="store_true", help="send to prefill and decode at the same time"
+    )
+    parser.add_argument(
+        "--prefill-side-channel",
+        metavar="HOST:PORT",
+        help="with --overlap: the prefill engine's side channel (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT)",
+    )
+    parser.add_argument(
+        "--prefill-engine-id",
+        help="with --overlap: the prefill engine's kv_transfer_config engine_id (optional: "
+        "decode then accepts whichever engine serves the side channel)",
+    )
     args = parser.parse_args()
-    server = make_server(args.host, args.port, args.prefill, args.decode)
-    print(f"P/D proxy on http://{args.host}:{args.port} -> {args.prefill} then {args.decode}")
+    overlap = _overlap(parser, args)
+    server = make_server(args.host, args.port, args.prefill, args.decode, overlap)
+    how = "with" if overlap else "then"
+    print(f"P/D proxy on http://{args.host}:{args.port} -> {args.prefill} {how} {args.decode}")
     try:
         server.serve_forever()
     finally:
         server.server_close()
+
+
+def _overlap(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Overlap | None:
+    if not args.overlap:
+        return None
+    host, _, port = (args.prefill_side_channel or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(
+            "--overlap needs --prefill-side-channel HOST:PORT, the prefill engine's "
+            f"VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT (got {args.prefill_side_channel!r})"
+        )
+    return Overlap(host.strip("[]"), int(port), args.prefill_engine_id)
 
 
 if __name__ == "__main__":

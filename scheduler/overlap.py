@@ -1,0 +1,194 @@
+"""Decode's loads that wait, blocks allocated, for prefill to announce their lease (overlapped dispatch).
+
+With overlapped dispatch (docs/overlap.md) decode's params name prefill's side channel and a
+transfer key, not a lease. The request is claimed as any other (the prompt's length is
+known), the engine allocates, and at allocation the load is parked here with its blocks while
+a LeaseWaiter thread asks prefill for the lease. When the wait settles, the engine thread
+takes it at its next step (``bind_settled``) and binds the announced params exactly as it
+binds a router's: from there the load is today's (scheduler/connector.py).
+
+Only the engine thread calls this class. A parked load leaves by settling or by its
+request's end (``end_unbound``); none outlives its request. The claim record itself is
+Consumer's (CLAIMED until the params are bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from connector.config import ConnectorConfig
+from connector.errors import InvalidTransferParams
+from connector.outcomes import FailureKind, LoadFailure
+from connector.params import AwaitedLease
+from connector.protocol import ReaderId
+from scheduler.consumer import CLAIMED, Consumer, RequestLoad
+from scheduler.lease_waiter import LeaseWaiter, Settled
+from scheduler.requests import ParsedParams, RequestInfo
+
+# The connector's own reading of a request's params (reusing its record's parse) and its
+# answer to read params (validates them against this engine, starts the load record).
+Parse = Callable[[RequestInfo, RequestLoad | None], ParsedParams]
+Read = Callable[[RequestInfo], ParsedParams]
+Match = Callable[[RequestInfo, ParsedParams, int], tuple[int, bool]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParkedLoad:
+    """One decode load waiting for its lease: what binding it needs once announced."""
+
+    request: RequestInfo  # as at allocation (its params are the router's overlapped ones)
+    awaited: AwaitedLease
+    block_ids: tuple[tuple[int, ...], ...]  # decode's blocks per cache group, as allocated
+    num_external_tokens: int
+
+
+class OverlappedLoads:
+    def __init__(
+        self, waiter: LeaseWaiter, consumer: Consumer, *, parse: Parse, read: Read, match: Match
+    ) -> None:
+        self._waiter = waiter
+        self._consumer = consumer
+        self._parse, self._read, self._match = parse, read, match
+        self._parked: dict[str, ParkedLoad] = {}  # request id -> its parked load
+
+    @classmethod
+    def for_config(
+        cls,
+        config: ConnectorConfig,
+        reader: ReaderId,
+        consumer: Consumer,
+        *,
+        parse: Parse,
+        read: Read,
+        match: Match,
+    ) -> OverlappedLoads:
+        """Waits bounded by overlap_wait_timeout, each side-channel call by handshake_timeout."""
+        waiter = LeaseWaiter(
+            timeout_s=config.overlap_wait_timeout_s,
+            call_timeout_s=config.handshake_timeout_s,
+            secret=config.side_channel_secret,
+            reader=reader,
+        )
+        return cls(waiter, consumer, parse=parse, read=read, match=match)
+
+    def claim(self, request: RequestInfo, num_computed_tokens: int) -> tuple[int, bool]:
+        """Overlapped params read at an ask: claim the prompt's uncached tokens, as a claim
+        on a router's word is (the lease is bound when prefill announces it)."""
+        num_new_tokens = request.num_prompt_tokens - num_computed_tokens
+        if num_new_tokens <= 0:
+            return 0, False
+        raw = request.kv_transfer_params
+        return self._consumer.claim(request.request_id, num_new_tokens, num_computed_tokens, raw)
+
+    def park_at_allocation(
+        self,
+        request: RequestInfo,
+        record: RequestLoad,
+        block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
+    ) -> bool:
+        """A claim the engine allocated: park its load until prefill announces the lease (or,
+        with nothing to load, cancel the transfer). False: not overlapped params."""
+        awaited = self.awaited(request, record)
+        if awaited is None:
+            return False
+        request_id = request.request_id
+        if num_external_tokens == 0:  # the engine loads nothing after all: prefill may free
+            self._cancel(request_id, awaited)
+            self._consumer.drop_claim(request_id)
+            return True
+        blocks = tuple(tuple(group) for group in block_ids)
+        self._parked[request_id] = ParkedLoad(request, awaited, blocks, num_external_tokens)
+        self._waiter.wait(request_id, awaited)
+        return True
+
+    def awaited(self, request: RequestInfo, record: RequestLoad | None) -> AwaitedLease | None:
+        """The lease a request's overlapped params wait for; None for any other params
+        (refused ones too: the connector's usual path refuses them)."""
+        raw = request.kv_transfer_params
+        if type(raw) is not dict or "transfer_key" not in raw:  # the usual case: no parse
+            return None
+        try:
+            return self._parse(request, record).awaits
+        except InvalidTransferParams:
+            return None
+
+    def bind_settled(self) -> None:
+        """Bind the parked loads whose lease prefill announced; fail those it will not."""
+        for outcome in self._waiter.take():
+            parked = self._parked.pop(outcome.request_id, None)
+            if parked is None:
+                continue  # its request ended meanwhile (and cancelled)
+            request_id = parked.request.request_id
+            record = self._consumer.record(request_id)
+            if record is None or record.state is not CLAIMED:
+                self._cancel(request_id, parked.awaited)  # no longer wanted
+                continue
+            failure = outcome.failure or self._bind(parked, outcome, record.num_cached_tokens)
+            if failure is not None:
+                self._consumer.refuse_claim(
+                    request_id, failure.message, parked.num_external_tokens, kind=failure.kind
+                )
+                continue
+            self._consumer.update_state_after_alloc(
+                request_id, parked.block_ids, parked.num_external_tokens
+            )
+
+    def end_unbound(self, request: RequestInfo, record: RequestLoad) -> bool:
+        """request_finished of a claim whose lease is not bound: cancel the transfer. True if
+        its load was parked on allocated blocks: then it is reported received with nothing
+        read, since vLLM frees a waiting request's blocks only at its load's end."""
+        request_id = request.request_id
+        parked = self._parked.pop(request_id, None)
+        awaited = self.awaited(request, record) or (parked.awaited if parked else None)
+        if awaited is not None:
+            self._cancel(request_id, awaited)
+        if parked is None:
+            return False
+        self._consumer.end_parked(request_id)
+        return True
+
+    @property
+    def has_pending_work(self) -> bool:
+        """Loads still waiting: the engine must step to bind them when they settle."""
+        return bool(self._parked)
+
+    def stop(self) -> None:
+        self._waiter.stop()
+
+    def _bind(
+        self, parked: ParkedLoad, settled: Settled, num_cached_tokens: int
+    ) -> LoadFailure | None:
+        """Read prefill's announced params as a router's are read, bound to the parked
+        request (None: it loads); on a refusal the lease is cancelled at once."""
+        request, awaited = parked.request, parked.awaited
+        try:
+            parsed = self._read(msgspec.structs.replace(request, kv_transfer_params=settled.params))
+            source = parsed.source
+            if source is None or parsed.pulls or parsed.awaits is not None:
+                raise InvalidTransferParams("they ask for no load from prefill")
+            if source.engine_id != settled.engine_id:
+                raise InvalidTransferParams(
+                    f"they name engine {source.engine_id!r}, but engine "
+                    f"{settled.engine_id!r} announced them"
+                )
+            # The record keeps the router's params object as raw: later hooks see that one.
+            bound = msgspec.structs.replace(parsed, raw=request.kv_transfer_params)
+            _, loads = self._match(request, bound, num_cached_tokens)
+        except InvalidTransferParams as exc:
+            self._cancel(request.request_id, awaited)
+            return LoadFailure(
+                FailureKind.PARAMS,
+                f"prefill announced kv_transfer_params for transfer_key "
+                f"{awaited.transfer_key!r} that decode refuses: {exc}",
+            )
+        if not loads:
+            self._cancel(request.request_id, awaited)
+            return LoadFailure(FailureKind.PARAMS, "the announced lease gives nothing to load")
+        return None
+
+    def _cancel(self, request_id: str, awaited: AwaitedLease) -> None:
+        self._waiter.cancel(request_id, awaited)
