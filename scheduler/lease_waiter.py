@@ -165,10 +165,10 @@ class LeaseWaiter:
                         secret=self._secret, timeout_s=call_timeout_s,
                     )  # fmt: skip
                     engine_id, boot_id = hello.engine_id, hello.boot_id
+                hold_s, asked_at = min(HOLD_S, remaining_s), self._clock()
                 reply = side_channel_client.await_lease(
                     awaited.host, awaited.port, awaited.transfer_key,
-                    engine_id=engine_id, boot_id=boot_id,
-                    hold_s=min(HOLD_S, remaining_s),
+                    engine_id=engine_id, boot_id=boot_id, hold_s=hold_s,
                     secret=self._secret, timeout_s=call_timeout_s, reader=self._reader,
                 )  # fmt: skip
             except PeerRestarted as exc:
@@ -186,6 +186,8 @@ class LeaseWaiter:
                 return Settled(
                     request_id, awaited, failure=LoadFailure(FailureKind.PREFILL_FAILED, why)
                 )
+            if self._clock() - asked_at < hold_s / 2:  # "pending" at once: the server parks
+                stop.wait(RETRY_S)  # no more (MAX_PARKED); do not spin
         if stop.is_set():
             return None
         why = (

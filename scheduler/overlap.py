@@ -28,6 +28,8 @@ from scheduler.consumer import CLAIMED, Consumer, RequestLoad
 from scheduler.lease_waiter import LeaseWaiter, Settled
 from scheduler.requests import ParsedParams, RequestInfo
 
+PREFILL_FAILED = FailureKind.PREFILL_FAILED  # prefill drew no lease: nothing to cancel
+
 # The connector's own reading of a request's params (reusing its record's parse) and its
 # answer to read params (validates them against this engine, starts the load record).
 Parse = Callable[[RequestInfo, RequestLoad | None], ParsedParams]
@@ -127,6 +129,8 @@ class OverlappedLoads:
             if record is None or record.state is not CLAIMED:
                 self._cancel(request_id, parked.awaited)  # no longer wanted
                 continue
+            if outcome.failure is not None and outcome.failure.kind is not PREFILL_FAILED:
+                self._cancel(request_id, parked.awaited)  # a late lease is then released at once
             failure = outcome.failure or self._bind(parked, outcome, record.num_cached_tokens)
             if failure is not None:
                 self._consumer.refuse_claim(

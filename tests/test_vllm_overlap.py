@@ -185,6 +185,25 @@ def test_a_prefill_that_never_announces_fails_the_load_within_the_wait(
     assert str(decode.finished("d-4").finish_reason) == "error"
     assert refusals["d-4"].kind == "prefill_timeout"
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
+    if prefill_listens:  # decode cancelled the key: a request reaching prefill late leases nothing
+        _wait_cancelled(prefill, "key-4")
+        free_prefill = prefill.num_free_blocks()
+        prefill.add(
+            _request("p-4", {"do_remote_decode": True, "transfer_key": "key-4"}, max_tokens=1)
+        )
+        prefill.run_until(lambda e: e.finished("p-4") is not None)
+        assert prefill.finished("p-4").kv_transfer_params is None
+        prefill.run_until(lambda e: e.num_free_blocks() == free_prefill, timeout_s=2.0)
+
+
+def _wait_cancelled(prefill: h.Engine, key: str) -> None:
+    """Until prefill's board has decode's cancel of ``key`` (it travels on decode's sender
+    thread)."""
+    board = prefill.connector._require_scheduler().connector._transfers
+    deadline = time.monotonic() + 5.0
+    while not board.is_cancelled(key):
+        assert time.monotonic() < deadline, f"prefill never got decode's cancel of {key}"
+        time.sleep(0.01)
 
 
 def test_decode_abort_while_waiting_frees_a_late_lease_at_once(make_pair: Any) -> None:
@@ -194,10 +213,7 @@ def test_decode_abort_while_waiting_frees_a_late_lease_at_once(make_pair: Any) -
     decode.run_until(lambda e: _parked(e, "d-5"))
     decode.scheduler.finish_requests("d-5", RequestStatus.FINISHED_ABORTED)
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
-    board = prefill.connector._require_scheduler().connector._transfers
-    deadline = time.monotonic() + 5.0
-    while not board.is_cancelled("key-5") and time.monotonic() < deadline:
-        time.sleep(0.01)  # the cancel travels on decode's sender thread
+    _wait_cancelled(prefill, "key-5")
     prefill.add(_request("p-5", {"do_remote_decode": True, "transfer_key": "key-5"}, max_tokens=1))
     prefill.run_until(lambda e: e.finished("p-5") is not None)
     assert prefill.finished("p-5").kv_transfer_params is None  # no lease drawn
@@ -219,17 +235,20 @@ def test_decode_abort_after_the_announcement_ends_prefills_lease_at_once(make_pa
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "message"),
     [
-        {"transfer_key": "has spaces"},
-        {"remote_host": None},
-        {"remote_request_id": "p-1", "remote_block_ids": [[0, 1]]},
-        {"remote_port": 0},
+        ({"transfer_key": "has spaces"}, "kv_transfer_params['transfer_key']: value 'has spaces'"),
+        ({"remote_host": None}, "with transfer_key but remote_host missing"),
+        (
+            {"remote_request_id": "p-1", "remote_block_ids": [[0, 1]]},
+            "transfer_key with remote_request_id, remote_block_ids",
+        ),
+        ({"transfer_key": 7}, "kv_transfer_params['transfer_key']: value 7"),
     ],
-    ids=["key-with-spaces", "no-side-channel-host", "key-and-a-lease-both", "port-zero"],
+    ids=["key-with-spaces", "no-side-channel-host", "key-and-a-lease-both", "key-not-a-string"],
 )
 def test_malformed_overlapped_params_fail_one_request_not_the_engine(
-    make_pair: Any, refusals: dict[str, LoadFailure], overrides: dict[str, Any]
+    make_pair: Any, refusals: dict[str, LoadFailure], overrides: dict[str, Any], message: str
 ) -> None:
     prefill, decode = make_pair()
     free_decode = decode.num_free_blocks()
@@ -238,5 +257,5 @@ def test_malformed_overlapped_params_fail_one_request_not_the_engine(
     decode.run_until(lambda e: e.finished("bad") is not None and e.finished("good") is not None)
     assert str(decode.finished("good").finish_reason) == "length"
     assert str(decode.finished("bad").finish_reason) == "error"
-    assert refusals["bad"].kind == "params"
+    assert refusals["bad"].kind == "params" and message in refusals["bad"].message
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
