@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import msgspec
+
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
@@ -305,6 +307,9 @@ class SchedulerConnector:
             return True, None  # overlapped, unbound: parked on blocks the engine frees later
         if record is not None and record.state in UNREAD_OR_REFUSED and record.state is not CLAIMED:
             return self._consumer.request_finished(request_id, None)
+        if record is not None and record.state is CLAIMED and record.claimed_params is not None:
+            # Release what the claim was made on, whatever the params say now.
+            request = msgspec.structs.replace(request, kv_transfer_params=record.claimed_params)
         try:
             parsed = self._parse(request, record)
         except InvalidTransferParams as exc:

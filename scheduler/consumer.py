@@ -94,6 +94,9 @@ class RequestLoad:
     num_cached_tokens: int
     state: RequestLoadState = RequestLoadState.NEW
     parsed: ParsedParams | None = None  # the params as read (None: unread or refused)
+    # CLAIMED: the params the claim was made on; its finish releases what they name, even
+    # if the request's params were edited since.
+    claimed_params: Mapping[str, Any] | None = None
     refusal: str = ""  # why the params were refused (REFUSING, REFUSED)
     load_sent: bool = False  # a LoadSpec went out: the ranks report its outcome themselves
     local_block_ids: BlockIds | None = None  # decode's blocks for the uncached suffix
@@ -203,6 +206,7 @@ class Consumer:
         load = self._loads.get(request_id)
         if load is None:
             load = RequestLoad(None, num_cached_tokens + num_new_tokens, num_cached_tokens)
+            load.claimed_params = raw_params
             self._loads.start(request_id, load, CLAIMED)
             if raw_params is not None:
                 self._keepalive.hold(request_id, raw_params)
