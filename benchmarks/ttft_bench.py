@@ -25,6 +25,10 @@ seen using as much CPU as the serving single engine's (/proc, 2026-11-28), which
 single engine's requests and not the pair's. Every request streams; its first and second
 token times are taken at the client from sending it. Every engine and proxy is stopped on the
 way out, on success or not.
+
+``--pin`` holds each engine to its own CPUs (sched_setaffinity before its fork, inherited by
+every process and thread): the single engine and prefill on CPU 0, decode on CPU 1, so a P/D
+prefill has exactly the single engine's compute and decode's engine loop cannot take it.
 """
 
 from __future__ import annotations
@@ -112,17 +116,44 @@ def proxy_args(mode: str, prefill: Engine) -> tuple[str, ...]:
 
 
 @contextmanager
-def running(engines: Sequence[Engine]) -> Iterator[None]:
-    """Start every engine at once (startup dominates), wait for all; stop all on the way out."""
+def running(engines: Sequence[Engine], cpus: dict[int, set[int]] | None = None) -> Iterator[None]:
+    """Start every engine at once (startup dominates), wait for all; stop all on the way out.
+    ``cpus``: engine id -> the CPUs its processes may run on (inherited from this thread's
+    affinity at fork, so every process and thread of the engine is held to them)."""
+    cpus = cpus or {}
     try:
         for engine in engines:
-            engine.start()
+            start_on(engine, cpus.get(id(engine)))
         for engine in engines:
             engine.wait_ready()
         yield
     finally:
         for engine in engines:
             engine.cleanup()
+
+
+def start_on(engine: Engine, cpus: set[int] | None) -> None:
+    """Start ``engine`` with this thread's CPU affinity set to ``cpus`` (None: unchanged);
+    the affinity is restored right after the fork, so proxies and the client stay free."""
+    if cpus is None:
+        engine.start()
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        engine.start()
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def pinned_cpus(
+    pin: bool, single: Engine, prefill: Engine, decode: Engine
+) -> dict[int, set[int]] | None:
+    """--pin: the single engine and prefill on CPU 0 (the same compute, never at once: the
+    idle one is stopped), decode on CPU 1, as P/D would have its own device per role."""
+    if not pin:
+        return None
+    return {id(single): {0}, id(prefill): {0}, id(decode): {1}}
 
 
 @contextmanager
@@ -218,7 +249,13 @@ def _sample_line(sample: Sample) -> str:
 
 
 def run(
-    lengths: Sequence[int], rounds: int, modes: Sequence[str], seed: int, *, pause_idle: bool
+    lengths: Sequence[int],
+    rounds: int,
+    modes: Sequence[str],
+    seed: int,
+    *,
+    pause_idle: bool,
+    pin: bool = False,
 ) -> list[Sample]:
     work_dir = Path(tempfile.mkdtemp(prefix="ttft-bench-"))
     logs = work_dir / "logs"
@@ -238,7 +275,8 @@ def run(
             logs,
         )  # one per phase, started with the pair: a stopped Engine does not start again
         engines = [single, prefill, decode] if "single" in modes else [prefill, decode]
-        with running(engines), proxies(phase_modes, prefill, decode) as urls:
+        cpus = pinned_cpus(pin, single, prefill, decode)
+        with running(engines, cpus), proxies(phase_modes, prefill, decode) as urls:
             endpoints = {mode: Endpoint(url, (prefill, decode)) for mode, url in urls.items()}
             if "single" in modes:
                 endpoints = {"single": Endpoint(single.url, (single,)), **endpoints}
@@ -272,6 +310,11 @@ def main() -> None:
         action="store_false",
         help="keep every engine running while another serves (default: SIGSTOP them)",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="single engine and prefill on CPU 0, decode on CPU 1 (needs 2 CPUs)",
+    )
     args = parser.parse_args()
     if args.report is not None:
         print("\n".join(table([Sample(**row) for row in json.loads(args.report.read_text())])))
@@ -280,7 +323,9 @@ def main() -> None:
     modes, notes = runnable_modes(args.modes.split(","))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.monotonic()
-    samples = run(lengths, args.requests, modes, args.seed, pause_idle=args.pause_idle)
+    samples = run(
+        lengths, args.requests, modes, args.seed, pause_idle=args.pause_idle, pin=args.pin
+    )
     print(f"\n{len(samples)} requests in {time.monotonic() - started:.0f} s", *notes, sep="\n")
     print("\n".join(table(samples)))
     if args.json is not None:
