@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.ttft_stream import _event_token_ids
+from benchmarks.ttft_stream import RequestFailed, _event_token_ids
 from benchmarks.ttft_table import Sample, table
-from tests.real_vllm_harness import RequestFailed
 
 
 def _sample(phase: str, mode: str, first_ms: float | None, error: str | None = None) -> Sample:
