@@ -344,8 +344,11 @@ def test_decode_restarted_under_its_engine_id_and_address_serves_and_old_leases_
     leaked = prefill.leaked_blocks_once_drained(timeout_s=lease.kv_lease_duration_s + 5.0)
     assert leaked == 0 and second.leaked_blocks_once_drained(timeout_s=5.0) == 0
     log = prefill.log()
+    duration_s = lease.kv_lease_duration_s
     for name in ("held-0", "held-1"):
-        expiry = f"request {name}-prefill: lease of 8.0 s expired before every decode reader"
+        expiry = (
+            f"request {name}-prefill: lease of {duration_s} s expired before every decode reader"
+        )
         assert log.count(expiry) == 1, log[-2000:]
     assert log.count("expired before every decode reader") == 2, "the new boot's lease expired"
 
