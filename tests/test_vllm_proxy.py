@@ -46,6 +46,25 @@ def _serve(server: ThreadingHTTPServer) -> threading.Thread:
     return thread
 
 
+def _behind_proxy(
+    engines: list[ThreadingHTTPServer], overlap: Overlap | None = None
+) -> Iterator[str]:
+    """Serve the fake prefill and decode ``engines`` behind a proxy; yield its URL once, then
+    stop them all."""
+    prefill, decode = (f"http://127.0.0.1:{s.server_address[1]}" for s in engines)
+    proxy = make_server("127.0.0.1", 0, prefill, decode, overlap)
+    servers = [*engines, proxy]
+    threads = [_serve(server) for server in servers]
+    try:
+        yield f"http://127.0.0.1:{proxy.server_address[1]}"
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+        for thread in threads:
+            thread.join(timeout=5)
+
+
 @pytest.fixture
 def proxy_url() -> Iterator[tuple[str, list]]:
     seen: list[tuple[str, str, dict[str, Any]]] = []
@@ -53,16 +72,8 @@ def proxy_url() -> Iterator[tuple[str, list]]:
     for role in ("prefill", "decode"):
         handler = type(f"Fake{role}", (FakeEngine,), {"role": role, "seen": seen})
         servers.append(ThreadingHTTPServer(("127.0.0.1", 0), handler))
-    prefill, decode = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
-    proxy = make_server("127.0.0.1", 0, prefill, decode)
-    servers.append(proxy)
-    threads = [_serve(server) for server in servers]
-    yield f"http://127.0.0.1:{proxy.server_address[1]}", seen
-    for server in servers:
-        server.shutdown()
-        server.server_close()
-    for thread in threads:
-        thread.join(timeout=5)
+    for url in _behind_proxy(servers):
+        yield url, seen
 
 
 def _post(url: str, body: dict[str, Any], request_id: str = "client-7") -> Any:
@@ -189,17 +200,8 @@ def overlap_proxy(request: pytest.FixtureRequest) -> Iterator[tuple[str, list]]:
         attrs["prefill_status"] = getattr(request, "param", 200)
         handler = type(f"Overlap{role}", (OverlapEngine,), attrs)
         servers.append(ThreadingHTTPServer(("127.0.0.1", 0), handler))
-    prefill, decode = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
-    overlap = Overlap("127.0.0.1", 5600, "prefill-0")
-    proxy = make_server("127.0.0.1", 0, prefill, decode, overlap)
-    servers.append(proxy)
-    threads = [_serve(server) for server in servers]
-    yield f"http://127.0.0.1:{proxy.server_address[1]}", seen
-    for server in servers:
-        server.shutdown()
-        server.server_close()
-    for thread in threads:
-        thread.join(timeout=5)
+    for url in _behind_proxy(servers, Overlap("127.0.0.1", 5600, "prefill-0")):
+        yield url, seen
 
 
 def test_overlap_sends_both_at_once_under_one_transfer_key(overlap_proxy: Any) -> None:
