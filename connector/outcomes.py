@@ -46,3 +46,17 @@ class LoadFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
 
 
 ABORTED_LOAD = LoadFailure(FailureKind.ABORTED, "aborted")  # the request ended first
+
+
+def one_failure(failures: dict[int, LoadFailure]) -> LoadFailure:
+    """One failure for a request its ranks failed (tp_rank -> why): the ranks' shared one, or
+    the lowest failing rank's kind with a message naming it."""
+    reasons = set(failures.values())
+    if len(reasons) == 1:
+        return reasons.pop()
+    rank = min(failures)
+    first = failures[rank]
+    return LoadFailure(
+        first.kind,
+        f"tp_rank {rank}: {first.message} ({len(failures) - 1} other rank(s) failed too)",
+    )

@@ -259,10 +259,13 @@ class Engine:
             return False
         num_external, load_async = 0, False
         if self.scheduler is not None:
-            num_external, load_async = self.scheduler.get_num_new_matched_tokens(
+            matched, load_async = self.scheduler.get_num_new_matched_tokens(
                 request.info, num_cached
             )
             request.known_to_connector = True
+            if matched is None:  # another request's load reads its lease: ask next step
+                return False
+            num_external = matched
         request.num_cached_tokens = num_cached
         request.num_external_tokens = num_external
         # Like vLLM: an async load allocates only the tokens that arrive; more blocks later.

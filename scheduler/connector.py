@@ -21,7 +21,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -41,6 +41,7 @@ from scheduler.overlap import OverlappedLoads
 from scheduler.params_reader import ParamsReader
 from scheduler.producer import Producer
 from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role
+from scheduler.sibling_loads import SiblingLoads
 from scheduler.side_channel import SideChannelServer
 from scheduler.suffix import PULLABLE_KINDS, held_blocks
 from scheduler.transfer_board import TransferBoard, lease_under_key
@@ -121,6 +122,8 @@ class SchedulerConnector:
             tp_size=tp_size,
             heartbeats=self._heartbeats,
             keepalive=keepalive,
+            # A request naming a lease another load reads waits at most one lease duration.
+            siblings=SiblingLoads(max_wait_s=config.kv_lease_duration_s, clock=clock),
             on_move=on_move,
             reader=self._reader,
         )
@@ -173,8 +176,10 @@ class SchedulerConnector:
 
     def get_num_new_matched_tokens(
         self, request: RequestInfo, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """(tokens that will arrive asynchronously, whether a load is pending).
+    ) -> tuple[int | None, bool]:
+        """(tokens that will arrive asynchronously, whether a load is pending); (None,
+        False): ask again at a later step (another request's load reads the same lease:
+        scheduler/sibling_loads.py).
 
         Never raises for a request's params: on the params' word the tokens are claimed, and
         params read and refused (now or at allocation) are announced by ``take_refused``.
@@ -186,6 +191,10 @@ class SchedulerConnector:
         record = self._consumer.record(request_id)
         num_new_tokens = request.num_prompt_tokens - num_computed_tokens
         if record is None:
+            if isinstance(raw, Mapping):
+                sibling = self._consumer.siblings.answer(request_id, raw)
+                if sibling is not None:
+                    return sibling
             unread = (
                 raw.get("do_remote_prefill") is True  # raw_flag, inlined: every first ask
                 if type(raw) is dict

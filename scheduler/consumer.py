@@ -6,8 +6,9 @@ moves only along REQUEST_LOAD_LIFECYCLE (scheduler/lifecycles.py) and also holds
 parsed params (``parsed``, reused while the request carries the same params object).
 
 Params bind at allocation, as vLLM binds a request (scheduler/connector.py): the first ask
-only claims the tokens (CLAIMED, unread) and the params are read at allocation; refused ones (REFUSING, then REFUSED) are announced as
-a failed load if the engine parked the request, and never offered a load again.
+only claims the tokens (CLAIMED, unread) and the params are read at allocation; refused ones
+(REFUSING, then REFUSED) are announced as a failed load if the engine parked the request, and
+never offered a load again.
 
 Read params: get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
 (ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
@@ -15,12 +16,12 @@ rank) -> every rank reports -> REPORTED once, in finished_recving or failed_recv
 before the LoadSpec went out sends a ReleaseSpec instead so the prefill engine frees its blocks
 at once. Only the engine thread calls this class.
 
-The record lives until request_finished, whatever happens before: once prefill was told to
-free (RELEASING, RELEASED) or the load was reported, an engine that asks again (preemption, a
-prefix-cache reset, a failed allocation) gets (0, False) and computes locally. A new load can
-never start on blocks prefill already freed. Prefill is told to free only when the engine
-decided: at allocation with nothing to load (a full local prefix hit), as vLLM's own connector
-does, or at request_finished; never at an ask, which the engine may repeat with a smaller hit.
+The record lives until request_finished: once prefill was told to free (RELEASING, RELEASED)
+or the load was reported, an engine that asks again (preemption, a prefix-cache reset, a
+failed allocation) gets (0, False) and computes locally, so no load starts on freed blocks.
+Prefill is told to free only once the engine decided: at allocation with nothing to load (a
+full local prefix hit), as vLLM's own connector does, or at request_finished; never at an ask,
+which the engine may repeat with a smaller hit.
 
 In multi-turn mode a prefill engine loads through this same class: its source is the decode
 engine holding an earlier turn (``RemoteSource.remote_num_tokens`` set), and a successful pull is
@@ -40,36 +41,25 @@ from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
-from connector.outcomes import FailureKind, LoadFailure
+from connector.outcomes import FailureKind, LoadFailure, one_failure
 from connector.protocol import ReaderId, lease_key
 from connector.token_digest import KVSalt
 from scheduler.heartbeat_registry import HeartbeatRegistry
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
 from scheduler.requests import ParsedParams
+from scheduler.sibling_loads import SiblingLoads, params_key
 from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 
 # The states as module names: shorter to read, and the hooks compare them on every call (a
 # global is ~3x cheaper to read than an Enum class attribute on Python 3.11).
-MATCHED, ALLOCATED, LOADING = (
-    RequestLoadState.MATCHED,
-    RequestLoadState.ALLOCATED,
-    RequestLoadState.LOADING,
-)
-DRAINING, REPORTED, ENDED = (
-    RequestLoadState.DRAINING,
-    RequestLoadState.REPORTED,
-    RequestLoadState.ENDED,
-)
-RELEASING, REPORTED_RELEASING = RequestLoadState.RELEASING, RequestLoadState.REPORTED_RELEASING
-RELEASED = RequestLoadState.RELEASED
-CLAIMED, REFUSING, REFUSED = (
-    RequestLoadState.CLAIMED,
-    RequestLoadState.REFUSING,
-    RequestLoadState.REFUSED,
-)
+_S = RequestLoadState
+MATCHED, ALLOCATED, LOADING, DRAINING = _S.MATCHED, _S.ALLOCATED, _S.LOADING, _S.DRAINING
+REPORTED, ENDED, RELEASING, RELEASED = _S.REPORTED, _S.ENDED, _S.RELEASING, _S.RELEASED
+REPORTED_RELEASING, CLAIMED, REFUSING = _S.REPORTED_RELEASING, _S.CLAIMED, _S.REFUSING
+REFUSED = _S.REFUSED
 UNREAD_OR_REFUSED = (CLAIMED, REFUSING, REFUSED)  # no parsed source: nothing to release
 _RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
 _RANKS_HOLD_BLOCKS = (ALLOCATED, LOADING, DRAINING)  # at request_finished: delay the free
@@ -116,6 +106,7 @@ class Consumer:
         tp_size: int,
         heartbeats: HeartbeatSender,  # sends releases
         keepalive: HeartbeatRegistry,  # what its timer heartbeats
+        siblings: SiblingLoads,  # which lease each load uses: one load per lease
         on_move: OnMove | None = None,  # sees every state change (tests)
         metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
         reader: ReaderId | None = None,  # this engine and boot, named in the ranks' checks
@@ -126,15 +117,17 @@ class Consumer:
         self._tp_size = tp_size
         self._heartbeats = heartbeats
         self._keepalive = keepalive
+        self.siblings = siblings
         # Every way out of the heartbeating states (finish, abort, failure, refusal, report)
-        # is a Book move: the Book drops the lease from the registry there, so none is
-        # heartbeated past its record's need. Ways in are the two first moves (hold below).
+        # is a Book move: the Book drops the lease from the registry (and the sibling table)
+        # there, so none is heartbeated past its record's need. Ways in are the two first
+        # moves (hold below).
         self._loads: Book[RequestLoadState, RequestLoad] = Book(
             REQUEST_LOAD_LIFECYCLE,
             what="load",
             on_move=on_move,
             watched=_HEARTBEATING,
-            on_leave=keepalive.drop,
+            on_leave=self._done_with_lease,
         )
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
@@ -145,6 +138,10 @@ class Consumer:
         # ranks ran them and may tell the engine themselves (vLLM's do).
         self.reported_by_ranks: frozenset[str] = frozenset()
         self._refused: dict[str, LoadFailure] = {}  # parked requests whose params were refused
+
+    def _done_with_lease(self, request_id: str) -> None:
+        self._keepalive.drop(request_id)
+        self.siblings.done(request_id)
 
     def record(self, request_id: str) -> RequestLoad | None:
         """The request's record (read it, never write it), or None."""
@@ -174,6 +171,7 @@ class Consumer:
             )
             self._loads.start(request_id, load, MATCHED)
             self._keepalive.hold(request_id, source)
+            self.siblings.reading(request_id, lease_key(source.remote_request_id, source.lease_id))
         elif load.state is MATCHED or load.state is CLAIMED:
             # Scheduled again before allocation (the local prefix hit may have changed), or
             # a claim whose params were just read.
@@ -210,6 +208,7 @@ class Consumer:
             self._loads.start(request_id, load, CLAIMED)
             if raw_params is not None:
                 self._keepalive.hold(request_id, raw_params)
+                self.siblings.reading(request_id, params_key(raw_params))
         elif load.state is CLAIMED:
             load.num_tokens = num_cached_tokens + num_new_tokens
             load.num_cached_tokens = num_cached_tokens
@@ -323,9 +322,13 @@ class Consumer:
         load = self._loads.get(request_id)
         if load is None or load.state is CLAIMED:
             # Aborted before the engine ever asked about it, or finished while its params were
-            # unread: prefill still holds the KV.
+            # unread: prefill still holds the KV, unless another request's load reads it.
             if load is not None:
                 self._loads.move(request_id, ENDED)
+            elif source is not None and self.siblings.used_by_another(
+                request_id, lease_key(source.remote_request_id, source.lease_id)
+            ):
+                source = None
             if source is not None:
                 self._release_over_side_channel(source)
             return False, None
@@ -430,7 +433,7 @@ class Consumer:
         if load.load_sent:
             self._by_ranks.add(request_id)
         if load.failures:
-            self._failed[request_id] = _failure_reason(load.failures)
+            self._failed[request_id] = one_failure(load.failures)
             self._release_over_side_channel(source)
         else:
             self._finished.append(request_id)
@@ -487,17 +490,3 @@ def _source_of(load: RequestLoad) -> RemoteSource:
 
 
 _ENGINE_FAILED = LoadFailure(FailureKind.ENGINE, "the engine reported the load as failed")
-
-
-def _failure_reason(failures: dict[int, LoadFailure]) -> LoadFailure:
-    """One failure for the request: the ranks' shared one, or the lowest failing rank's kind
-    with a message naming it."""
-    reasons = set(failures.values())
-    if len(reasons) == 1:
-        return reasons.pop()
-    rank = min(failures)
-    first = failures[rank]
-    return LoadFailure(
-        first.kind,
-        f"tp_rank {rank}: {first.message} ({len(failures) - 1} other rank(s) failed too)",
-    )

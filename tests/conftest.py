@@ -86,6 +86,7 @@ VLLM_MODULES = {
     "test_vllm_no_reload",
     "test_vllm_overlap",
     "test_vllm_semantics",
+    "test_vllm_siblings",
     "test_vllm_staging",
     "test_vllm_token_binding",
     "test_vllm_tracking",

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from connector.config import ConnectorConfig
+from connector.observability.metrics import LOADS_FINISHED, default_recorder
 from connector.tools.cli import main
 from examples.demo import DemoOptions, run_demo
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
@@ -347,3 +348,33 @@ def test_cli_bad_flags_give_one_clear_line(
     assert exit_code == 2
     assert len(lines) == 1 and message in lines[0]
     assert captured.out == ""
+
+
+def _loads_finished() -> int:
+    counters = default_recorder().snapshot().counters
+    return sum(counters.get(LOADS_FINISHED.name, {}).values())
+
+
+def test_two_requests_with_one_lease_both_answer_and_the_lease_is_read_once() -> None:
+    # vLLM's n > 1 children, or resent params: the second waits for the first's load, then
+    # computes what the example engine's prefix cache does not hold (scheduler/sibling_loads.py).
+    clock = ManualClock()
+    prefill, decode = _pair("dense", "dense", clock)
+    try:
+        prompt = list(range(20))
+        prefill.add_request(EngineRequest("p", prompt, 1, {"do_remote_decode": True}))
+        first = _run([prefill], {"p"})["p"]
+        params = first.kv_transfer_params
+        assert params is not None
+        loaded = _loads_finished()
+        for request_id in ("0_d", "1_d"):
+            decode.add_request(EngineRequest(request_id, prompt + first.token_ids, 3, params))
+        outputs = _run([prefill, decode], {"0_d", "1_d"})
+        assert [outputs[rid].error for rid in ("0_d", "1_d")] == [None, None]
+        assert outputs["0_d"].token_ids == outputs["1_d"].token_ids
+        assert _loads_finished() - loaded == 1
+        _drain([prefill, decode])
+        assert (prefill.num_leaked_blocks, decode.num_leaked_blocks) == (0, 0)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -20,6 +20,7 @@ from scheduler.lifecycles import (
     RequestLoadState,
 )
 from scheduler.producer import Producer
+from scheduler.sibling_loads import SiblingLoads
 from scheduler.suffix import uncached_suffix_blocks
 from tests.scheduler_helpers import (
     FULL_16,
@@ -308,6 +309,7 @@ def test_every_awaited_decode_request_is_reported_exactly_once(
         tp_size=TP_SIZE,
         heartbeats=heartbeats,
         keepalive=heartbeats.keep_alive(interval_s=5.0, stall_limit_s=30.0, clock=FakeClock()),
+        siblings=SiblingLoads(max_wait_s=30.0, clock=FakeClock()),
         on_move=log,
     )
     workers = FakeRanks()

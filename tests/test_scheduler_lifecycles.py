@@ -24,6 +24,7 @@ from scheduler.lifecycles import (
     RequestLoadState,
 )
 from scheduler.producer import Producer
+from scheduler.sibling_loads import SiblingLoads
 from tests.scheduler_helpers import (
     FULL_16,
     REMOTE_PARAMS,
@@ -63,6 +64,7 @@ class DecodeEngine(RuleBasedStateMachine):
             tp_size=TP_SIZE,
             heartbeats=heartbeats,
             keepalive=self.keepalive,
+            siblings=SiblingLoads(max_wait_s=30.0, clock=FakeClock()),
             on_move=self.log,
         )
         self.claimed: set[str] = set()  # the last get_num_new_matched_tokens said (n, True)

@@ -110,13 +110,14 @@ def test_unknown_path_is_refused(proxy_url: Any) -> None:
     [
         ({"prompt": "x", "max_tokens": 9, "stream": True}, {"max_tokens": 1, "stream": False}),
         ({"messages": [], "max_completion_tokens": 9}, {"max_tokens": 1, "stream": False}),
+        ({"prompt": "x", "n": 3, "best_of": 4, "seed": 7}, {"n": 1, "seed": 7}),
     ],
-    ids=["completion-streaming", "chat-max-completion-tokens-dropped"],
+    ids=["completion-streaming", "chat-max-completion-tokens-dropped", "one-choice-of-n"],
 )
 def test_prefill_body(body: dict[str, Any], expected: dict[str, Any]) -> None:
     prefill = prefill_body(body)
     assert {key: prefill[key] for key in expected} == expected
-    assert "max_completion_tokens" not in prefill
+    assert "max_completion_tokens" not in prefill and "best_of" not in prefill
     assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
 
 

@@ -118,7 +118,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params  # kv_transfer_params(request), inlined: every ask
         if params is None:
             return 0, False  # most requests: no call further

@@ -45,11 +45,13 @@ CHUNK_BYTES = 16 * 1024
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill engine's copy: one token, no streaming, asking to keep the KV for decode
-    (and to pull the earlier turns' KV from decode, with the params a client passed back)."""
-    prefill = dict(body, max_tokens=1, stream=False, kv_transfer_params=prefill_params(body))
-    prefill.pop("max_completion_tokens", None)
-    prefill.pop("stream_options", None)
+    """The prefill engine's copy: one token of one choice, no streaming, asking to keep the KV
+    for decode (and to pull the earlier turns' KV from decode, with the params a client passed
+    back). One choice: the prompt's KV is the same for every one of ``n``, and each choice
+    prefill made would hold a lease of its own that no decode reads."""
+    prefill = dict(body, max_tokens=1, n=1, stream=False, kv_transfer_params=prefill_params(body))
+    for key in ("max_completion_tokens", "stream_options", "best_of"):
+        prefill.pop(key, None)
     return prefill
 
 
