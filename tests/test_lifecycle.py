@@ -603,3 +603,33 @@ def test_full_lifecycle_over_real_nixl(engines: Callable[..., Engine]) -> None:
     assert_bytes_landed(decode, "d-1", prefill_ids, 11, 0)
     decode.finish(info)
     assert_accounted(prefill, decode)
+
+
+def test_an_internal_error_during_a_read_keeps_its_blocks_until_it_ends(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug on a load's path fails it, but a READ NIXL still runs is not released and its
+    blocks are not reported until it ends: release() would not stop it (UCX)."""
+    prefill = engines(Role.PRODUCER, make_spec(), 1)
+    decode = engines(Role.CONSUMER, make_spec(), 1)
+    agent = decode.agents[0]
+    agent.faults.stall_polls = 20
+    agent.faults.land_after_release = True  # as UCX: release() does not stop it
+    info = decode.receive("d-1", prefill.prefill("p-1", 9), 9)
+    run_until([decode], lambda: agent.num_posted == 1)
+
+    def broken_poll(self: Any, load: Any) -> None:
+        raise RuntimeError("a bug while polling")
+
+    monkeypatch.setattr("worker.loads.LoadTable._poll", broken_poll)
+    sentinel = [buffer.copy() for buffers in decode.buffers for buffer in buffers]
+    run_until([decode], lambda: "d-1" in decode.outcomes)
+    assert "internal error: RuntimeError('a bug while polling')" in (decode.outcomes["d-1"] or "")
+    assert _differs(decode, sentinel), "reported while its READ had not landed"
+    after_report = [buffer.copy() for buffers in decode.buffers for buffer in buffers]
+    for _ in range(40):  # longer than any stall left: a READ still live would land now
+        decode.step()
+    assert not _differs(decode, after_report), "a READ wrote blocks already reported"
+    decode.finish(info)
+    prefill.step()
+    assert_accounted(decode)

@@ -461,19 +461,24 @@ def test_transfer_problems_fail_only_their_request(rig: Rig, make_failure: str, 
     assert sorted(rig.agent.sent) == [("p-r0", b"p-bad@l1:1"), ("p-r0", b"p-good@l1:1")]
 
 
-def test_agent_bug_fails_only_that_request_once(rig: Rig) -> None:
+def test_agent_bug_fails_only_that_request_once_its_read_cannot_land(rig: Rig) -> None:
     rig.channels.serve("p", 1)
     rig.step(loads=(load("a", source("pa")),))
     rig.until(lambda: bool(rig.agent.reads))
     rig.agent.reads[0].error = None
     rig.agent.check = None  # type: ignore[assignment, method-assign]  # calling it: TypeError
-    # the failure is reported once the lease check posted alongside the READ has answered (a
-    # thread of its own: under load, after more than one pass); collect() asserts "once"
+    # The READ's state cannot be known: its blocks stay held, the load unreported (reporting
+    # it would hand decode's blocks back under a READ that may still land).
+    with pytest.raises(AssertionError, match="condition not reached"):
+        rig.until(lambda: rig.reported("a"), timeout_s=0.5)
+    del rig.agent.check  # the agent answers again: the READ is still running, then ends
+    rig.finish_reads()
+    # reported once its READ ended and the lease check posted alongside it answered (a thread
+    # of its own: under load, after more than one pass); collect() asserts "once"
     rig.until(lambda: rig.reported("a"))
     rig.collect()
     assert list(rig.failed) == ["a"] and rig.failed["a"].startswith("internal error: TypeError")
-    del rig.agent.check  # the engine keeps serving the next request
-    rig.step(loads=(load("b", source("pb")),))
+    rig.step(loads=(load("b", source("pb")),))  # the engine keeps serving the next request
     rig.until(lambda: len(rig.agent.reads) == 2)  # posted once its lease check answered
     rig.finish_reads()
     rig.until(lambda: rig.reported("b"))

@@ -98,6 +98,7 @@ class Load:
     notified: set[int] = field(default_factory=set)  # remote ranks told to free
     quarantined_s: float | None = None  # when a READ outlived the transfer timeout
     stuck_logged: bool = False  # the quarantine outlasted its bound and said so once
+    internal_error_logged: bool = False  # an unexpected error on its path was logged once
     timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
 
     def __post_init__(self) -> None:

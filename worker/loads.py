@@ -13,7 +13,8 @@ UCX, release() of an unfinished READ returns success and the READ still lands. T
 failed but QUARANTINED: unreported, its blocks held by the engine, counted in
 nixl_pd_quarantined_* metrics, until every READ is DONE or in error (a resumed or dead peer).
 A quarantine longer than QUARANTINE_WARN_TIMEOUTS transfer timeouts is logged as an error
-once; the blocks stay held however long it lasts.
+once; the blocks stay held however long it lasts. A bug on a load's path fails it the same
+way: reported only once NIXL says none of its READs still runs.
 
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
@@ -164,11 +165,7 @@ class LoadTable:
             try:
                 self._step(load)
             except Exception as error:  # one request's bug must not stop the engine
-                logger.exception("request %s: unexpected error", load.request_id)
-                load.fail(LoadFailure(FailureKind.INTERNAL, f"internal error: {error!r}"))
-                self._drop_handles(load)  # else the same error would recur every step
-                if not load.ended:
-                    load.end()
+                self._internal_error(load, error)
             if load.ended:
                 outcomes.append(self._finish(load))
         self._proofs.dispatch()  # this pass's lease checks: one message per prefill boot
@@ -192,14 +189,43 @@ class LoadTable:
             load.peer.load_detached()
         self._loads.clear()
 
+    def _internal_error(self, load: Load, error: Exception) -> None:
+        """A bug on one load's path fails that load, not the engine. A READ NIXL still runs
+        (or whose state is unknown) keeps the blocks (FAILING), checked again each pass:
+        releasing it would not stop it (UCX), and its blocks would go to another request."""
+        if not load.internal_error_logged:
+            load.internal_error_logged = True
+            logger.exception(
+                "request %s: unexpected error; the load fails, reported once none of its "
+                "READs can still land",
+                load.request_id,
+            )
+        load.fail(LoadFailure(FailureKind.INTERNAL, f"internal error: {error!r}"))
+        for key, handle in list(load.posted.items()):
+            try:
+                live = self._agent.check(handle) is TransferState.IN_PROGRESS
+            except ConnectorError:  # NIXL ended it in an error: nothing of it lands any more
+                live = False
+            except Exception:  # its state is unknown: keep its blocks
+                live = True
+            if not live:
+                self._drop_handle(load, key)
+        if load.posted:
+            load.settle()
+        elif not load.ended:
+            load.end()
+
     def _drop_handles(self, load: Load) -> None:
         for key in list(load.posted):
-            try:
-                self._release(load, key)
-            except Exception:  # the agent is in an unknown state: forget the handle anyway
-                logger.exception("request %s: dropping READ handle", load.request_id)
-                del load.posted[key]
-                load.peer.transfer_ended()
+            self._drop_handle(load, key)
+
+    def _drop_handle(self, load: Load, key: ReadKey) -> None:
+        try:
+            self._release(load, key)
+        except Exception:  # the agent is in an unknown state: forget the handle anyway
+            logger.exception("request %s: dropping READ handle", load.request_id)
+            del load.posted[key]
+            load.peer.transfer_ended()
 
     def _step(self, load: Load) -> None:
         if load.waiting:
