@@ -23,7 +23,7 @@ blocks until the lease expires; except when prefill restarted since it leased: t
 agent is gone, and a notification to it would block this thread until UCX gives up.
 
 The stages a load calls, each in its own module: plan (worker/plan/recipe.py ``plan_request``),
-make the READs (worker/reads.py), notify (worker/notify.py), report (worker/load_report.py).
+make the READs (worker/reads.py), notify and report (worker/load_end.py).
 Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
 
@@ -50,10 +50,9 @@ from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
 from connector.token_digest import token_digest
 from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
+from worker.load_end import handshake_failure, notify_rest, record_outcome
 from worker.load_lifecycle import Load, OnMove, RankLoadState, ReadKey
-from worker.load_report import handshake_failure, record_outcome
 from worker.nixl_api import NixlAgent, TransferState
-from worker.notify import notify_rest
 from worker.peer_lifecycle import Peer, PeerLink
 from worker.plan.recipe import RankPlan, TransferRequest, plan_request
 from worker.reads import MakeRead, read_makers

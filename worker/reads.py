@@ -3,7 +3,7 @@
 A remote rank's part of a request is one or two READs (worker/plan/recipe.py RankPlan): by index
 into the lists prepared at handshake (worker/prepped.py), and/or byte ranges, whose
 descriptors are built here. None carries a notification: the free notifications go once the
-lease is proven (worker/notify.py).
+lease is proven (worker/load_end.py).
 
 Transfer thread only (worker/transfer_thread.py): making a READ calls the NIXL agent.
 """
