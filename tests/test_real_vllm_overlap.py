@@ -160,7 +160,7 @@ STEP_SLACK_S = 5.0  # engine steps and HTTP between a decision and its reply, on
 PARK_TIMEOUT_S = WAIT_S / 2  # decode must be seen waiting well before its wait ends
 IDLE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 LEASE_ENDS = ("completed", "expired", "released", "reader_restarted")
-LONG_GENERATION = 400  # prefill's tokens after the prompt: it is still busy when the drill acts
+LONG_GENERATION = 600  # prefill's tokens after the prompt (180): still busy when the drill acts
 
 
 class Client:
