@@ -29,8 +29,9 @@ from typing import Any
 import msgspec
 
 from connector.config import ConnectorConfig
-from connector.errors import ConnectorError, UnsupportedConfiguration
+from connector.errors import ConnectorError, InvalidTransferParams, UnsupportedConfiguration
 from connector.metadata import WorkerReport
+from connector.outcomes import FailureKind
 from examples.engine_api import EngineConfig, EngineRequest, RequestOutput, parse_engine_config
 from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, build_spec
 from examples.metering import MeteredAgent, TransferStats
@@ -175,6 +176,14 @@ class Engine:
         if error is not None:
             return RequestOutput(request.request_id, [], error=error)
         params = request.kv_transfer_params
+        if params and "transfer_key" in params:
+            refused = _overlap_refused()
+            return RequestOutput(
+                request.request_id,
+                [],
+                error=f"{type(refused).__name__}: {refused}",
+                error_kind=FailureKind.PARAMS.value,
+            )
         remote_prefill = bool(params and params.get("do_remote_prefill"))
         # A decode request carries prefill's first output token last: its KV is not remote.
         num_kv_tokens = num_tokens - 1 if remote_prefill else num_tokens
@@ -432,6 +441,17 @@ def _with_staged(report: WorkerReport, copied: WorkerReport) -> WorkerReport:
     """A rank's report with what its host staging copied this step added."""
     return msgspec.structs.replace(
         report, staged=report.staged + copied.staged, unsaved=report.unsaved + copied.unsaved
+    )
+
+
+def _overlap_refused() -> InvalidTransferParams:
+    """Overlapped dispatch (docs/overlap.md) sends decode the prompt before prefill produced
+    its first token, but this engine's decode request carries that token last (the KV of
+    every token before it is loaded): it serves the sequential flow only."""
+    return InvalidTransferParams(
+        "kv_transfer_params['transfer_key']: the example engine does not serve overlapped "
+        "dispatch (its decode request must end with prefill's first output token); send the "
+        "request to prefill first, then to decode with the kv_transfer_params prefill returned"
     )
 
 

@@ -40,7 +40,12 @@ import msgspec
 from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
-from connector.observability.metrics import PULLED_TOKENS, MetricsRecorder, default_recorder
+from connector.observability.metrics import (
+    LOADS_FAILED,
+    PULLED_TOKENS,
+    MetricsRecorder,
+    default_recorder,
+)
 from connector.outcomes import FailureKind, LoadFailure, one_failure
 from connector.protocol import ReaderId, lease_key
 from connector.token_digest import KVSalt
@@ -250,8 +255,9 @@ class Consumer:
     ) -> None:
         """At allocation, the claimed (or refused) request's params do not give a load.
 
-        Parked (``num_external_tokens`` > 0): announce its load failed (``kind``), once;
-        either way it never loads (REFUSED).
+        Parked (``num_external_tokens`` > 0): announce its load failed (``kind``), once, and
+        count it in nixl_pd_loads_failed_total by that kind (no rank ran it, so no rank
+        counts it); either way it never loads (REFUSED).
         """
         load = self._loads.get(request_id)
         if load is None or load.state not in (CLAIMED, REFUSING):
@@ -262,6 +268,7 @@ class Consumer:
         load.refusal = reason
         if num_external_tokens > 0:
             self._refused[request_id] = LoadFailure(kind, reason)
+            self._metrics.inc(LOADS_FAILED, kind.value)
         self._loads.move(request_id, REFUSED)
 
     def drop_claim(self, request_id: str) -> None:

@@ -26,6 +26,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from connector.observability.metrics import LOADS_FAILED, default_recorder  # noqa: E402
 from connector.outcomes import LoadFailure  # noqa: E402
 from scheduler.connector import SchedulerConnector  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
@@ -103,6 +104,20 @@ def refusals(monkeypatch: pytest.MonkeyPatch) -> dict[str, LoadFailure]:
     return seen
 
 
+@pytest.fixture
+def failed_loads() -> Any:
+    """nixl_pd_loads_failed_total since the test started, by kind (this process's recorder:
+    the engines' schedulers and ranks all record there)."""
+    before = default_recorder().snapshot().counters.get(LOADS_FAILED.name, {})
+
+    def delta() -> dict[str, int]:
+        after = default_recorder().snapshot().counters.get(LOADS_FAILED.name, {})
+        counts = {kind: n - before.get(kind, 0) for kind, n in after.items()}
+        return {kind: n for kind, n in counts.items() if n}
+
+    return delta
+
+
 @pytest.mark.parametrize("engine_id", [True, False], ids=["engine-id-named", "engine-id-learned"])
 def test_decode_parks_before_prefill_starts_then_reads_prefills_bytes(
     make_pair: Any, engine_id: bool
@@ -152,7 +167,7 @@ def test_a_lease_announced_before_decode_asks_loads_too(make_pair: Any) -> None:
     ("policy", "reason"), [("fail", "error"), ("recompute", "length")], ids=["fail", "recompute"]
 )
 def test_prefill_abort_before_its_lease_fails_decodes_load_with_its_own_kind(
-    make_pair: Any, refusals: dict[str, LoadFailure], policy: str, reason: str
+    make_pair: Any, refusals: dict[str, LoadFailure], failed_loads: Any, policy: str, reason: str
 ) -> None:
     prefill, decode = make_pair(failure_policy=policy)
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
@@ -164,6 +179,7 @@ def test_prefill_abort_before_its_lease_fails_decodes_load_with_its_own_kind(
     assert str(decode.finished("d-3").finish_reason) == reason
     assert refusals["d-3"].kind == "prefill_failed"
     assert "prefill aborted the request" in refusals["d-3"].message
+    assert failed_loads() == {"prefill_failed": 1}  # counted once, by its kind
     assert decode.load_specs == [] and sum(a.num_posted for a in decode.agents) == 0
     prefill.run_until(lambda e: e.num_free_blocks() == free_prefill)
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
@@ -171,7 +187,7 @@ def test_prefill_abort_before_its_lease_fails_decodes_load_with_its_own_kind(
 
 @pytest.mark.parametrize("prefill_listens", [True, False], ids=["never-got-it", "nothing-listens"])
 def test_a_prefill_that_never_announces_fails_the_load_within_the_wait(
-    make_pair: Any, refusals: dict[str, LoadFailure], prefill_listens: bool
+    make_pair: Any, refusals: dict[str, LoadFailure], failed_loads: Any, prefill_listens: bool
 ) -> None:
     wait_s = 0.5
     prefill, decode = make_pair(extra={"overlap_wait_timeout": wait_s, "handshake_timeout": 0.2})
@@ -184,6 +200,7 @@ def test_a_prefill_that_never_announces_fails_the_load_within_the_wait(
     assert wait_s <= waited_s < wait_s + 1.5, waited_s
     assert str(decode.finished("d-4").finish_reason) == "error"
     assert refusals["d-4"].kind == "prefill_timeout"
+    assert failed_loads() == {"prefill_timeout": 1}
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
     if prefill_listens:  # decode cancelled the key: a request reaching prefill late leases nothing
         _wait_cancelled(prefill, "key-4")
@@ -248,7 +265,11 @@ def test_decode_abort_after_the_announcement_ends_prefills_lease_at_once(make_pa
     ids=["key-with-spaces", "no-side-channel-host", "key-and-a-lease-both", "key-not-a-string"],
 )
 def test_malformed_overlapped_params_fail_one_request_not_the_engine(
-    make_pair: Any, refusals: dict[str, LoadFailure], overrides: dict[str, Any], message: str
+    make_pair: Any,
+    refusals: dict[str, LoadFailure],
+    failed_loads: Any,
+    overrides: dict[str, Any],
+    message: str,
 ) -> None:
     prefill, decode = make_pair()
     free_decode = decode.num_free_blocks()
@@ -258,4 +279,5 @@ def test_malformed_overlapped_params_fail_one_request_not_the_engine(
     assert str(decode.finished("good").finish_reason) == "length"
     assert str(decode.finished("bad").finish_reason) == "error"
     assert refusals["bad"].kind == "params" and message in refusals["bad"].message
+    assert failed_loads() == {"params": 1}
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)

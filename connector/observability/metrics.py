@@ -109,7 +109,8 @@ LOADS_FAILED = MetricSpec(
     "nixl_pd_loads_failed_total",
     COUNTER,
     "requests",
-    "Decode: requests this rank could not load, by kind of reason.",
+    "Decode: requests this rank could not load, by kind of reason; a load the scheduler "
+    "failed before any rank ran it (refused params, a failed overlapped wait) counts once.",
     label="reason",
     label_values=LOAD_FAILURE_KINDS,
 )
