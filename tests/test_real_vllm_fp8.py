@@ -3,7 +3,8 @@
 vLLM's CPU platform stores an fp8 cache as one byte per element (uint8, e4m3) with one K and one
 V scale per layer (1.0 for this checkpoint-less model). Three engines start at once, all with
 `--kv-cache-dtype fp8`: a P/D pair with our connector (verify_kv on, so every load is also a
-byte-for-byte check of the FP8 pages) and one single engine, the reference. The prompts are the
+byte-for-byte check of the FP8 pages), vLLM's NixlConnector pair (its outcome is recorded for
+the configuration table, not asserted) and one single engine, the reference. The prompts are the
 tier's (tests/test_real_vllm.py): its length cases, 16 prompts 8 in flight, then the same
 prompts again from decode's prefix cache. Greedy tokens must be equal and logprobs within the
 tier's LOGPROB_TOL: both paths attend over the same FP8 bytes (measured: equal to the bit).
@@ -50,10 +51,13 @@ ENGINE_ARGS = ("--kv-cache-dtype", "fp8")
 
 @dataclass
 class Fp8:
-    """Our FP8 pair with its reference, and the worst logprob difference seen."""
+    """Our FP8 pair with its reference, vLLM's pair, and the worst logprob difference seen."""
 
     deployment: Deployment
+    vllms: Deployment  # vLLM's NixlConnector pair on the same engine flags
     block_size: int
+    vllm_compared: int = 0
+    vllm_differed: int = 0  # vLLM's pair: requests not token-identical to the single engine
     worst_logprob_diff: float = 0.0
     compared: int = 0
     differed: int = 0  # requests whose tokens or logprobs were not the single engine's
@@ -66,15 +70,16 @@ def fp8(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Fp8]:
     with (
         real_vllm.module_logs(request, "real-vLLM FP8 engine") as logs,
         Deployment.running_together(
-            real_vllm.model(), ("nixlpd",), logs, extra_args=ENGINE_ARGS
-        ) as (deployment,),
+            real_vllm.model(), ("nixlpd", "vllm"), logs, extra_args=ENGINE_ARGS
+        ) as (deployment, vllms),
     ):
         sizes = {engine.block_size() for engine in deployment.engines()}
         assert len(sizes) == 1, f"engines disagree on block size: {sizes}"
         for engine in deployment.engines():  # vLLM's cache_config_info says what it runs
             assert 'cache_dtype="fp8"' in engine.metrics(), engine.spec.name
         warm(deployment, prompt(seed=0, num_tokens=200))
-        state = Fp8(deployment, sizes.pop())
+        warm_pair(vllms, prompt(seed=0, num_tokens=200))
+        state = Fp8(deployment, vllms, sizes.pop())
         yield state
         report(state)
 
@@ -93,6 +98,14 @@ def warm(deployment: Deployment, warm_up: list[int]) -> None:
             if attempt == 2:
                 raise
             warnings.warn(f"FP8 warm-up failed, asked again: {exc}", stacklevel=1)
+
+
+def warm_pair(deployment: Deployment, warm_up: list[int]) -> None:
+    """vLLM's pair's first request (its handshake); its failure is recorded, not raised."""
+    try:
+        complete(deployment.proxy_url, warm_up, 2)
+    except RequestFailed as exc:
+        warnings.warn(f"vLLM's FP8 pair failed its warm-up: {exc}", stacklevel=1)
 
 
 def report(state: Fp8) -> None:
@@ -115,18 +128,25 @@ OUTCOME_ENV = "NIXL_PD_FP8_RESULTS"
 
 
 def outcome_record(state: Fp8) -> dict[str, object]:
-    """This test's outcome in the configuration tier's format (tests/test_real_vllm_configs.py):
-    ours only; vLLM's NixlConnector is not run here."""
-    outcome = {
-        "case": "tier prompts, 8 in flight, prefix-cache round",
-        "configuration": "dense Llama, --kv-cache-dtype fp8",
-        "connector": "nixlpd",
-        "passed": state.compared - state.differed,
-        "failed": state.differed,
-        "failures": [],
-        "refused": None,
+    """This test's outcome in the configuration tier's format (tests/test_real_vllm_configs.py),
+    ours and vLLM's NixlConnector's."""
+    counts = {
+        "nixlpd": (state.compared, state.differed),
+        "vllm": (state.vllm_compared, state.vllm_differed),
     }
-    return {"tier": "tests/test_real_vllm_fp8.py", "outcomes": [outcome]}
+    outcomes = [
+        {
+            "case": "tier prompts, 8 in flight, prefix-cache round",
+            "configuration": "dense Llama, --kv-cache-dtype fp8",
+            "connector": connector,
+            "passed": compared - differed,
+            "failed": differed,
+            "failures": [],
+            "refused": None,
+        }
+        for connector, (compared, differed) in counts.items()
+    ]
+    return {"tier": "tests/test_real_vllm_fp8.py", "outcomes": outcomes}
 
 
 def through(url: str, prompts: Sequence[Sequence[int]]) -> list[Completion]:
@@ -135,13 +155,29 @@ def through(url: str, prompts: Sequence[Sequence[int]]) -> list[Completion]:
         return list(pool.map(lambda p: complete(url, p, MAX_TOKENS), prompts))
 
 
+def tokens_through(url: str, prompts: Sequence[Sequence[int]]) -> list[tuple[int, ...] | None]:
+    """Like ``through``, a failed request as None (vLLM's pair: recorded, not raised)."""
+
+    def one(p: Sequence[int]) -> tuple[int, ...] | None:
+        try:
+            return tuple(complete(url, p, MAX_TOKENS).token_ids)
+        except RequestFailed:
+            return None
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(one, prompts))
+
+
 def check_against_single_engine(state: Fp8, prompts: Sequence[Sequence[int]]) -> None:
-    """P/D's greedy tokens equal the single engine's, logprobs within LOGPROB_TOL; the pair
-    and the reference run at once."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    """P/D's greedy tokens equal the single engine's, logprobs within LOGPROB_TOL; both pairs
+    and the reference run at once (vLLM's pair's tokens are counted for the table)."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
         pd_f = pool.submit(through, state.deployment.proxy_url, prompts)
+        vllm_f = pool.submit(tokens_through, state.vllms.proxy_url, prompts)
         single_f = pool.submit(through, state.deployment.reference.url, prompts)
-        disaggregated, single = pd_f.result(), single_f.result()
+        disaggregated, single, theirs = pd_f.result(), single_f.result(), vllm_f.result()
+    state.vllm_compared += len(prompts)
+    state.vllm_differed += sum(t != tuple(b.token_ids) for t, b in zip(theirs, single, strict=True))
     differ = []
     for p, a, b in zip(prompts, disaggregated, single, strict=True):
         state.compared += 1
