@@ -30,8 +30,10 @@ STALL_AFTER_S = 5.0  # a wait without progress for this long is logged
 REPEAT_AFTER_S = 30.0  # at most one stall warning per this long
 CHECK_INTERVAL_S = 1.0  # how often the watchdog thread looks
 # Threads whose stacks a stall warning shows: the connector's own (worker/transfer_thread.py,
-# worker/handshake.py, worker/lease_proof.py, the scheduler's side channel and heartbeats).
-CONNECTOR_THREAD_PREFIXES = ("nixl-pd-", "handshake", "lease")
+# worker/handshake.py, worker/lease_proof.py, the scheduler's side channel and heartbeats),
+# and the engine's main thread: a stall that stops every Python thread of the process (issue
+# 31) is often a call there that holds the GIL, and its frame names it.
+CONNECTOR_THREAD_PREFIXES = ("nixl-pd-", "handshake", "lease", "MainThread")
 MAX_STALLS_LISTED = 16
 
 
@@ -148,7 +150,7 @@ class StallWatch:
 
 def connector_thread_stacks(prefixes: Sequence[str] = CONNECTOR_THREAD_PREFIXES) -> str:
     """The current Python stack of every live thread whose name starts with one of
-    ``prefixes``, innermost call last."""
+    ``prefixes`` (the main thread included by default), innermost call last."""
     frames = sys._current_frames()
     sections = []
     for thread in sorted(threading.enumerate(), key=lambda t: t.name):
@@ -193,7 +195,7 @@ class StallWatchdog:
         if report is None:
             return False
         logger.warning(
-            "%sstalled: %s. Connector threads:\n%s",
+            "%sstalled: %s. Connector and main threads:\n%s",
             self._context,
             report.describe(),
             connector_thread_stacks(),
