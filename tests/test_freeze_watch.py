@@ -26,44 +26,51 @@ from connector.observability.freeze_watch import (
 )
 from worker.stall_watch import connector_thread_stacks
 
-BEFORE = {1: ("MainThread", 10.0), 2: ("nixl-pd-side-channel-5600", 1.0), 3: ("ucx", 0.5)}
-NO_PSI = (None, None)
+BEFORE = {1: ("MainThread", 10.0, 0), 2: ("nixl-pd-side-channel-5600", 1.0, 0), 3: ("ucx", 0.5, 0)}
+NO_PSI = (None, None, None)
 
 
 @pytest.mark.parametrize(
     ("after", "verdict_words"),
     [
         pytest.param(
-            {1: ("MainThread", 28.7), 2: ("nixl-pd-side-channel-5600", 1.0), 3: ("ucx", 0.6)},
+            {1: ("MainThread", 28.7, 0), 2: ("side-channel", 1.0, 0), 3: ("ucx", 0.6, 0)},
             "thread MainThread (tid 1) ran all along: a call there that holds the GIL",
             id="one-thread-ran-the-whole-gap-it-held-the-GIL",
         ),
         pytest.param(
-            {1: ("MainThread", 10.1), 2: ("nixl-pd-side-channel-5600", 1.0), 3: ("ucx", 0.6)},
+            {1: ("MainThread", 10.1, 2), 2: ("side-channel", 1.0, 0), 3: ("ucx", 0.6, 0)},
             "the process hardly ran: it got no CPU",
             id="nothing-ran-the-process-was-starved",
         ),
+        pytest.param(
+            {1: ("MainThread", 10.3, 900), 2: ("side-channel", 1.0, 250), 3: ("ucx", 0.6, 0)},
+            "the process hardly ran and took 1150 major page faults: its threads waited for "
+            "pages memory pressure had evicted",
+            id="nothing-ran-many-major-faults-the-process-waited-on-paging",
+        ),
     ],
 )
-def test_the_verdict_tells_a_GIL_holder_from_a_starved_process(
-    after: dict[int, tuple[str, float]], verdict_words: str
+def test_the_verdict_tells_a_GIL_holder_from_a_paging_or_starved_process(
+    after: dict[int, tuple[str, float, int]], verdict_words: str
 ) -> None:
-    freeze = judge_freeze(19.3, BEFORE, after, (100.0, 5.0), (118.0, 5.5), dumped=True)
+    freeze = judge_freeze(19.3, BEFORE, after, (100.0, 5.0, 1.0), (118.0, 5.5, 1.25), dumped=True)
 
     text = freeze.describe()
     assert text.startswith("this process's Python threads did not run for 19.3 s; it used ")
     assert verdict_words in text
-    assert "host over the gap: CPU pressure 18.0 s, memory pressure 0.5 s" in text
+    assert "host over the gap: CPU pressure 18.0 s, memory pressure 0.5 s, I/O pressure 0.2" in text
     assert "faulthandler printed every thread's stack above" in text
 
 
 def test_busiest_threads_come_first_and_a_thread_born_in_the_gap_counts_from_zero() -> None:
-    after = {1: ("MainThread", 12.0), 3: ("ucx", 0.5), 4: ("handshake_0", 3.0)}
+    after = {1: ("MainThread", 12.0, 0), 3: ("ucx", 0.5, 0), 4: ("handshake_0", 3.0, 7)}
 
     freeze = judge_freeze(6.0, BEFORE, after, NO_PSI, NO_PSI, dumped=False)
 
     assert freeze.busiest == (("handshake_0 (tid 4)", 3.0), ("MainThread (tid 1)", 2.0))
     assert freeze.process_cpu_s == pytest.approx(5.0)
+    assert freeze.major_faults == 7
     assert "host over the gap: no PSI" in freeze.describe()
     assert "faulthandler" not in freeze.describe()
 
@@ -77,8 +84,8 @@ class FakeClock:
 
 
 def fake_watch(clock: FakeClock, armed: list[float]) -> FreezeWatch:
-    def read_cpu() -> dict[int, tuple[str, float]]:
-        return {1: ("MainThread", clock.now_s - 1000.0)}  # the main thread ran all along
+    def read_cpu() -> dict[int, tuple[str, float, int]]:
+        return {1: ("MainThread", clock.now_s - 1000.0, 0)}  # the main thread ran all along
 
     return FreezeWatch(
         context="decode of engine d: ",
@@ -153,7 +160,7 @@ def test_thread_cpu_names_python_threads_and_pressure_reads_psi(tmp_path: Path) 
     threads = read_thread_cpu()
     assert threads[threading.main_thread().native_id or 0][0] == "MainThread"
     (tmp_path / "cpu").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=2500000\n")
-    assert read_pressure(tmp_path) == (2.5, None)  # no memory file: None, not an error
+    assert read_pressure(tmp_path) == (2.5, None, None)  # no file: None, not an error
 
 
 def test_the_environment_switch_turns_the_watch_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,12 +7,15 @@ alone). A stopped reader sends no heartbeats, so prefill's leases expire and goo
 fail "lease expired". Logs after the fact could not tell the two possible causes apart:
 
 - one thread of this process ran C code holding the GIL, so no other Python thread ran
-  (the process used about one core of CPU meanwhile, on that thread), or
+  (the process used about one core of CPU meanwhile, on that thread),
+- its threads waited on page faults: memory pressure had evicted the pages they touch (the
+  host ran without swap at 20 of 24 GiB with many engines up; many major faults meanwhile), or
 - the process got no CPU at all (an overloaded host, a stopped VM; it used next to none).
 
 So a thread of our own ticks every ``tick_s``; a tick ``report_after_s`` late is logged with
-the process's CPU use during the gap per thread (Linux ``/proc/self/task``), the busiest
-threads named, and the host's CPU and memory pressure (PSI) over the gap. Each tick also
+the process's CPU use and major page faults during the gap per thread (Linux
+``/proc/self/task``), the busiest threads named, and the host's CPU, memory and I/O pressure
+(PSI) over the gap. Each tick also
 arms ``faulthandler.dump_traceback_later``: if the next tick is ``dump_after_s`` late,
 faulthandler's own C thread, which needs no GIL, prints every Python thread's stack to stderr
 (the engine's log) while the process is still stopped: the frame that holds the GIL.
@@ -43,12 +46,13 @@ TICK_S = 1.0
 REPORT_AFTER_S = 5.0  # a tick this late is logged
 DUMP_AFTER_S = 10.0  # a tick this late has faulthandler print every thread's stack
 GIL_HOLDER_SHARE = 0.5  # one thread used at least this share of the gap: it held the GIL
+MANY_MAJOR_FAULTS = 100  # the process's major faults in a gap that say it waited on paging
 ENV_SWITCH = "NIXL_PD_FREEZE_WATCH"  # "0": do not start the watch
 
-# thread id -> (its name, CPU seconds it used so far)
-ThreadCpu = Mapping[int, tuple[str, float]]
-# PSI "some" totals, seconds: (cpu, memory); None where the kernel has no PSI
-Pressure = tuple[float | None, float | None]
+# thread id -> (its name, CPU seconds it used so far, major page faults so far)
+ThreadCpu = Mapping[int, tuple[str, float, int]]
+# PSI "some" totals, seconds: (cpu, memory, io); None where the kernel has no PSI
+Pressure = tuple[float | None, float | None, float | None]
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,10 @@ class Freeze:
     late_s: float  # how much later than due the tick came
     process_cpu_s: float  # CPU the process used in the gap (all threads)
     busiest: tuple[tuple[str, float], ...]  # (thread, CPU seconds), the most first
+    major_faults: int  # the process's page faults that had to read from disk, in the gap
     cpu_pressure_s: float | None  # host: time some runnable task waited for a CPU
     memory_pressure_s: float | None  # host: time some task stalled on memory (reclaim)
+    io_pressure_s: float | None  # host: time some task waited on I/O
     dumped: bool  # faulthandler printed the threads' stacks during the gap
 
     def verdict(self) -> str:
@@ -68,24 +74,34 @@ class Freeze:
                 f"thread {self.busiest[0][0]} ran all along: a call there that holds the GIL "
                 "(C code) kept this process's other Python threads out"
             )
+        if self.major_faults >= MANY_MAJOR_FAULTS:
+            return (
+                f"the process hardly ran and took {self.major_faults} major page faults: its "
+                "threads waited for pages memory pressure had evicted (see the host's memory "
+                "and I/O pressure)"
+            )
         return (
-            "the process hardly ran: it got no CPU (an overloaded host; see the pressure) or "
-            "every thread was blocked"
+            "the process hardly ran: it got no CPU (an overloaded host; see the CPU pressure) "
+            "or every thread was blocked"
         )
 
     def describe(self) -> str:
         threads = ", ".join(f"{name} {cpu_s:.1f} s" for name, cpu_s in self.busiest) or "none"
+        pressures = (
+            ("CPU", self.cpu_pressure_s),
+            ("memory", self.memory_pressure_s),
+            ("I/O", self.io_pressure_s),
+        )
         host = ", ".join(
-            f"{kind} pressure {seconds:.1f} s"
-            for kind, seconds in (("CPU", self.cpu_pressure_s), ("memory", self.memory_pressure_s))
-            if seconds is not None
+            f"{kind} pressure {seconds:.1f} s" for kind, seconds in pressures if seconds is not None
         )
         dump = (
             " faulthandler printed every thread's stack above ('Timeout')." if self.dumped else ""
         )
         return (
             f"this process's Python threads did not run for {self.late_s:.1f} s; it used "
-            f"{self.process_cpu_s:.1f} s of CPU meanwhile (busiest threads: {threads}); "
+            f"{self.process_cpu_s:.1f} s of CPU and took {self.major_faults} major page faults "
+            f"meanwhile (busiest threads: {threads}); "
             f"host over the gap: {host or 'no PSI'}. Verdict: {self.verdict()}.{dump}"
         )
 
@@ -103,16 +119,21 @@ def judge_freeze(
     """The freeze a late tick saw, from the per-thread CPU and PSI read before and after it.
     A thread not in ``before`` counts from zero (it started in the gap)."""
     used = {
-        f"{name} (tid {tid})": cpu_s - before.get(tid, (name, 0.0))[1]
-        for tid, (name, cpu_s) in after.items()
+        f"{name} (tid {tid})": cpu_s - before.get(tid, (name, 0.0, 0))[1]
+        for tid, (name, cpu_s, _) in after.items()
     }
+    faults = sum(
+        major - before.get(tid, (name, 0.0, 0))[2] for tid, (name, _, major) in after.items()
+    )
     busiest = sorted(((n, s) for n, s in used.items() if s > 0.0), key=lambda x: -x[1])
     return Freeze(
         late_s=late_s,
         process_cpu_s=sum(max(s, 0.0) for s in used.values()),
         busiest=tuple(busiest[:max_threads]),
+        major_faults=max(faults, 0),
         cpu_pressure_s=_delta(pressure_before[0], pressure_after[0]),
         memory_pressure_s=_delta(pressure_before[1], pressure_after[1]),
+        io_pressure_s=_delta(pressure_before[2], pressure_after[2]),
         dumped=dumped,
     )
 
@@ -124,11 +145,14 @@ def _delta(before: float | None, after: float | None) -> float | None:
 # ---- reading the process and the host (Linux; empty or None elsewhere) --------------------
 
 
-def read_thread_cpu(task_dir: Path = Path("/proc/self/task")) -> dict[int, tuple[str, float]]:
-    """Every thread of this process: (Python name if it has one, else the kernel's), CPU s."""
+def read_thread_cpu(
+    task_dir: Path = Path("/proc/self/task"),
+) -> dict[int, tuple[str, float, int]]:
+    """Every thread of this process: (Python name if it has one, else the kernel's), CPU
+    seconds, major page faults."""
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    threads: dict[int, tuple[str, float]] = {}
+    threads: dict[int, tuple[str, float, int]] = {}
     try:
         entries = list(task_dir.iterdir())
     except OSError:
@@ -142,13 +166,13 @@ def read_thread_cpu(task_dir: Path = Path("/proc/self/task")) -> dict[int, tuple
         comm = stat[stat.find("(") + 1 : stat.rfind(")")]
         fields = stat[stat.rfind(")") + 2 :].split()
         cpu_s = (int(fields[11]) + int(fields[12])) / ticks_per_s  # utime + stime
-        threads[tid] = (names.get(tid, comm), cpu_s)
+        threads[tid] = (names.get(tid, comm), cpu_s, int(fields[9]))  # majflt
     return threads
 
 
 def read_pressure(root: Path = Path("/proc/pressure")) -> Pressure:
-    """The host's PSI "some" totals for CPU and memory, seconds (None without PSI)."""
-    return _psi_some_s(root / "cpu"), _psi_some_s(root / "memory")
+    """The host's PSI "some" totals for CPU, memory and I/O, seconds (None without PSI)."""
+    return _psi_some_s(root / "cpu"), _psi_some_s(root / "memory"), _psi_some_s(root / "io")
 
 
 def _psi_some_s(path: Path) -> float | None:
