@@ -7,8 +7,11 @@ after every pass, what each load waits on (``StallWatch.publish``); a watchdog t
 own (``StallWatchdog``) checks once a second, and when a load has waited on the same thing for
 ``stall_after_s`` (or a transfer pass has not returned for that long: the thread that would
 publish is itself stuck), it logs one warning naming every stalled wait and the Python stacks
-of the connector's threads (``sys._current_frames``). Each stalled wait is logged once, and at
-most one warning goes out per ``repeat_after_s``: a stall costs a few lines, never a flood.
+of the connector's threads and the main thread (``sys._current_frames``). Each stalled wait is
+logged once, and at most one warning goes out per ``repeat_after_s``: a stall costs a few
+lines, never a flood. The watchdog is a Python thread: when the whole process stops (a GIL
+holder, no CPU) it reports late, after the stop; the process's freeze watch
+(connector/observability/freeze_watch.py) says why it stopped.
 
 ``StallWatch`` is the decision (pure, clock passed in, thread-safe); ``StallWatchdog`` the
 thread that asks it and logs.
