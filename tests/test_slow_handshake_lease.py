@@ -17,7 +17,7 @@ from connector.config import ConnectorConfig
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from worker.fake import FakeFabric, FakeNixl
 
-LEASE_S = 1.5
+LEASE_S = 3.0
 HEARTBEAT_S = 0.25
 WIRE_UP_S = 2 * LEASE_S
 
