@@ -23,6 +23,7 @@ from connector.net.side_channel_client import send_heartbeat
 from connector.protocol import lease_key
 from scheduler.connector import FinishedRequests, Role, SchedulerConnector
 from scheduler.producer import DEAF_AFTER_S
+from scheduler.side_channel import SideChannelServer
 from tests.scheduler_helpers import DENSE, NO_FINISHED, FakeClock, handshakes, prefill_request
 
 HOST = "127.0.0.1"
@@ -133,3 +134,17 @@ def test_a_side_channel_stuck_longer_than_a_lease_does_not_pin_the_blocks(
     finally:
         clock.gate.set()
         connector.shutdown()
+
+
+def test_lag_is_zero_unless_serving_and_small_while_the_serving_thread_keeps_up() -> None:
+    server = SideChannelServer(
+        HOST, 0, {}, engine_id="p", on_heartbeat=lambda keys: 0, on_release=lambda keys: 0
+    )
+    assert server.lag_s() == 0.0
+    server.start()
+    try:
+        time.sleep(0.2)
+        assert server.lag_s() < DEAF_AFTER_S / 2  # idle: a 50 ms poll per turn
+    finally:
+        server.stop()
+    assert server.lag_s() == 0.0
