@@ -108,6 +108,7 @@ class SchedulerConnector:
             verify_kv=config.verify_kv,
             stage_holds=host_staging,
             exact_reads=any(group.kind not in PULLABLE_KINDS for group in spec.groups),
+            side_channel_lag=self._side_channel_lag,
         )
         # Heartbeats run on the sender thread's timer, not on engine-thread hooks. Its limit:
         # an engine thread that ran no step for one of its own leases is taken as wedged and
@@ -434,6 +435,12 @@ class SchedulerConnector:
         if record is not None and record.parsed is not None and record.parsed.raw is raw:
             return record.parsed
         return self._params.read(request)
+
+    def _side_channel_lag(self) -> float:
+        """How long the side channel's serving thread has been in its current turn (0.0
+        before it serves)."""
+        server = self._side_channel
+        return 0.0 if server is None else server.lag_s()
 
     def _side_channel_address(self) -> tuple[str, int]:
         if self._side_channel is not None:

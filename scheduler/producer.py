@@ -23,6 +23,12 @@ buffer NIXL reads; once every rank reported it in ``WorkerReport.staged``, the l
 makes it readable and (verify_kv) the ranks digest it: the digests are of the copy, so they
 wait for it. Prefill's own leases need none of this: their copy ran in the step prefill
 completed, before request_finished.
+
+A lease expires on decode's silence, never on this engine's own deafness: while the side
+channel's serving thread has been in one turn for more than DEAF_AFTER_S (stuck answering, or
+without CPU or GIL), heartbeats sent here may wait unread in its queue, so no lease expires
+until it has caught up, or until it has been behind for a whole lease (a stuck serving thread
+does not pin blocks forever).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from connector.observability.metrics import (
     MetricsRecorder,
     default_recorder,
 )
+from connector.observability.ratelimit import RateLimitedLog
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
 from connector.token_digest import HeldTokens, KVSalt
@@ -52,6 +59,10 @@ from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
 logger = logging.getLogger(__name__)
+
+# A side channel whose serving thread has been in one turn this long (a turn is a 50 ms poll
+# and an answer) may have heartbeats waiting unread: no lease expires meanwhile.
+DEAF_AFTER_S = 1.0
 
 # The states as module names: shorter to read, and cheaper than Enum class attributes per call.
 LEASED, ANNOUNCED, COMPLETED = LeaseState.LEASED, LeaseState.ANNOUNCED, LeaseState.COMPLETED
@@ -107,8 +118,12 @@ class Producer:
         verify_kv: bool = False,  # the ranks digest every lease's blocks
         stage_holds: bool = False,  # host staging: holds are copied device->host first
         exact_reads: bool = False,  # a group holds a state (SSM, sliding window): no prefixes
+        # Seconds the side channel's serving thread has been in its current turn (0.0: none)
+        side_channel_lag: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._engine_id = engine_id
+        self._side_channel_lag = side_channel_lag
+        self._deaf_log = RateLimitedLog(logger)
         self._exact_reads = exact_reads
         self._verify_kv = verify_kv
         self._stage_holds = stage_holds
@@ -265,10 +280,28 @@ class Producer:
                     self._finish(request_id, COMPLETED)
         self.end_lapsed_leases()
 
+    def _side_channel_deaf(self) -> bool:
+        """Is the side channel too far behind to have read the heartbeats sent to it? Then no
+        lease ends on its clock now: a heartbeat may wait unread in its queue (issue 31: leases
+        expired on the engine thread while the serving thread had not turned for 16 s). Past
+        one lease duration the leases end anyway: a stuck serving thread must not pin blocks
+        forever."""
+        lag_s = self._side_channel_lag()
+        if not DEAF_AFTER_S < lag_s <= self._leases.duration_s:
+            return False
+        self._deaf_log.warning(
+            "side channel deaf", "no lease expires while the side channel's serving thread "
+            "has not turned for %.1f s: heartbeats sent to this engine may be waiting unread; "
+            "past %.0f s the leases end anyway", lag_s, self._leases.duration_s,
+        )  # fmt: skip
+        return True
+
     def end_lapsed_leases(self) -> None:
         if self._num_started:  # every lease that may end here is counted as started first
             self._metrics.inc(LEASES_STARTED, amount=self._num_started)
             self._num_started = 0
+        if self._side_channel_deaf():
+            return
         for request_id in self._leases.expired(self._clock()):
             lease = self._book.get(request_id)
             if lease is not None and lease.hold_s is not None:

@@ -14,6 +14,8 @@ Overlapped dispatch (docs/overlap.md, with a ``transfers`` board): an AwaitLease
 transfer key has not settled is parked (at most MAX_PARKED, each until its ``hold_ms``) and
 answered from this thread as soon as the board says what the key came to; the board wakes
 the poll through a socket pair. A CancelTransfer goes to the board, which ends the lease.
+``lag_s`` says how long the serving thread has been in its current turn: the lease owner does
+not expire leases while it is behind (scheduler/producer.py), since heartbeats may be waiting.
 It is a network service: inbound messages are size-bounded (zmq.MAXMSGSIZE drops the peer's
 connection), decoded only through typed msgspec decoders, optionally authenticated, and any bad
 input is answered with an ErrorReply. Refusals are logged through a rate-limited log (one line
@@ -171,6 +173,9 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._socket: zmq.Socket | None = None
+        # When the serving thread's current turn began (log_clock); None when not serving.
+        # Written by the serving thread (one float store), read by the engine thread (lag_s).
+        self._turn_started_s: float | None = None
 
     @property
     def port(self) -> int:
@@ -183,6 +188,14 @@ class SideChannelServer:
     @property
     def boot_id(self) -> str:
         return self._boot_id
+
+    def lag_s(self) -> float:
+        """Seconds the serving thread has been in its current turn (any thread may ask): under
+        a tenth of a second while it keeps up (a 50 ms poll, then an answer), more while it is
+        stuck answering or gets no CPU or GIL, when messages that reached this engine (decode's
+        heartbeats) may wait unread. 0.0 when not serving."""
+        started_s = self._turn_started_s
+        return 0.0 if started_s is None else max(0.0, self._log_clock() - started_s)
 
     def start(self) -> None:
         """Bind (raising UnsupportedConfiguration naming host:port on failure), then serve."""
@@ -232,6 +245,7 @@ class SideChannelServer:
         try:
             while not self._stop.is_set():
                 turn_started_s = self._log_clock()
+                self._turn_started_s = turn_started_s
                 try:
                     answering_s = 0.0
                     ready = dict(poller.poll(POLL_INTERVAL_MS))
@@ -248,6 +262,7 @@ class SideChannelServer:
                     logger.warning("side channel poll failed: %s", exc)
                     self._stop.wait(POLL_INTERVAL_MS / 1000)
         finally:
+            self._turn_started_s = None
             socket.close(linger=0)
             self._socket = None
             self._wake_recv.close()

@@ -7,8 +7,11 @@ after every pass, what each load waits on (``StallWatch.publish``); a watchdog t
 own (``StallWatchdog``) checks once a second, and when a load has waited on the same thing for
 ``stall_after_s`` (or a transfer pass has not returned for that long: the thread that would
 publish is itself stuck), it logs one warning naming every stalled wait and the Python stacks
-of the connector's threads (``sys._current_frames``). Each stalled wait is logged once, and at
-most one warning goes out per ``repeat_after_s``: a stall costs a few lines, never a flood.
+of the connector's threads and the main thread (``sys._current_frames``). Each stalled wait is
+logged once, and at most one warning goes out per ``repeat_after_s``: a stall costs a few
+lines, never a flood. The watchdog is a Python thread: when the whole process stops (a GIL
+holder, no CPU) it reports late, after the stop; the process's freeze watch
+(connector/observability/freeze_watch.py) says why it stopped.
 
 ``StallWatch`` is the decision (pure, clock passed in, thread-safe); ``StallWatchdog`` the
 thread that asks it and logs.
@@ -30,8 +33,10 @@ STALL_AFTER_S = 5.0  # a wait without progress for this long is logged
 REPEAT_AFTER_S = 30.0  # at most one stall warning per this long
 CHECK_INTERVAL_S = 1.0  # how often the watchdog thread looks
 # Threads whose stacks a stall warning shows: the connector's own (worker/transfer_thread.py,
-# worker/handshake.py, worker/lease_proof.py, the scheduler's side channel and heartbeats).
-CONNECTOR_THREAD_PREFIXES = ("nixl-pd-", "handshake", "lease")
+# worker/handshake.py, worker/lease_proof.py, the scheduler's side channel and heartbeats),
+# and the engine's main thread: a stall that stops every Python thread of the process (issue
+# 31) is often a call there that holds the GIL, and its frame names it.
+CONNECTOR_THREAD_PREFIXES = ("nixl-pd-", "handshake", "lease", "MainThread")
 MAX_STALLS_LISTED = 16
 
 
@@ -148,7 +153,7 @@ class StallWatch:
 
 def connector_thread_stacks(prefixes: Sequence[str] = CONNECTOR_THREAD_PREFIXES) -> str:
     """The current Python stack of every live thread whose name starts with one of
-    ``prefixes``, innermost call last."""
+    ``prefixes`` (the main thread included by default), innermost call last."""
     frames = sys._current_frames()
     sections = []
     for thread in sorted(threading.enumerate(), key=lambda t: t.name):
@@ -193,7 +198,7 @@ class StallWatchdog:
         if report is None:
             return False
         logger.warning(
-            "%sstalled: %s. Connector threads:\n%s",
+            "%sstalled: %s. Connector and main threads:\n%s",
             self._context,
             report.describe(),
             connector_thread_stacks(),

@@ -29,6 +29,7 @@ Who decides what (one request's journey through vLLM):
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
 from connector.layout import BlockFormat, KVCacheSpec
+from connector.observability.freeze_watch import start_freeze_watch
 from connector.observability.metrics import default_recorder
 from connector.staging import SaveTracker
 from connector.vllm.backends import block_formats_of
@@ -165,6 +167,8 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 staging=staging,
             )
+        # Issue 31: whole engine processes stopped for 17-30 s; say why when one does.
+        start_freeze_watch(f"{role.name.lower()} of engine {self._engine_id} (pid {os.getpid()}): ")
 
     # ---- configuration shared by both roles --------------------------------------------
 
