@@ -21,7 +21,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -178,13 +178,9 @@ class SchedulerConnector:
     def get_num_new_matched_tokens(
         self, request: RequestInfo, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """(tokens that will arrive asynchronously, whether a load is pending); (None,
-        False): ask again at a later step (another request's load reads the same lease:
-        scheduler/sibling_loads.py).
-
-        Never raises for a request's params: on the params' word the tokens are claimed, and
-        params read and refused (now or at allocation) are announced by ``take_refused``.
-        """
+        """(tokens that will arrive asynchronously, whether a load is pending), or (None, False):
+        ask again later (another request's load reads its lease: scheduler/sibling_loads.py).
+        Never raises for params: refused ones are announced by ``take_refused``."""
         raw = request.kv_transfer_params
         if raw is None:
             return 0, False
@@ -192,10 +188,9 @@ class SchedulerConnector:
         record = self._consumer.record(request_id)
         num_new_tokens = request.num_prompt_tokens - num_computed_tokens
         if record is None:
-            if isinstance(raw, Mapping):
-                sibling = self._consumer.siblings.answer(request_id, raw)
-                if sibling is not None:
-                    return sibling
+            waits = self._consumer.siblings.answer(request_id, raw) if type(raw) is dict else None
+            if waits is not None:
+                return waits
             unread = (
                 raw.get("do_remote_prefill") is True  # raw_flag, inlined: every first ask
                 if type(raw) is dict
@@ -437,8 +432,7 @@ class SchedulerConnector:
         return self._params.read(request)
 
     def _side_channel_lag(self) -> float:
-        """How long the side channel's serving thread has been in its current turn (0.0
-        before it serves)."""
+        """Seconds the side channel's serving thread is in its current turn (0.0: not serving)."""
         server = self._side_channel
         return 0.0 if server is None else server.lag_s()
 

@@ -1,9 +1,9 @@
 """The side-channel server: a ZMQ ROUTER on a background thread answering handshakes and leases.
 
 It serves each TP rank's WorkerHandshake, applies heartbeats and releases, and answers lease
-checks, through three callbacks (which must be thread-safe: they run on this thread). A heartbeat or release names
-the engine it is for; one meant for another engine (a late message to an engine that restarted
-on this host:port, whose request ids may repeat) is refused and never reaches the callbacks.
+checks, through three thread-safe callbacks (they run on this thread). A heartbeat or release
+names the engine it is for; one meant for another engine (a late message to an engine that
+restarted on this host:port, whose request ids may repeat) is refused, never reaching them.
 Every request but Hello also names this server's boot id, drawn at random when it is made:
 a frame captured before a restart (same engine id, same port) is refused as stale.
 A reader that names itself in a message (``reader``: its engine id and boot) is reported to
@@ -32,7 +32,7 @@ import secrets
 import socket as stdlib_socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import zmq
 
@@ -173,8 +173,7 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._socket: zmq.Socket | None = None
-        # When the serving thread's current turn began (log_clock); None when not serving.
-        # Written by the serving thread (one float store), read by the engine thread (lag_s).
+        # When the serving thread's turn began (log_clock; None: not serving); one float store
         self._turn_started_s: float | None = None
 
     @property
@@ -190,10 +189,8 @@ class SideChannelServer:
         return self._boot_id
 
     def lag_s(self) -> float:
-        """Seconds the serving thread has been in its current turn (any thread may ask): under
-        a tenth of a second while it keeps up (a 50 ms poll, then an answer), more while it is
-        stuck answering or gets no CPU or GIL, when messages that reached this engine (decode's
-        heartbeats) may wait unread. 0.0 when not serving."""
+        """Seconds the serving thread has been in its current turn (any thread; 0.0 when not
+        serving): over a tenth of a second, messages (heartbeats) may wait unread."""
         started_s = self._turn_started_s
         return 0.0 if started_s is None else max(0.0, self._log_clock() - started_s)
 
@@ -460,9 +457,8 @@ class SideChannelServer:
     def _handshake(self, tp_rank: int) -> Reply:
         handshake = self._handshakes.get(tp_rank)
         if handshake is None:
-            return ErrorReply(
-                f"no tp_rank {tp_rank} here: this engine serves ranks {_ranks(self._handshakes)}"
-            )
+            ranks = ", ".join(map(str, sorted(self._handshakes))) or "none"
+            return ErrorReply(f"no tp_rank {tp_rank} here: this engine serves ranks {ranks}")
         return HandshakeReply(handshake)
 
 
@@ -477,15 +473,9 @@ def _held_names(refs: tuple[LeaseRef, ...], status: Reply) -> tuple[str, ...]:
     )
 
 
-def _ranks(handshakes: Iterable[int]) -> str:
-    ranks = sorted(handshakes)
-    return ", ".join(map(str, ranks)) if ranks else "none"
-
-
-# What one peer can make this process hold, whatever it sends. Every client call is a fresh
-# REQ socket with one request in flight, so queueing more per peer only feeds a flood: a
-# queue's worth of garbage is allocated by zmq's I/O thread and freed by this one, and glibc
-# keeps that high-water mark (issue 25).
+# What one peer can make this process hold, whatever it sends. A client call is a fresh REQ
+# socket with one request in flight, so queueing more only feeds a flood (allocated by zmq's
+# I/O thread, freed by this one, and glibc keeps that high-water mark: issue 25).
 RECEIVE_HWM_MESSAGES = 1  # requests queued per peer; a full queue stops reading its TCP
 SEND_HWM_MESSAGES = 4  # replies queued for a peer that does not read them; more are dropped
 TCP_RECEIVE_BUFFER_BYTES = 256 * 2**10  # the kernel's per connection (Linux doubles it)

@@ -323,9 +323,9 @@ def test_decode_restarted_under_its_engine_id_and_address_serves_and_old_leases_
     handshake or a mixed-up notification."""
     port = _free_port()
     # A lease that outlives the decode's restart (about 3 s on an idle machine, 10 s in a CI
-    # run beside the real-vLLM tier), so the new boot is served while the old boot's leases
-    # are still held.
-    lease = msgspec.structs.replace(SHORT_LEASE, kv_lease_duration_s=20.0, heartbeat_interval_s=1.0)
+    # run beside the real-vLLM tier, 23 s once beside other engineers' engines), so the new
+    # boot is served while the old boot's leases are still held.
+    lease = msgspec.structs.replace(SHORT_LEASE, kv_lease_duration_s=30.0, heartbeat_interval_s=1.0)
     config = msgspec.structs.replace(lease, side_channel_port=port)
     prefill = start("prefill", "prefill", lease)
     first = start("decode", "decode-pinned", config)
