@@ -331,6 +331,10 @@ def sliding_tp1(gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
 @pytest.fixture(scope="class")
 def sliding_tp2(sliding_tp1: EngineSet, gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
     configuration = "sliding-window hybrid, P TP2 -> D TP1"
+    # The TP 1 prefills have served their cases: stopped now (about 2 GB each), they leave
+    # room for the TP 2 prefills beside the rest of the set (the peak of the tier's memory).
+    for pair in sliding_tp1.pairs.values():
+        pair.prefill.stop()
     decodes = {name: pair.decode for name, pair in sliding_tp1.pairs.items()}
     halves = {
         name: (pd_engine(name, "kv_producer", gemma3_model, logs, TP2_PREFILL), decode)
