@@ -28,6 +28,7 @@ from tests.real_vllm_harness import (
     Engine,
     EngineError,
     EngineSpec,
+    cleanup_all,
     free_port,
     kv_transfer_config,
 )
@@ -139,6 +140,7 @@ class Fleet:
     log_dir: Path
     routers: list[Router] = field(default_factory=list)
     owns_reference: bool = True  # False: a shared single engine, started and stopped elsewhere
+    borrowed: tuple[Engine, ...] = ()  # started and stopped elsewhere (a shared prefill)
 
     @classmethod
     @contextlib.contextmanager
@@ -151,10 +153,13 @@ class Fleet:
         num_prefills: int = 2,
         num_decodes: int = 2,
         reference: Engine | None = None,
+        borrowed_prefills: Sequence[Engine] = (),
     ) -> Iterator[Fleet]:
         """Start every engine at once (startup dominates) and wait until all are up.
         ``reference``: a started single engine to compare with instead of one of our own
-        (tests/real_vllm_workspace.py's shared one); waited for, not started or stopped."""
+        (tests/real_vllm_workspace.py's shared one); waited for, not started or stopped.
+        ``borrowed_prefills``: started prefill engines of ``connector`` (the workspace's shared
+        pair's), the first of the ``num_prefills``; waited for, not started or stopped."""
         sized = ("--num-gpu-blocks-override", str(FLEET_NUM_BLOCKS))
 
         def engine(name: str, role: str | None) -> Engine:
@@ -166,10 +171,17 @@ class Fleet:
         fleet = cls(
             connector=connector,
             reference=reference or engine("reference", None),
-            prefills=tuple(engine(f"prefill{i}", "kv_producer") for i in range(num_prefills)),
+            prefills=(
+                *borrowed_prefills,
+                *(
+                    engine(f"prefill{i}", "kv_producer")
+                    for i in range(len(borrowed_prefills), num_prefills)
+                ),
+            ),
             decodes=tuple(engine(f"decode{i}", "kv_consumer") for i in range(num_decodes)),
             log_dir=log_dir,
             owns_reference=reference is None,
+            borrowed=tuple(borrowed_prefills),
         )
         try:
             for each in fleet.own_engines():
@@ -184,8 +196,9 @@ class Fleet:
         return (self.reference, *self.prefills, *self.decodes)
 
     def own_engines(self) -> tuple[Engine, ...]:
-        """The engines this fleet started and stops (not a shared reference)."""
-        return self.engines() if self.owns_reference else (*self.prefills, *self.decodes)
+        """The engines this fleet started and stops (not a shared reference or prefill)."""
+        own = self.engines() if self.owns_reference else (*self.prefills, *self.decodes)
+        return tuple(engine for engine in own if engine not in self.borrowed)
 
     def add_router(
         self, name: str, prefills: Sequence[Engine], decodes: Sequence[Engine]
@@ -199,8 +212,7 @@ class Fleet:
     def close(self) -> None:
         for router in self.routers:
             router.stop()
-        for engine in self.own_engines():
-            engine.cleanup()
+        cleanup_all(self.own_engines())
 
 
 @dataclass(frozen=True)

@@ -279,12 +279,18 @@ class Engine:
     def stop(self) -> None:
         """SIGTERM the group, SIGKILL what is left (vLLM ignores SIGTERM while starting), then
         any process still carrying this engine's marker (an engine-core outside the group)."""
+        stop_all((self,))
+
+    def _terminate(self) -> None:
         if self._proc is not None:
-            pgid = self._proc.pid
-            _signal_group(pgid, signal.SIGTERM)
+            _signal_group(self._proc.pid, signal.SIGTERM)
+
+    def _kill(self, deadline: float) -> None:
+        """After `_terminate`: wait until ``deadline`` for the group to exit, SIGKILL the rest."""
+        if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=STOP_GRACE_S)
-            _signal_group(pgid, signal.SIGKILL)
+                self._proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            _signal_group(self._proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=STOP_GRACE_S)
             self._proc = None
@@ -308,7 +314,9 @@ class Engine:
                 os.kill(pid, sig)
 
     def cleanup(self) -> None:
-        self.stop()
+        cleanup_all((self,))
+
+    def _remove_tmp_dir(self) -> None:
         shutil.rmtree(self._tmp_dir, ignore_errors=True)
 
     def metrics(self) -> str:
@@ -357,6 +365,23 @@ class Engine:
 
 
 _NOTABLE = re.compile(r"WARNING|ERROR|Error|Traceback|KV load failed")
+
+
+def stop_all(engines: Sequence[Engine]) -> None:
+    """Stop ``engines`` together: SIGTERM every one, then one grace period for all (one at a
+    time, a set of five spent up to half a minute in grace periods)."""
+    for engine in engines:
+        engine._terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for engine in engines:
+        engine._kill(deadline)
+
+
+def cleanup_all(engines: Sequence[Engine]) -> None:
+    """`stop_all`, then remove each engine's temp directory (its log stays)."""
+    stop_all(engines)
+    for engine in engines:
+        engine._remove_tmp_dir()
 
 
 def failure_reason(engine: Engine, request_id: str, timeout_s: float = 10.0) -> str | None:
@@ -543,9 +568,32 @@ def prefill_params(
 # ----------------------------------------------------------------------------- deployment
 
 
+def pd_engine(
+    connector: str,
+    role: str,
+    model_dir: Path,
+    log_dir: Path,
+    args: tuple[str, ...] = (),
+    *,
+    extra_config: Mapping[str, Any] | None = None,
+    failure_policy: str = "fail",
+) -> Engine:
+    """One unstarted P/D engine: ``role`` kv_producer (named prefill) or kv_consumer (decode),
+    ``connector``'s kv-transfer config, its own HTTP and side-channel ports."""
+    name = "prefill" if role == "kv_producer" else "decode"
+    if connector != "nixlpd":
+        name = f"{name}-{connector}"
+    config = kv_transfer_config(
+        connector, role, extra_config=extra_config, failure_policy=failure_policy
+    )
+    spec = EngineSpec(name, model_dir, free_port(), config, free_port(), args)
+    return Engine(spec, log_dir)
+
+
 @dataclass
 class Deployment:
-    """Reference + prefill + decode engines and the P/D proxy; `close` stops everything."""
+    """Reference + prefill + decode engines and the P/D proxy; `close` stops the proxy and
+    every engine it started (not ``borrowed`` ones: another deployment's, still serving)."""
 
     connector: str
     model_dir: Path
@@ -557,6 +605,7 @@ class Deployment:
     _proxy_thread: threading.Thread | None = None
     _stopped: list[Engine] = field(default_factory=list)
     has_reference: bool = True  # False: ``reference`` is another deployment's, not started here
+    borrowed: tuple[Engine, ...] = ()  # started and stopped elsewhere: never stopped here
 
     @classmethod
     @contextlib.contextmanager
@@ -569,6 +618,7 @@ class Deployment:
         extra_config: Mapping[str, Any] | None = None,
         prefill_failure_policy: str = "fail",
         reference: Engine | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> Iterator[Deployment]:
         """Start the three engines at once (startup dominates), then the proxy. Engine logs
         go to ``log_dir``; ``extra_config`` goes to both P/D engines' extra config;
@@ -577,6 +627,7 @@ class Deployment:
             model_dir,
             (connector,),
             log_dir,
+            extra_args,
             extra_config=extra_config,
             prefill_failure_policy=prefill_failure_policy,
             reference=reference,
@@ -612,69 +663,96 @@ class Deployment:
                 EngineSpec("reference", model_dir, free_port(), None, None, extra_args), log_dir
             )
         with_reference = with_reference and shared is None
-        deployments = tuple(
-            cls._unstarted(
-                model_dir,
+
+        def half(connector: str, role: str, own_args: tuple[str, ...]) -> Engine:
+            policy = prefill_failure_policy if role == "kv_producer" else "fail"
+            return pd_engine(
                 connector,
+                role,
+                model_dir,
                 log_dir,
-                reference,
-                extra_args,
-                index == 0 and with_reference,
+                (*extra_args, *own_args),
                 extra_config=extra_config,
-                prefill_failure_policy=prefill_failure_policy,
-                role_args=(prefill_args, decode_args),
+                failure_policy=policy,
+            )
+
+        deployments = tuple(
+            cls(
+                connector,
+                model_dir,
+                reference,
+                half(connector, "kv_producer", prefill_args),
+                half(connector, "kv_consumer", decode_args),
+                has_reference=index == 0 and with_reference,
             )
             for index, connector in enumerate(connectors)
         )
+        borrowed = () if shared is None else (shared,)
+        with cls._serving(deployments, borrowed):
+            yield deployments
+
+    @classmethod
+    @contextlib.contextmanager
+    def assembled(
+        cls,
+        model_dir: Path,
+        halves: Mapping[str, tuple[Engine, Engine]],
+        reference: Engine,
+        borrowed: Sequence[Engine],
+    ) -> Iterator[tuple[Deployment, ...]]:
+        """One pair per connector from (prefill, decode) ``halves``, some of them (and the
+        ``reference``) ``borrowed``: started by another deployment, which stops them. The
+        others start here, all at once, and stop when the block ends; then one proxy per
+        pair. E.g. a prefill TP 2 beside a TP 1 set, reusing that set's decodes."""
+        lent = (*borrowed, reference)
+        deployments = tuple(
+            cls(
+                connector, model_dir, reference, prefill, decode, has_reference=False, borrowed=lent
+            )
+            for connector, (prefill, decode) in halves.items()
+        )
+        with cls._serving(deployments, lent):
+            yield deployments
+
+    @classmethod
+    @contextlib.contextmanager
+    def _serving(
+        cls, deployments: Sequence[Deployment], borrowed: Sequence[Engine]
+    ) -> Iterator[None]:
+        """Start every engine of ``deployments`` not ``borrowed`` at once, wait for all of
+        them (borrowed too), start each proxy; on exit stop the proxies and, together, every
+        engine started here."""
+        engines: list[Engine] = []
+        for deployment in deployments:
+            engines += [e for e in deployment.engines() if e not in engines]
+        own = [engine for engine in engines if engine not in borrowed]
         try:
-            engines = [engine for deployment in deployments for engine in deployment.engines()]
-            for engine in engines:
+            for engine in own:
                 engine.start()
-            for engine in engines if shared is None else (*engines, shared):
+            for engine in (*own, *borrowed):
                 engine.wait_ready()
             for deployment in deployments:
                 deployment._start_proxy()
-            yield deployments
+            yield
         finally:
             for deployment in deployments:
-                deployment.close()
-
-    @classmethod
-    def _unstarted(
-        cls,
-        model_dir: Path,
-        connector: str,
-        log_dir: Path,
-        reference: Engine,
-        extra_args: tuple[str, ...],
-        has_reference: bool,
-        *,
-        extra_config: Mapping[str, Any] | None = None,
-        prefill_failure_policy: str = "fail",
-        role_args: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
-    ) -> Deployment:
-        engines = []
-        roles = (("kv_producer", "prefill"), ("kv_consumer", "decode"))
-        for (role, name), own_args in zip(roles, role_args, strict=True):
-            if connector != "nixlpd":
-                name = f"{name}-{connector}"
-            policy = prefill_failure_policy if role == "kv_producer" else "fail"
-            config = kv_transfer_config(
-                connector, role, extra_config=extra_config, failure_policy=policy
-            )
-            args = (*extra_args, *own_args)
-            spec = EngineSpec(name, model_dir, free_port(), config, free_port(), args)
-            engines.append(Engine(spec, log_dir))
-        return cls(connector, model_dir, reference, *engines, has_reference=has_reference)
+                deployment._stop_proxy()
+            cleanup_all([e for d in deployments for e in d.own_engines()])
 
     def engines(self) -> tuple[Engine, ...]:
-        """The engines this deployment started: a shared reference belongs to the first."""
+        """The P/D engines and, when this deployment started it, the reference."""
         if self.has_reference:
             return (self.reference, self.prefill, self.decode)
         return (self.prefill, self.decode)
 
+    def own_engines(self) -> tuple[Engine, ...]:
+        """What `close` stops: every engine this deployment started, restarted ones too."""
+        return tuple(e for e in (*self.engines(), *self._stopped) if e not in self.borrowed)
+
     def restart_prefill(self) -> None:
         """Stop prefill, then start a new prefill on the same HTTP and side-channel ports."""
+        if self.prefill in self.borrowed:
+            raise EngineError(f"{self.prefill.spec.name} is borrowed: its owner restarts it")
         self.prefill.stop()
         self._stopped.append(self.prefill)
         self.prefill = Engine(self.prefill.spec, self.prefill.log_dir)
@@ -682,12 +760,14 @@ class Deployment:
         self.prefill.wait_ready()
 
     def close(self) -> None:
+        self._stop_proxy()
+        cleanup_all(self.own_engines())
+
+    def _stop_proxy(self) -> None:
         if self._proxy is not None:
             self._proxy.shutdown()
             self._proxy.server_close()
             self._proxy = None
-        for engine in (*self.engines(), *self._stopped):
-            engine.cleanup()
 
     def _start_proxy(self) -> None:
         port = free_port()

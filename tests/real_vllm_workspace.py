@@ -10,6 +10,15 @@ tests/conftest.py, does that once:
   arguments, 128 KV blocks), started on first use and stopped when the session ends. Its answers depend on
   nothing another module does to its own engines, so every module comparing tiny-Llama P/D
   answers with a single engine asks this one;
+- ``pair(connector)``: the plain tiny-Llama P/D pair of that connector (default failure
+  policies, ours with verify_kv and a short ``overlap_wait_timeout``) and its proxy, behind
+  the shared reference; started on first use, stopped when the session ends. Every module
+  whose cases need a plain pair and leave it serving shares it (tests/test_real_vllm.py,
+  tests/test_real_vllm_overlap.py, the n-gram case's prefill in
+  tests/test_real_vllm_configs.py): an engine start is 30-150 s of the tier's time. A module
+  that needs other engine flags or connector settings, or kills, pauses or restarts engines
+  mid-module (but tests/test_real_vllm.py's last case, a restart on the same ports), starts
+  its own;
 - ``module_logs(request, what)``: a log folder for one module's engines, kept (and named in
   a warning, so that pytest's summary shows it) when one of the module's tests failed.
 
@@ -30,9 +39,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.real_vllm_harness import Engine, EngineSpec, build_model, free_port
+from tests.real_vllm_harness import Deployment, Engine, EngineSpec, build_model, free_port
 
 REFERENCE_NUM_BLOCKS = 128
+# The shared pair's KV blocks (128 MiB each with the tiny model, not 1 GiB: it lives beside
+# every module's own engines). Its largest user keeps 16 prompts of up to 7 blocks cached.
+PAIR_NUM_BLOCKS = 512
+# Its decode's overlap_wait_timeout: how long a load waits for prefill's announcement under
+# overlapped dispatch (tests/test_real_vllm_overlap.py); sequential dispatch never waits.
+OVERLAP_WAIT_S = 5.0
 
 
 class Workspace:
@@ -44,6 +59,8 @@ class Workspace:
         self.root = root
         self._models: dict[str, Path] = {}
         self._reference: Engine | None = None
+        self._pairs: dict[str, Deployment] = {}
+        self._running = contextlib.ExitStack()  # the shared pairs
         self._kept: list[Path] = []  # log folders kept for a failed module
 
     @classmethod
@@ -79,6 +96,26 @@ class Workspace:
             self._reference.start()
         return self._reference
 
+    def pair(self, connector: str = "nixlpd") -> Deployment:
+        """The shared tiny-Llama P/D pair of ``connector`` (``deployment.reference`` is the
+        shared single engine), started and ready, its proxy serving. A user may restart its
+        prefill on the same ports (`Deployment.restart_prefill`) but must leave it serving."""
+        if connector not in self._pairs:
+            logs = self.root / f"logs-pair-{connector}"
+            logs.mkdir(exist_ok=True)
+            extra = {"overlap_wait_timeout": OVERLAP_WAIT_S} if connector == "nixlpd" else None
+            self._pairs[connector] = self._running.enter_context(
+                Deployment.running(
+                    self.model(),
+                    connector,
+                    logs,
+                    extra_config=extra,
+                    reference=self.reference(),
+                    extra_args=("--num-gpu-blocks-override", str(PAIR_NUM_BLOCKS)),
+                )
+            )
+        return self._pairs[connector]
+
     @contextlib.contextmanager
     def module_logs(self, request: pytest.FixtureRequest, what: str) -> Iterator[Path]:
         """A fresh log folder for one module's engines (``request``: its module fixture's).
@@ -97,6 +134,7 @@ class Workspace:
                 shutil.rmtree(logs, ignore_errors=True)
 
     def _close(self, *, keep_logs: bool) -> None:
+        self._running.close()
         if self._reference is not None:
             self._reference.cleanup()
         for model in self._models.values():
@@ -106,5 +144,7 @@ class Workspace:
                 warnings.warn(
                     f"shared reference engine log kept in {self._reference.log_dir}", stacklevel=1
                 )
+            for pair in self._pairs.values():
+                warnings.warn(f"shared pair's logs kept in {pair.prefill.log_dir}", stacklevel=1)
             return
         shutil.rmtree(self.root, ignore_errors=True)

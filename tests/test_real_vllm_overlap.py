@@ -45,7 +45,7 @@ from tests.real_vllm_harness import (
     free_port,
     missing_vllm_venv,
 )
-from tests.real_vllm_workspace import Workspace
+from tests.real_vllm_workspace import OVERLAP_WAIT_S, Workspace
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -55,7 +55,7 @@ if (missing := missing_vllm_venv()) is not None:
 MAX_TOKENS = 12
 LOGPROB_TOL = 1e-3  # as tests/test_real_vllm.py: wrong KV moves logprobs by 0.01-1
 VOCAB_IDS = range(4, 512)
-WAIT_S = 5.0  # overlap_wait_timeout: how long decode waits for an announcement
+WAIT_S = OVERLAP_WAIT_S  # the shared pair's overlap_wait_timeout: decode's wait for prefill
 
 
 def prompt(seed: int, num_tokens: int) -> list[int]:
@@ -71,30 +71,23 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Served]:
-    extra = {"overlap_wait_timeout": WAIT_S}
-    with (
-        real_vllm.module_logs(request, "overlap engines") as logs,
-        Deployment.running(
-            real_vllm.model(), "nixlpd", logs, extra_config=extra, reference=real_vllm.reference()
-        ) as deployment,
-    ):
-        side_channel_port = deployment.prefill.spec.side_channel_port
-        assert side_channel_port is not None
-        overlap = Overlap(HOST, side_channel_port)
-        proxy = make_server(
-            HOST, free_port(), deployment.prefill.url, deployment.decode.url, overlap
-        )
-        thread = threading.Thread(target=proxy.serve_forever, name="overlap-proxy", daemon=True)
-        thread.start()
-        try:
-            url = f"http://{HOST}:{proxy.server_address[1]}"
-            complete(url, prompt(0, 200), 2)  # warm both engines' first-request costs
-            yield Served(deployment, url)
-        finally:
-            proxy.shutdown()
-            proxy.server_close()
-            thread.join(timeout=10)
+def served(real_vllm: Workspace) -> Iterator[Served]:
+    # The session's shared pair: overlapped dispatch is the proxy's, the engines are plain.
+    deployment = real_vllm.pair("nixlpd")
+    side_channel_port = deployment.prefill.spec.side_channel_port
+    assert side_channel_port is not None
+    overlap = Overlap(HOST, side_channel_port)
+    proxy = make_server(HOST, free_port(), deployment.prefill.url, deployment.decode.url, overlap)
+    thread = threading.Thread(target=proxy.serve_forever, name="overlap-proxy", daemon=True)
+    thread.start()
+    try:
+        url = f"http://{HOST}:{proxy.server_address[1]}"
+        complete(url, prompt(0, 200), 2)  # warm both engines' first-request costs
+        yield Served(deployment, url)
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join(timeout=10)
 
 
 def mismatch(actual: Completion, expected: Completion) -> str | None:

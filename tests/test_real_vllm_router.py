@@ -5,7 +5,8 @@ connector under test, over real NIXL (UCX on loopback), behind two replicas of v
 0.1.17 (round-robin on both sides, `--vllm-pd-disaggregation --kv-connector nixl`). The
 replicas list the decode engines in opposite orders, so that between them every decode engine
 reads from both prefill engines. A fifth engine without a connector is the single-engine
-reference. The router sends prefill the request with ``max_tokens=1`` and
+reference. The reference and the first prefill are the session's shared ones
+(tests/real_vllm_workspace.py); the other three start here. The router sends prefill the request with ``max_tokens=1`` and
 ``{"do_remote_decode": true, "do_remote_prefill": false, "remote_*": null}``, then decode
 the original request with prefill's ``kv_transfer_params`` whole, under one X-Request-Id of its
 own making (``___prefill_addr_<host:port>___decode_addr_<host:port>_<uuid>``).
@@ -76,11 +77,19 @@ def fleet_prompts(block_size: int, count: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def fleet(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    reference = real_vllm.reference()  # the session's shared single engine
+    connector = connector_under_test()
+    # The session's shared single engine, and its shared pair's prefill as the first of two:
+    # one engine start fewer. Its counters are read as differences, like every engine's; the
+    # decodes are new, so each has handshaked with exactly the two prefills.
+    shared = real_vllm.pair(connector)
     with (
         real_vllm.module_logs(request, "real-vLLM router-tier") as logs,
         Fleet.running(
-            real_vllm.model(), connector_under_test(), logs, reference=reference
+            real_vllm.model(),
+            connector,
+            logs,
+            reference=shared.reference,
+            borrowed_prefills=(shared.prefill,),
         ) as running,
     ):
         first, second = running.decodes
