@@ -4,10 +4,10 @@ Every side-channel frame is one msgpack-encoded ``Envelope``. Its ``payload`` is
 ``Request`` (client -> server) or ``Reply`` (server -> client), each a tagged msgspec union.
 Decoders are built once, at import; untrusted bytes only ever go through them.
 
-Authentication (optional, when both sides are configured with the same shared secret) uses a
-client nonce + timestamp rather than a server-issued challenge: one round trip per call (the
-handshake is on a request's critical path and heartbeats are frequent), and the server keeps
-no per-client state beyond the nonces it saw within the replay window. The client sends
+Authentication (optional: both sides configured with one shared secret) uses a client nonce +
+timestamp, not a server-issued challenge: one round trip per call (handshakes are on a
+request's critical path, heartbeats are frequent), and no per-client state on the server
+beyond the nonces seen within the replay window. The client sends
 
     mac = HMAC-SHA256(secret, b"nixl-pd request" | version | timestamp_s | len(boot_id) |
                       boot_id | nonce | payload)
@@ -25,8 +25,7 @@ but ``Hello`` names the boot id it is meant for (``Envelope.boot_id``, covered b
 a server refuses any other boot id with ``ErrorReply(code=STALE_BOOT)``. A client learns the
 boot id from ``Hello`` (whose reply is signed and bound to the client's nonce); a frame
 captured before a restart names the old boot id and is refused by the restarted engine even
-when it reuses the engine id and port. ``Hello`` itself is harmless to replay: it changes
-nothing and its reply says only the engine id and boot id.
+when it reuses the engine id and port. ``Hello`` is harmless to replay: it changes nothing.
 
 Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
 reading engine's id and its process's boot id, so the holder can tell a reader that
@@ -37,12 +36,9 @@ to a reader whose ref says other tokens or other blocks, or says neither
 (``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
 decode, but an older reader's refs are refused.
 
-Overlapped dispatch (docs/overlap.md): AwaitLease long-polls what prefill drew for a
-router's transfer key (LeaseAnnouncement); CancelTransfer ends that lease.
-
-Decoders never raise anything but ProtocolError (InvalidNotification for free notifications):
-msgspec also raises UnicodeDecodeError for bad UTF-8 and RecursionError for deep nesting, and
-a peer must not be able to turn either into a traceback.
+Overlapped dispatch (docs/overlap.md): AwaitLease awaits a transfer key's lease, CancelTransfer
+ends it. Decoders raise only ProtocolError (InvalidNotification for free notifications), never
+msgspec's UnicodeDecodeError (bad UTF-8) or RecursionError (deep nesting): no traceback.
 """
 
 from __future__ import annotations
