@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.nixl_api import TransferState  # noqa: E402
+from benchmarks.nixl_bandwidth import read_seconds  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
 
 NUM_LAYERS = 8
@@ -53,21 +52,6 @@ def rows(base: int, block_tokens: int, blocks: range, layers: range) -> np.ndarr
         for block in blocks
     ]
     return np.asarray(out, dtype=np.int64).reshape(-1, 3)
-
-
-def read_ms(
-    agent: RealNixlAgent, remote: str, local_rows: np.ndarray, remote_rows: np.ndarray
-) -> float:
-    started = time.perf_counter()
-    transfer = agent.make_read(remote, local_rows, remote_rows)
-    state = agent.post(transfer)
-    while state is TransferState.IN_PROGRESS:
-        state = agent.check(transfer)
-    elapsed_ms = (time.perf_counter() - started) * 1e3
-    agent.release(transfer)
-    if state is not TransferState.DONE:
-        raise RuntimeError(f"READ ended {state}")
-    return elapsed_ms
 
 
 def cases(block_tokens: int) -> list[tuple[int, int, str, range, range]]:
@@ -109,7 +93,9 @@ def measure(block_tokens: int, repeats: int) -> list[dict[str, object]]:
             local_rows = rows(local.ctypes.data, block_tokens, blocks, layers)
             remote_rows = rows(int(address), block_tokens, blocks, layers)
             local[:] = 0
-            times_ms = [read_ms(agent, remote, local_rows, remote_rows) for _ in range(repeats)]
+            times_ms = [
+                read_seconds(agent, remote, local_rows, remote_rows) * 1e3 for _ in range(repeats)
+            ]
             first_row = local_rows[0]
             offset_words = (int(first_row[0]) - local.ctypes.data) // 8
             assert local[offset_words] == offset_words, "bytes did not land"  # served: arange
