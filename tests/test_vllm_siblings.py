@@ -72,6 +72,18 @@ def _assert_answered(decode: h.Engine, request_ids: tuple[str, ...]) -> None:
     assert decode.stats.get("loads_failed", 0) == 0
 
 
+def _second_child_during_the_first_read(prefill: h.Engine, decode: h.Engine) -> Any:
+    """Prefill a prompt; decode's first child posts its READ (held in flight for 5 polls),
+    then the second child arrives. Returns decode's agent."""
+    params = h.prefill_for_decode(prefill, "req", NUM_TOKENS, block_size=BLOCK_SIZE)
+    (agent,) = decode.agents
+    agent.faults.stall_polls = 5
+    decode.add(_child("0_req", params))
+    decode.run_until(lambda e: agent.num_posted == 1)
+    decode.add(_child("1_req", params))
+    return agent
+
+
 def _local_hit(decode: h.Engine, request_id: str) -> int:
     """The tokens vLLM found in decode's own prefix cache for the request."""
     stats = [o.prefill_stats for o in decode.outputs if o.request_id == request_id]
@@ -111,12 +123,7 @@ def test_a_child_arriving_during_the_first_read_waits_instead_of_failing(
 ) -> None:
     prefill, decode = pair
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
-    params = h.prefill_for_decode(prefill, "req", NUM_TOKENS, block_size=BLOCK_SIZE)
-    (agent,) = decode.agents
-    agent.faults.stall_polls = 5  # the first READ stays in flight for 5 polls
-    decode.add(_child("0_req", params))
-    decode.run_until(lambda e: agent.num_posted == 1)
-    decode.add(_child("1_req", params))
+    agent = _second_child_during_the_first_read(prefill, decode)
     _both_until(decode, prefill, lambda: _all_finished(decode, CHILDREN))
     _assert_answered(decode, CHILDREN)
     assert agent.num_posted == 1  # the second child read nothing
@@ -148,12 +155,7 @@ def test_aborting_a_waiting_child_leaves_the_first_ones_lease_alone(
 ) -> None:
     prefill, decode = pair
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
-    params = h.prefill_for_decode(prefill, "req", NUM_TOKENS, block_size=BLOCK_SIZE)
-    (agent,) = decode.agents
-    agent.faults.stall_polls = 5
-    decode.add(_child("0_req", params))
-    decode.run_until(lambda e: agent.num_posted == 1)
-    decode.add(_child("1_req", params))
+    _second_child_during_the_first_read(prefill, decode)
     decode.step()  # the second child is asked, and waits
     decode.scheduler.finish_requests("1_req", RequestStatus.FINISHED_ABORTED)
     _both_until(decode, prefill, lambda: decode.finished("0_req") is not None)
