@@ -22,7 +22,7 @@ fi
 # The whole suite, laid out for two cores (docs/testing.md, "CI and its time"): .venv-vllm,
 # which only the real-vLLM tier needs, is built in the background while .venv is built and
 # lint, mypy, every other tier (two xdist workers) and vLLM's upstream tests run; then the
-# real-vLLM tier runs alone.
+# real-vLLM tier, on two xdist workers too: one per stream of modules (tests/conftest.py).
 # A step's end: wall seconds since the start and the CPU time (user, system) of the children
 # waited for so far. On a shared machine the wall time says little; the CPU time does.
 stamp() {
@@ -56,10 +56,33 @@ bash scripts/vllm_upstream_tests.sh -p no:warnings || status=1
 stamp "vLLM upstream tests done"
 wait "$setup_vllm_pid" || { cat "$LOGS/setup_vllm_cpu.log" >&2; exit 1; }
 stamp ".venv-vllm ready"
-# Only the real-vLLM modules are collected (tests/conftest.py's table), not the whole suite.
-real_vllm_modules=$(.venv/bin/python -c "from tests.conftest import REAL_VLLM_MODULES as m
-print(' '.join(f'tests/{name}.py' for name in sorted(m)))")
-# shellcheck disable=SC2086  # one word per module
-.venv/bin/python -m pytest -q -m real_vllm --durations=25 $real_vllm_modules "$@" || status=1
+# The real-vLLM tier as two pytest processes side by side, one per stream of modules
+# (tests/conftest.py, real_vllm_streams), each with its own slice of ports; their output
+# follows, one stream after the other. Only the tier's modules are collected. They start
+# their engine sets one at a time (NIXL_PD_START_LOCK, tests/real_vllm_harness.py).
+export NIXL_PD_START_LOCK="$LOGS/engine-starts.lock"
+streams=$(.venv/bin/python -c "from tests.conftest import real_vllm_streams
+print(' '.join(real_vllm_streams()))")
+stream_pids=()
+index=0
+for stream in $streams; do
+    modules=$(.venv/bin/python -c "from tests.conftest import real_vllm_streams
+print(' '.join(f'tests/{name}.py' for name in real_vllm_streams()['$stream']))")
+    # shellcheck disable=SC2086  # one word per module
+    NIXL_PD_PORT_SLICE="$index/2" .venv/bin/python -m pytest -q -m real_vllm --durations=25 \
+        $modules "$@" >"$LOGS/real_vllm_$stream.log" 2>&1 &
+    stream_pids+=($!)
+    index=$((index + 1))
+done
+for pid in "${stream_pids[@]}"; do
+    rc=0
+    wait "$pid" || rc=$?
+    # 5: no test of this stream selected (arguments that narrow the tier to the other one)
+    if [ "$rc" != 0 ] && { [ "$rc" != 5 ] || [ $# = 0 ]; }; then status=1; fi
+done
+for stream in $streams; do
+    echo "== real-vLLM stream $stream" >&2
+    cat "$LOGS/real_vllm_$stream.log"
+done
 stamp "real-vLLM tier done"
 exit "$status"

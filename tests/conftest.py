@@ -50,6 +50,27 @@ REAL_VLLM_MODULES = {
     "test_real_vllm_two_hosts": "real `vllm serve` engines in two network namespaces",
 }
 
+# scripts/test.sh runs the real-vLLM tier as two pytest processes side by side, one per
+# stream: the modules that use the session's shared single engine and pair
+# (tests/real_vllm_workspace.py) in one, so that those start once, and modules with engines of
+# their own in the other, about as long (docs/testing.md, "CI and its time"). Two processes,
+# not xdist: pytest-xdist 3.8's `--dist loadgroup` split one group over both workers here.
+OWN_ENGINES_STREAM = {
+    "test_cpu_attn_op",
+    "test_real_vllm_drills",
+    "test_real_vllm_fp8",
+    "test_real_vllm_hybrid",
+    "test_real_vllm_mla",
+    "test_real_vllm_multiturn",  # its single engine is this stream's own start of the shared one
+}
+
+
+def real_vllm_streams() -> dict[str, list[str]]:
+    """The real-vLLM modules of each stream, ``shared-engines`` and ``own-engines``."""
+    own = sorted(m for m in REAL_VLLM_MODULES if m in OWN_ENGINES_STREAM)
+    return {"shared-engines": sorted(set(REAL_VLLM_MODULES) - set(own)), "own-engines": own}
+
+
 # Modules whose every test uses real NIXL agents (here, or in processes it starts).
 REAL_NIXL_MODULES = {
     "test_doctor_real": "nixl-pd doctor: real READs over UCX, against served engines",

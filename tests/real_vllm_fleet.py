@@ -31,6 +31,7 @@ from tests.real_vllm_harness import (
     cleanup_all,
     free_port,
     kv_transfer_config,
+    start_together,
 )
 
 # vllm-router, the Rust P/D router vLLM fleets run, pinned in scripts/setup_vllm_cpu.sh. Its
@@ -184,10 +185,9 @@ class Fleet:
             borrowed=tuple(borrowed_prefills),
         )
         try:
-            for each in fleet.own_engines():
-                each.start()
-            for each in fleet.engines():
-                each.wait_ready(FLEET_READY_TIMEOUT_S)
+            own = fleet.own_engines()
+            others = [each for each in fleet.engines() if each not in own]
+            start_together(own, also_wait=others, timeout_s=FLEET_READY_TIMEOUT_S)
             yield fleet
         finally:
             fleet.close()

@@ -16,7 +16,9 @@ Stdlib only: this module runs in the test environment (.venv), which has no work
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.vllm.proxy import make_server
+from tests.engine_zygote import API_SERVER, ForkedServer, Zygote
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
@@ -86,7 +89,16 @@ ENGINE_ENV = {
     # cache lives in the per-engine TMPDIR and rebuilds its precompiled header anyway).
     # Eager runs the same op; the model itself is eager already.
     "TORCH_COMPILE_DISABLE": "1",
+    # vLLM's CPU platform gives a TP 1 engine's worker a process of its own (the `mp`
+    # executor); with this the worker runs in the engine-core process (`uni`), the layout
+    # vLLM uses for TP 1 on GPUs. A start then imports vLLM twice, not three times (about 8 s
+    # of a core less), an engine holds one torch process fewer (about 0.6 GB), and a step
+    # crosses no shared-memory queue. TP > 1 is `mp` whatever this says, and the drills run
+    # their TP 1 engines in `mp` (MP_LAYOUT): both layouts stay under test.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+# extra_env of an engine that keeps vLLM's CPU default: its TP 1 worker in a process of its own.
+MP_LAYOUT = (("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),)
 # float32 so that the P/D path and the single engine agree to ~1e-5 in logprobs: greedy ties
 # that a bf16 rounding difference could flip would make a correct connector look wrong.
 ENGINE_ARGS = (
@@ -102,6 +114,11 @@ ENGINE_ARGS = (
     "0",
     "--served-model-name",
     MODEL_NAME,
+    # 2048 KV blocks, not VLLM_CPU_KVCACHE_SPACE's 1 GiB (its least): every tiny model's cache
+    # then fits the tier's prompts many times over in 32-512 MiB, and two streams of engines
+    # fit in memory at once. An engine's own --num-gpu-blocks-override comes later and wins.
+    "--num-gpu-blocks-override",
+    "2048",
 )
 
 
@@ -144,7 +161,20 @@ def kv_transfer_config(
 # picked (bind to 0) is free only until someone else binds it, and engines starting at once
 # pick their own internal ports from that range, so one of them took a side-channel port
 # handed out moments before. Below it only explicit binds compete.
+# Each of the tier's two pytest processes (scripts/test.sh) hands out its own slice,
+# NIXL_PD_PORT_SLICE="index/count": a port bound-checked by one and not yet bound by its engine
+# is not free to the other.
 PORT_RANGE = (20000, 32000)
+PORT_SLICE_ENV = "NIXL_PD_PORT_SLICE"
+
+
+def _port_range() -> tuple[int, int]:
+    index, count = (int(part) for part in os.environ.get(PORT_SLICE_ENV, "0/1").split("/"))
+    low, high = PORT_RANGE
+    width = (high - low) // count
+    return low + index * width, low + (index + 1) * width
+
+
 _handed_out: set[int] = set()
 _ports_lock = threading.Lock()
 
@@ -155,7 +185,7 @@ def free_port() -> int:
     rng = random.Random()
     with _ports_lock:
         for _ in range(1000):
-            port = rng.randrange(*PORT_RANGE)
+            port = rng.randrange(*_port_range())
             if port in _handed_out:
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -165,7 +195,7 @@ def free_port() -> int:
                     continue
             _handed_out.add(port)
             return port
-    raise RuntimeError(f"no free loopback port in {PORT_RANGE} after 1000 tries")
+    raise RuntimeError(f"no free loopback port in {_port_range()} after 1000 tries")
 
 
 def build_model(out_dir: Path, timeout_s: float = 300.0, kind: str = "llama") -> Path:
@@ -203,13 +233,33 @@ class EngineSpec:
 
     def command(self) -> list[str]:
         cmd = ["ip", "netns", "exec", self.namespace] if self.namespace else []
-        cmd += [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += [str(VLLM_PYTHON), "-m", API_SERVER]
         cmd += ["--model", str(self.model_dir), "--host", self.host, "--port", str(self.http_port)]
         cmd += ENGINE_ARGS
         cmd += self.extra_args
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         return cmd
+
+
+# Engines' API servers are forks of one process that imported vLLM once (tests/engine_zygote.py):
+# about 9 s of a core less per start. NIXL_PD_ENGINE_ZYGOTE=0: each `vllm serve` its own process.
+ZYGOTE_ENV = "NIXL_PD_ENGINE_ZYGOTE"
+_zygote_made: list[Zygote] = []
+_zygote_lock = threading.Lock()
+
+
+def _zygote() -> Zygote | None:
+    """This process's zygote, made on first use (stopped when the process exits)."""
+    if os.environ.get(ZYGOTE_ENV, "1") == "0":
+        return None
+    with _zygote_lock:
+        if not _zygote_made:
+            env = {**os.environ, **ENGINE_ENV}
+            env.pop("VIRTUAL_ENV", None)
+            _zygote_made.append(Zygote(str(VLLM_PYTHON), env))
+            atexit.register(_zygote_made[0].close)
+        return _zygote_made[0]
 
 
 class EngineError(RuntimeError):
@@ -227,7 +277,7 @@ class Engine:
         self._tmp_dir = Path(tempfile.mkdtemp(prefix=f"nixlpd-{spec.name}-", dir="/tmp"))
         self.log_path = log_dir / f"{self._marker}.log"  # kept after cleanup, for post-mortems
         self.log_dir = log_dir
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | ForkedServer | None = None
         self.ready_s: float | None = None
 
     def start(self) -> None:
@@ -241,16 +291,23 @@ class Engine:
         env.pop("VIRTUAL_ENV", None)
         if self.spec.side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.spec.side_channel_port)
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                self.spec.command(),
-                cwd=self._tmp_dir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group, stopped as one
-            )
+        command = self.spec.command()
+        # Forked only when the command is plainly the API server by .venv-vllm's python (not
+        # in a network namespace, not behind `env`): the zygote runs what follows.
+        plain = [str(VLLM_PYTHON), "-m", API_SERVER]
+        if command[:3] == plain and (zygote := _zygote()) is not None:
+            self._proc = zygote.fork(command[3:], env, str(self._tmp_dir), str(self.log_path))
+        else:
+            with open(self.log_path, "wb") as log:
+                self._proc = subprocess.Popen(
+                    command,
+                    cwd=self._tmp_dir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group, stopped as one
+                )
         self._started_at = time.monotonic()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -365,6 +422,42 @@ class Engine:
 
 
 _NOTABLE = re.compile(r"WARNING|ERROR|Error|Traceback|KV load failed")
+
+
+# The tier's two pytest processes (scripts/test.sh) start their engine sets one at a time,
+# under the lock file NIXL_PD_START_LOCK names (none set: no lock). A start is CPU-bound: two
+# at once on two cores take as long in all and each one twice as long (a TP 2 prefill went
+# past READY_TIMEOUT_S so), while the other process's cases, mostly waiting, run beside it.
+START_LOCK_ENV = "NIXL_PD_START_LOCK"
+
+
+@contextlib.contextmanager
+def one_set_starting() -> Iterator[None]:
+    """Hold the tier's start lock (if any) for the block."""
+    path = os.environ.get(START_LOCK_ENV)
+    if not path:
+        yield
+        return
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def start_together(
+    engines: Sequence[Engine],
+    also_wait: Sequence[Engine] = (),
+    timeout_s: float = READY_TIMEOUT_S,
+) -> None:
+    """Start ``engines`` at once and wait until they and ``also_wait`` (started elsewhere)
+    are ready, holding the start lock."""
+    with one_set_starting():
+        for engine in engines:
+            engine.start()
+        for engine in (*engines, *also_wait):
+            engine.wait_ready(timeout_s)
 
 
 def stop_all(engines: Sequence[Engine]) -> None:
@@ -727,10 +820,7 @@ class Deployment:
             engines += [e for e in deployment.engines() if e not in engines]
         own = [engine for engine in engines if engine not in borrowed]
         try:
-            for engine in own:
-                engine.start()
-            for engine in (*own, *borrowed):
-                engine.wait_ready()
+            start_together(own, also_wait=borrowed)
             for deployment in deployments:
                 deployment._start_proxy()
             yield
@@ -756,8 +846,7 @@ class Deployment:
         self.prefill.stop()
         self._stopped.append(self.prefill)
         self.prefill = Engine(self.prefill.spec, self.prefill.log_dir)
-        self.prefill.start()
-        self.prefill.wait_ready()
+        start_together([self.prefill])
 
     def close(self) -> None:
         self._stop_proxy()

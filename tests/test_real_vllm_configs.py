@@ -318,6 +318,12 @@ def ngram_engines(real_vllm: Workspace, logs: Path) -> Iterator[EngineSet]:
     with assembled_set(
         configuration, model, halves, shared.reference, (shared.prefill,)
     ) as engines:
+        # n-gram's proposer is numba-compiled on decode's first speculative step: 10-40 s on
+        # two busy cores, in which the engine thread runs no step, so the loads of the other
+        # prompts in flight would wait that long, past prefill's 30 s lease (heartbeats pause
+        # for an engine thread that runs no step: docs/integrity.md). One request first.
+        for pair in engines.pairs.values():
+            answers(pair.proxy_url, [prompt(seed=9000, num_tokens=20)])
         yield engines
 
 

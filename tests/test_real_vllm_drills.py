@@ -50,6 +50,7 @@ import pytest
 from examples.vllm.proxy import make_server
 from tests.real_vllm_harness import (
     HOST,
+    MP_LAYOUT,
     Completion,
     Engine,
     EngineSpec,
@@ -62,6 +63,7 @@ from tests.real_vllm_harness import (
     kv_transfer_config,
     missing_vllm_venv,
     prefill_params,
+    start_together,
 )
 from tests.real_vllm_workspace import Workspace
 
@@ -110,10 +112,7 @@ class Drills:
         return [self.prefill, *self.decodes.values()]
 
     def start(self) -> None:
-        for engine in self.engines():
-            engine.start()
-        for engine in self.engines():
-            engine.wait_ready()
+        start_together(self.engines())
         for policy, decode in self.decodes.items():
             port = free_port()
             server = make_server(HOST, port, self.prefill.url, decode.url)
@@ -128,8 +127,7 @@ class Drills:
         self.prefill.stop()
         self._stopped.append(self.prefill)
         self.prefill = Engine(self.prefill.spec, self.prefill.log_dir)
-        self.prefill.start()
-        self.prefill.wait_ready()
+        start_together([self.prefill])
 
     def reference(self, prompt_ids: Sequence[int]) -> Completion:
         """The single-engine answer: prefill asked without kv_transfer_params."""
@@ -158,6 +156,7 @@ def drills(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Dri
             kv_transfer_config(connector, "kv_producer", extra_config=extra),
             free_port(),
             extra_args=("--num-gpu-blocks-override", str(PREFILL_BLOCKS)),
+            extra_env=MP_LAYOUT,  # the drills run vLLM's CPU default process layout
         )
         decodes = {
             policy: Engine(
@@ -169,6 +168,7 @@ def drills(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Dri
                         connector, "kv_consumer", failure_policy=policy, extra_config=extra
                     ),
                     free_port(),
+                    extra_env=MP_LAYOUT,
                 ),
                 logs,
             )

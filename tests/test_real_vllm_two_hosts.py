@@ -44,6 +44,7 @@ from tests.real_vllm_harness import (
     complete,
     connector_under_test,
     kv_transfer_config,
+    one_set_starting,
 )
 from tests.real_vllm_workspace import Workspace
 
@@ -108,12 +109,14 @@ def two_hosts(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[
         decode = engine_on(hosts.decode, "decode", model_dir, "kv_consumer", logs)
         for engine in (prefill, decode):
             stack.callback(engine.cleanup)  # before the namespaces go (LIFO)
-            engine.start()
-        # /health of an engine on another host is reached from a thread on that host.
-        waits = [on_prefill.submit(prefill.wait_ready), on_decode.submit(decode.wait_ready)]
-        reference.wait_ready()
-        for wait in waits:
-            wait.result()
+        with one_set_starting():
+            for engine in (prefill, decode):
+                engine.start()
+            # /health of an engine on another host is reached from a thread on that host.
+            waits = [on_prefill.submit(prefill.wait_ready), on_decode.submit(decode.wait_ready)]
+            reference.wait_ready()
+            for wait in waits:
+                wait.result()
         proxy_url = on_decode.submit(start_proxy, stack, hosts.decode, prefill, decode).result()
         yield TwoHosts(hosts, reference, prefill, decode, proxy_url, on_decode)
     assert our_namespaces() == [], "a namespace outlived the test"

@@ -152,3 +152,23 @@ def test_tier_of_a_test(module: str, marked: set[str], tier: str) -> None:
 def test_a_real_mark_outside_the_tables_stops_the_run(marked: set[str], table: str) -> None:
     with pytest.raises(pytest.UsageError, match=table):
         conftest.tier_of("test_planner", marked)
+
+
+def test_every_real_vllm_module_runs_in_exactly_one_stream() -> None:
+    streams = conftest.real_vllm_streams()
+    placed = [module for modules in streams.values() for module in modules]
+    assert sorted(placed) == sorted(conftest.REAL_VLLM_MODULES)
+    assert set(conftest.REAL_VLLM_MODULES) >= conftest.OWN_ENGINES_STREAM
+
+
+def test_the_shared_pair_is_started_by_one_stream_only() -> None:
+    """A module asking for the session's shared pair in the other stream would start a second
+    one there: three more engine starts, unseen."""
+    own = set(conftest.real_vllm_streams()["own-engines"])
+    users = {
+        path.stem
+        for path in TESTS.glob("test_*.py")
+        if re.search(r"real_vllm\.pair\(", path.read_text())
+    }
+    assert users, "no module uses the shared pair: the check reads the wrong thing"
+    assert not users & own, f"in the own-engines stream but using the shared pair: {users & own}"
