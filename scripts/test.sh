@@ -11,11 +11,17 @@ if [ "${1:-}" = "--quick" ]; then
     export UCX_NET_DEVICES=lo NIXL_PD_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1
     .venv/bin/ruff check connector worker scheduler examples benchmarks tests
     .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
-    # Two workers (pytest-xdist, from the test extras), whole modules to each: module
-    # fixtures stay built once. A .venv set up before xdist was added runs in one process.
+    # Two workers (pytest-xdist, from the test extras), whole modules to each, the slowest
+    # first (tests/conftest.py): module fixtures stay built once. A .venv set up before
+    # xdist was added runs in one process.
     parallel=()
     if .venv/bin/python -c "import xdist" 2>/dev/null; then
         parallel=(-n "${QUICK_WORKERS:-2}" --dist loadfile)
+        # xdist 3.8+ can keep the collection's order (an older .venv: most tests first).
+        if .venv/bin/python -c "import sys, xdist
+sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 8))"; then
+            parallel+=(--no-loadscope-reorder)
+        fi
     fi
     exec .venv/bin/python -m pytest -q -m unit "${parallel[@]}" "$@"
 fi
@@ -42,14 +48,25 @@ export NIXL_PD_REQUIRE_VLLM=1 NIXL_PD_REQUIRE_REAL_VLLM=1 HF_HUB_OFFLINE=1
 export NIXL_PD_REQUIRE_NETNS=1
 .venv/bin/ruff check connector worker scheduler examples benchmarks tests
 .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
-.venv/bin/mypy connector worker scheduler
-stamp "lint and mypy done"
-# Every tier but real vLLM, two pytest-xdist workers with whole modules each. Not beside the
-# real-vLLM tier: on two cores the two together starved engines of the CPU (a fresh-clone run
-# that did so took as long, 30 min, and failed good requests `lease expired`).
+stamp "lint done"
+# mypy (about 60 s of one core on a fresh clone, no cache) beside the tiers below: their two
+# workers left about a quarter of the two cores idle (475 CPU-s in 310 s, fresh clone).
+.venv/bin/mypy connector worker scheduler >"$LOGS/mypy.log" 2>&1 &
+mypy_pid=$!
+# Every tier but real vLLM, two pytest-xdist workers with whole modules each, the slowest
+# modules first (tests/conftest.py, SLOW_MODULES_FIRST; --no-loadscope-reorder keeps that
+# order instead of xdist's most-tests-first), so that no long module starts last. Not beside
+# the real-vLLM tier: on two cores the two together starved engines of the CPU (a fresh-clone
+# run that did so took as long, 30 min, and failed good requests `lease expired`).
 status=0
-.venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile --durations=25 "$@" || status=1
+.venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile --no-loadscope-reorder \
+    --durations=25 "$@" || status=1
 stamp "other tiers done"
+mypy_status=0
+wait "$mypy_pid" || mypy_status=1
+cat "$LOGS/mypy.log"
+[ "$mypy_status" = 0 ] || status=1
+stamp "mypy done"
 # vLLM 0.33's own connector unit tests with NixlPDConnector substituted (about 30 s; fails on
 # any failure not listed, with its reason, in tests/vllm_upstream/EXPECTED_FAILURES).
 bash scripts/vllm_upstream_tests.sh -p no:warnings || status=1

@@ -61,6 +61,7 @@ ALL_TABLES = {
     "MIXED_NIXL_MODULES": set(conftest.MIXED_NIXL_MODULES),
     "VLLM_MODULES": conftest.VLLM_MODULES,
     "NETNS_MODULES": conftest.NETNS_MODULES,
+    "SLOW_MODULES_FIRST": set(conftest.SLOW_MODULES_FIRST),
 }
 
 
