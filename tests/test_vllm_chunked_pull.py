@@ -49,11 +49,16 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     engines: list[h.Engine] = []
 
     def make(
-        *, failure_policy: str = "fail", chunk_tokens: int = 256, num_blocks: int = 64
+        *,
+        failure_policy: str = "fail",
+        chunk_tokens: int = 256,
+        num_blocks: int = 64,
+        verify_kv: bool = False,
     ) -> tuple[h.Engine, h.Engine]:
         prefill, decode = h.build_pair(
-            model, monkeypatch, failure_policy=failure_policy, extra_config=CHUNKED,
-            block_size=BLOCK_SIZE, num_blocks=num_blocks,
+            model, monkeypatch, failure_policy=failure_policy,
+            extra_config={**CHUNKED, "verify_kv": verify_kv}, block_size=BLOCK_SIZE,
+            num_blocks=num_blocks,
         )  # fmt: skip
         engines.extend((prefill, decode))
         prefill.scheduler.max_num_scheduled_tokens = chunk_tokens  # chunks of this many
@@ -118,6 +123,17 @@ def _specs_reach(decode: h.Engine, count: int, timeout_s: float = 5.0) -> None:
     )
 
 
+def _step_both(prefill: h.Engine, decode: h.Engine, done: Any, timeout_s: float = 10.0) -> None:
+    """Step both engines until ``done()``: prefill answers decode's checks, and with verify_kv
+    its ranks digest a lease in the step after request_finished."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "condition not met in time"
+        prefill.step()
+        decode.step()
+        time.sleep(0.001)
+
+
 @pytest.fixture
 def failed_loads() -> Any:
     before = default_recorder().snapshot().counters.get(LOADS_FAILED.name, {})
@@ -138,10 +154,11 @@ def _start(prefill: h.Engine, decode: h.Engine, key: str, num_tokens: int, **opt
     prefill.add(_request(f"p-{key}", num_tokens, params, max_tokens=1, **options))
 
 
+@pytest.mark.parametrize("verify_kv", [False, True], ids=["lease-check", "verify-kv"])
 def test_a_load_across_three_chunks_reads_each_while_prefill_computes_the_next(
-    make_pair: Any,
+    make_pair: Any, verify_kv: bool
 ) -> None:
-    prefill, decode = make_pair()
+    prefill, decode = make_pair(verify_kv=verify_kv)
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
     num_tokens = 704  # chunks of 256, 256, 192: 44 whole blocks
     _start(prefill, decode, "k1", num_tokens)
@@ -152,7 +169,8 @@ def test_a_load_across_three_chunks_reads_each_while_prefill_computes_the_next(
     assert prefill.finished("p-k1") is None  # both READs went out while prefill ran
     prefill.run_until(lambda e: e.finished("p-k1") is not None)
     returned = prefill.finished("p-k1").kv_transfer_params
-    loaded = h.run_until_loaded(decode, "d-k1")
+    _step_both(prefill, decode, lambda: not _parked(decode, "d-k1"))
+    (loaded,) = decode.scheduler.kv_cache_manager.get_block_ids("d-k1")
 
     spans = [(s.num_read_tokens, s.num_tokens, s.chunk) for s in decode.load_specs]
     assert spans == [(0, 256, True), (256, 512, True), (512, num_tokens, False)]
@@ -165,12 +183,33 @@ def test_a_load_across_three_chunks_reads_each_while_prefill_computes_the_next(
     remote = returned["remote_block_ids"][0]
     assert len(remote) == num_tokens // BLOCK_SIZE
     expected = h.block_bytes(prefill, 0, 0, remote)
-    assert h.block_bytes(decode, 0, 0, loaded[0][: len(remote)]) == expected
+    assert h.block_bytes(decode, 0, 0, loaded[: len(remote)]) == expected
     decode.run_until(lambda e: e.finished("d-k1") is not None)
     assert str(decode.finished("d-k1").finish_reason) == "length"
     assert decode.stats["loads_finished"] == 1 and decode.stats["loads_failed"] == 0
     prefill.run_until(lambda e: e.num_free_blocks() == free_prefill)
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
+
+
+def test_verify_kv_proves_the_chunks_read_before_the_last_one_too(
+    make_pair: Any, failed_loads: Any
+) -> None:
+    """A chunk's bytes that changed in decode's blocks after its READ (here: overwritten)
+    fail the whole load's proof: the final claims cover every chunk, not the last READ."""
+    prefill, decode = make_pair(verify_kv=True)
+    _start(prefill, decode, "k5", 704)
+    prefill.step()
+    _specs_reach(decode, 1)
+    chunk = decode.load_specs[0]
+    local, remote = chunk.read_block_ids[0][0], chunk.source.remote_block_ids[0][0]  # type: ignore[index]
+    expected = h.block_bytes(prefill, 0, 0, [remote])
+    decode.run_until(lambda e: h.block_bytes(e, 0, 0, [local]) == expected)  # it landed
+    h.fill_blocks(decode, [[local]], seed=99)
+    prefill.run_until(lambda e: e.finished("p-k5") is not None)
+    _step_both(prefill, decode, lambda: decode.finished("d-k5") is not None)
+    assert str(decode.finished("d-k5").finish_reason) == "error"
+    assert decode.stats["loads_finished"] == 0 and decode.stats["loads_failed"] == 1
+    assert failed_loads() == {"digest": 1}
 
 
 @pytest.mark.parametrize(
