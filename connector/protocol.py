@@ -36,9 +36,9 @@ to a reader whose ref says other tokens or other blocks, or says neither
 (``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
 decode, but an older reader's refs are refused.
 
-Overlapped dispatch (docs/overlap.md): AwaitLease awaits a transfer key's lease, CancelTransfer
-ends it. Decoders raise only ProtocolError (InvalidNotification for free notifications), never
-msgspec's UnicodeDecodeError (bad UTF-8) or RecursionError (deep nesting): no traceback.
+Overlapped dispatch (docs/overlap.md): AwaitLease awaits a transfer key's lease (chunked
+pulls: its partials too), CancelTransfer ends it. Decoders raise only ProtocolError (and
+InvalidNotification), never msgspec's UnicodeDecodeError or RecursionError: no traceback.
 """
 
 from __future__ import annotations
@@ -196,11 +196,12 @@ TransferKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="
 MAX_AWAIT_HOLD_MS = 10_000  # the longest a server parks one AwaitLease before "pending"
 
 
-class AwaitLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="await_lease"):
+class AwaitLease(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag="await_lease"
+):
     """Overlapped dispatch: decode asks for the lease prefill draws for ``transfer_key``; the
-    server answers as soon as it knows, or "pending" after ``hold_ms`` (ask again).
-    ``after_generation`` (chunked pulls): also answer a "partial" announcement newer than it;
-    None: the final one only."""
+    server answers as soon as it knows, or "pending" after ``hold_ms`` (ask again); with
+    ``after_generation`` (chunked pulls) a newer "partial" one too (defaults are not sent)."""
 
     engine_id: EngineId
     transfer_key: TransferKey
@@ -296,12 +297,14 @@ ANNOUNCED_PARTIAL: AnnouncementStatus = "partial"  # chunked pulls: the whole bl
 
 
 class LeaseAnnouncement(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_announcement"
-):
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True,
+    tag="lease_announcement",
+):  # fmt: skip
     """The answer to AwaitLease. ``params`` ("leased") are exactly the kv_transfer_params
     prefill returned for its decode engine: decode validates them as it validates a router's;
     ("partial") the same for the blocks written so far, under the lease the final one keeps.
-    ``reason`` says why ("failed"). ``generation`` counts a key's announcements from 1."""
+    ``reason`` says why ("failed"). ``generation`` numbers a key's partials from 1 (0, not
+    sent, on the others: an older decode reads them)."""
 
     status: AnnouncementStatus
     params: dict[str, object] | None = None

@@ -105,7 +105,10 @@ class TransferBoard:
             entry = self._live(key)
             cancelled = entry is not None and entry.announcement is CANCELLED
             if not cancelled:
-                generation = 1 if entry is None else entry.announcement.generation + 1
+                # Only partials count (a final one needs none; 0 is not sent: older decodes)
+                generation = 0
+                if status == ANNOUNCED_PARTIAL:
+                    generation = 1 + (0 if entry is None else entry.announcement.generation)
                 announcement = LeaseAnnouncement(status, dict(params), generation=generation)
                 self._write(key, announcement, lease)
             watchers = tuple(self._watchers)
@@ -120,10 +123,7 @@ class TransferBoard:
         with self._lock:
             entry = self._live(key)
             if entry is None or entry.announcement is not CANCELLED:
-                generation = 1 if entry is None else entry.announcement.generation + 1
-                failed = LeaseAnnouncement(
-                    ANNOUNCED_FAILED, reason=reason[:4096], generation=generation
-                )
+                failed = LeaseAnnouncement(ANNOUNCED_FAILED, reason=reason[:4096])
                 self._write(key, failed, "")
             watchers = tuple(self._watchers)
         _notify(watchers)

@@ -148,12 +148,9 @@ class LoadTable:
     def abort(
         self, request_id: str, remote: RemoteSource, peer: Peer, failure: LoadFailure | None = None
     ) -> None:
-        """Abort a request; one never loaded here gets a record only to notify prefill.
-
-        A request this rank already reported is left alone: it was reported once, and its
-        free notifications already went out. ``failure`` (chunked pulls): a load whose chunk
-        READs went out fails with it instead, once none of them is live.
-        """
+        """Abort a request; one never loaded here gets a record only to notify prefill (one
+        this rank already reported is left alone). ``failure`` (chunked pulls): a load whose
+        chunk READs went out fails with it instead, once none of them is live."""
         load = self._loads.get(request_id)
         if load is None and request_id in self._recent:
             logger.info("request %s aborted after this rank reported it; nothing to do", request_id)
@@ -342,6 +339,8 @@ class LoadTable:
         local, start = spec.local_block_ids, spec.num_cached_tokens
         if spec.read_block_ids is not None and spec.num_read_tokens is not None:
             local, start = spec.read_block_ids, spec.num_read_tokens  # chunked: this window
+        if start >= spec.num_tokens:
+            return  # chunked: the chunks before read it all; the proof follows
         remote, pulls = spec.source.remote_block_ids, spec.source.remote_num_tokens is not None
         request = TransferRequest(local, remote, spec.num_tokens, start, remote_holds_more=pulls)
         try:
