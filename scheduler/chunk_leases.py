@@ -169,6 +169,8 @@ class ChunkLeases:
         name = lease_key(request_id, request.lease_id)
         if not self._board.announce_partial(request.key, params, name):
             request.lease_id = ""  # decode cancelled: the board released it
+        elif announcement.generation == 1:
+            logger.info("request %s: first chunk announced (%d tokens)", request_id, num_tokens)
 
     def _held(self, request_id: str, lease_id: str) -> bool:
         return bool(lease_id) and self._leases.held([(request_id, lease_id)], self._clock())[0]
