@@ -54,11 +54,12 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         chunk_tokens: int = 256,
         num_blocks: int = 64,
         verify_kv: bool = False,
+        wait_s: float = 30.0,
     ) -> tuple[h.Engine, h.Engine]:
+        extra = {**CHUNKED, "verify_kv": verify_kv, "overlap_wait_timeout": wait_s}
         prefill, decode = h.build_pair(
-            model, monkeypatch, failure_policy=failure_policy,
-            extra_config={**CHUNKED, "verify_kv": verify_kv}, block_size=BLOCK_SIZE,
-            num_blocks=num_blocks,
+            model, monkeypatch, failure_policy=failure_policy, extra_config=extra,
+            block_size=BLOCK_SIZE, num_blocks=num_blocks,
         )  # fmt: skip
         engines.extend((prefill, decode))
         prefill.scheduler.max_num_scheduled_tokens = chunk_tokens  # chunks of this many
@@ -294,3 +295,30 @@ def test_decode_abort_with_a_chunk_read_in_flight_waits_for_it_then_frees_both_s
     assert prefill.finished("p-k4").kv_transfer_params is None
     prefill.run_until(lambda e: e.num_free_blocks() == free_prefill)
     assert len(prefill.connector._scheduler.connector._leases) == 0  # type: ignore[union-attr]
+
+
+def test_no_final_announcement_within_the_wait_fails_prefill_timeout_and_ends_the_lease(
+    make_pair: Any, failed_loads: Any
+) -> None:
+    """Prefill stalls after its first chunk (not stepped): decode's wait runs out with a
+    chunk read, fails the load after the ranks ended it, and cancels the transfer, so the
+    chunk lease ends and prefill, once it runs again, draws no lease at its end."""
+    prefill, decode = make_pair(wait_s=1.0)
+    free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
+    _start(prefill, decode, "k6", 704)
+    prefill.step()
+    _specs_reach(decode, 1)
+    started = time.monotonic()
+    decode.run_until(lambda e: e.finished("d-k6") is not None, timeout_s=5.0)
+    assert time.monotonic() - started < 2.0
+    assert str(decode.finished("d-k6").finish_reason) == "error"
+    assert failed_loads() == {"prefill_timeout": 1}
+    decode.run_until(lambda e: e.num_free_blocks() == free_decode)
+    leases = prefill.connector._scheduler.connector._leases  # type: ignore[union-attr]
+    deadline = time.monotonic() + 5.0
+    while len(leases) and time.monotonic() < deadline:  # the cancel reaches prefill
+        time.sleep(0.01)
+    assert len(leases) == 0
+    prefill.run_until(lambda e: e.finished("p-k6") is not None)
+    assert prefill.finished("p-k6").kv_transfer_params is None
+    prefill.run_until(lambda e: e.num_free_blocks() == free_prefill)
