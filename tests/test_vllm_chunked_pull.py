@@ -55,13 +55,18 @@ def make_pair(model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         num_blocks: int = 64,
         verify_kv: bool = False,
         wait_s: float = 30.0,
+        tp_sizes: tuple[int, int] = (1, 1),
     ) -> tuple[h.Engine, h.Engine]:
         extra = {**CHUNKED, "verify_kv": verify_kv, "overlap_wait_timeout": wait_s}
-        prefill, decode = h.build_pair(
-            model, monkeypatch, failure_policy=failure_policy, extra_config=extra,
-            block_size=BLOCK_SIZE, num_blocks=num_blocks,
-        )  # fmt: skip
-        engines.extend((prefill, decode))
+        roles = (("prefill", "kv_producer"), ("decode", "kv_consumer"))
+        for (name, role), tp_size in zip(roles, tp_sizes, strict=True):
+            config = h.vllm_config(
+                model, kv_role=role, block_size=BLOCK_SIZE, failure_policy=failure_policy,
+                extra_config=extra, tp_size=tp_size,
+            )  # fmt: skip
+            cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=num_blocks, tp_size=tp_size)
+            engines.append(h.build_engine(name, config, cache, port=h.free_port(), env=monkeypatch))
+        prefill, decode = engines[-2:]
         prefill.scheduler.max_num_scheduled_tokens = chunk_tokens  # chunks of this many
         h.sample_nothing_for_chunks(prefill)
         _write_chunks(prefill)
@@ -155,11 +160,16 @@ def _start(prefill: h.Engine, decode: h.Engine, key: str, num_tokens: int, **opt
     prefill.add(_request(f"p-{key}", num_tokens, params, max_tokens=1, **options))
 
 
-@pytest.mark.parametrize("verify_kv", [False, True], ids=["lease-check", "verify-kv"])
+@pytest.mark.parametrize(
+    ("verify_kv", "tp_sizes"),
+    [(False, (1, 1)), (True, (1, 1)), (True, (2, 1)), (False, (1, 2))],
+    ids=["lease-check", "verify-kv", "prefill-tp2", "decode-tp2"],
+)
 def test_a_load_across_three_chunks_reads_each_while_prefill_computes_the_next(
-    make_pair: Any, verify_kv: bool
+    make_pair: Any, verify_kv: bool, tp_sizes: tuple[int, int]
 ) -> None:
-    prefill, decode = make_pair(verify_kv=verify_kv)
+    """Prefill TP 2: a chunk is announced only once both ranks echoed its step."""
+    prefill, decode = make_pair(verify_kv=verify_kv, tp_sizes=tp_sizes)
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
     num_tokens = 704  # chunks of 256, 256, 192: 44 whole blocks
     _start(prefill, decode, "k1", num_tokens)
@@ -183,11 +193,11 @@ def test_a_load_across_three_chunks_reads_each_while_prefill_computes_the_next(
     )
     remote = returned["remote_block_ids"][0]
     assert len(remote) == num_tokens // BLOCK_SIZE
-    expected = h.block_bytes(prefill, 0, 0, remote)
-    assert h.block_bytes(decode, 0, 0, loaded[: len(remote)]) == expected
+    assert h.heads_bytes(decode, loaded[: len(remote)]) == h.heads_bytes(prefill, remote)
     decode.run_until(lambda e: e.finished("d-k1") is not None)
     assert str(decode.finished("d-k1").finish_reason) == "length"
-    assert decode.stats["loads_finished"] == 1 and decode.stats["loads_failed"] == 0
+    # Counted by each decode rank: one load each, none failed.
+    assert decode.stats["loads_finished"] == tp_sizes[1] and decode.stats["loads_failed"] == 0
     prefill.run_until(lambda e: e.num_free_blocks() == free_prefill)
     decode.run_until(lambda e: e.num_free_blocks() == free_decode)
 
