@@ -316,7 +316,8 @@ class SchedulerConnector:
         ``block_ids``: the request's blocks per cache group (read, not kept).
         """
         request_id = request.request_id
-        chunk_lease = self.chunk_leases and self.chunk_leases.finish(request_id, request.aborted)
+        chunks = self.chunk_leases  # prefill, chunked pulls: the lease its chunks went under
+        chunk_lease = chunks.finish(request_id, request.aborted) if chunks is not None else None
         self._overlapped.end_chunked(request_id)  # decode: abort chunk READs (they drain)
         record = self._consumer.record(request_id)
         if record and record.state is CLAIMED and self._overlapped.end_unbound(request, record):
@@ -346,7 +347,7 @@ class SchedulerConnector:
         lease = functools.partial(
             self._producer.request_finished, request.request_id, block_ids,
             request.num_prompt_tokens, token_ids=request.token_ids, kv_salt=request.kv_salt,
-            lease_id=chunk_lease or None,
+            lease_id=chunk_lease,
         )  # fmt: skip
         if params.transfer_key is not None:  # overlapped dispatch: announced under the key
             return lease_under_key(self._transfers, params.transfer_key, request.aborted, lease)
