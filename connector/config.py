@@ -66,6 +66,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "overlap_wait_timeout": overlapped dispatch (docs/overlap.md), how long a decode load
     # waits for prefill to announce its lease before it fails (prefill_timeout)
     overlap_wait_timeout_s: float = 30.0
+    # "chunked_pull": overlapped dispatch with chunked prefill (docs/overlap.md): prefill
+    # announces each chunk's whole blocks and decode READs them while later chunks compute
+    chunked_pull: bool = False
 
     def __repr__(self) -> str:
         """Every field, with the secret masked: configs get logged."""
@@ -153,6 +156,7 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         "an integer number of tokens >= 0 (0: pull whatever decode holds)",
     ),
     "overlap_wait_timeout": ("overlap_wait_timeout_s", PositiveSeconds, "a number of seconds > 0"),
+    "chunked_pull": ("chunked_pull", bool, "true or false"),
     "decoder_kv_blocks_ttl": (
         "decoder_kv_blocks_ttl_s",
         PositiveSeconds,

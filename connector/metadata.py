@@ -84,6 +84,13 @@ class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False
     (what else their KV depends on): each rank digests the first ``num_tokens`` into
     ``source.tokens`` on its transfer thread (worker/loads.py), so the engine thread never
     packs or hashes them. None: ``source.tokens`` is used as given.
+
+    Chunked pulls (docs/overlap.md): one load arrives as several LoadSpecs of one request id,
+    each reading tokens [num_read_tokens, num_tokens) into ``read_block_ids`` (decode's blocks
+    for them, per group) from the blocks prefill announced so far. ``chunk``: more follow;
+    the rank posts these READs and reports nothing. The last one (``chunk`` False) reads the
+    rest, then proves the whole load: its lease check and (verify_kv) claims cover tokens
+    [num_cached_tokens, num_tokens) in ``local_block_ids``, every chunk included.
     """
 
     request_id: str
@@ -93,13 +100,20 @@ class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False
     source: RemoteSource
     token_ids: Sequence[int] | None = None
     kv_salt: KVSalt = ()
+    chunk: bool = False
+    num_read_tokens: int | None = None  # None: num_cached_tokens (a whole load)
+    read_block_ids: BlockIds | None = None  # None: local_block_ids
 
 
 class ReleaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
-    """Decode: the request will not read (aborted); tell its prefill engine to free the blocks."""
+    """Decode: the request will not read (aborted); tell its prefill engine to free the blocks.
+
+    ``failure`` (chunked pulls): the load whose chunk READs went out fails with it instead,
+    reported once none of its READs is live."""
 
     request_id: str
     source: RemoteSource
+    failure: LoadFailure | None = None
 
 
 class DigestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -144,6 +158,9 @@ class ConnectorMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     digests: tuple[DigestSpec, ...] = ()
     # Host staging: held leases whose blocks the engine adapter copies device->host this step.
     stage_out: tuple[StageSpec, ...] = ()
+    # Prefill with chunked pulls: this step's number; each rank echoes it after the step's
+    # forward (``WorkerReport.saved_step``), so the scheduler knows which chunks are written.
+    step_seq: int = 0
 
 
 class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -163,3 +180,5 @@ class WorkerReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     unsaved: tuple[str, ...] = ()
     # Host staging: lease keys of ``stage_out`` whose device->host copy this rank finished.
     staged: tuple[str, ...] = ()
+    # Prefill with chunked pulls: the last ``step_seq`` whose forward this rank finished.
+    saved_step: int = 0

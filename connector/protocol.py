@@ -36,9 +36,9 @@ to a reader whose ref says other tokens or other blocks, or says neither
 (``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
 decode, but an older reader's refs are refused.
 
-Overlapped dispatch (docs/overlap.md): AwaitLease awaits a transfer key's lease, CancelTransfer
-ends it. Decoders raise only ProtocolError (InvalidNotification for free notifications), never
-msgspec's UnicodeDecodeError (bad UTF-8) or RecursionError (deep nesting): no traceback.
+Overlapped dispatch (docs/overlap.md): AwaitLease awaits a transfer key's lease (chunked
+pulls: its partials too), CancelTransfer ends it. Decoders raise only ProtocolError (and
+InvalidNotification), never msgspec's UnicodeDecodeError or RecursionError: no traceback.
 """
 
 from __future__ import annotations
@@ -196,14 +196,18 @@ TransferKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="
 MAX_AWAIT_HOLD_MS = 10_000  # the longest a server parks one AwaitLease before "pending"
 
 
-class AwaitLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="await_lease"):
+class AwaitLease(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag="await_lease"
+):
     """Overlapped dispatch: decode asks for the lease prefill draws for ``transfer_key``; the
-    server answers as soon as it knows, or "pending" after ``hold_ms`` (ask again)."""
+    server answers as soon as it knows, or "pending" after ``hold_ms`` (ask again); with
+    ``after_generation`` (chunked pulls) a newer "partial" one too (defaults are not sent)."""
 
     engine_id: EngineId
     transfer_key: TransferKey
     hold_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_AWAIT_HOLD_MS)] = 1000
     reader: ReaderId | None = None
+    after_generation: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class CancelTransfer(
@@ -244,8 +248,6 @@ class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ack"):
 
 DIGEST_OK = "ok"
 DIGEST_PENDING = "pending"  # prefill's ranks have not reported this lease's digests yet
-
-
 RefusalKind = Literal["tokens", "blocks"]
 REFUSED_TOKENS: RefusalKind = "tokens"  # the lease's blocks hold other tokens
 REFUSED_BLOCKS: RefusalKind = "blocks"  # the reader reads other blocks or another token count
@@ -287,22 +289,27 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="e
     code: str = ""  # machine-readable kind where the client acts on it (STALE_BOOT), else ""
 
 
-AnnouncementStatus = Literal["leased", "failed", "pending"]
+AnnouncementStatus = Literal["leased", "failed", "pending", "partial"]
 ANNOUNCED_LEASED: AnnouncementStatus = "leased"  # ``params``: what prefill returned for decode
 ANNOUNCED_FAILED: AnnouncementStatus = "failed"  # prefill ended the request without a lease
 ANNOUNCED_PENDING: AnnouncementStatus = "pending"  # nothing yet (or not known here): ask again
+ANNOUNCED_PARTIAL: AnnouncementStatus = "partial"  # chunked pulls: the whole blocks so far
 
 
 class LeaseAnnouncement(
-    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_announcement"
-):
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True,
+    tag="lease_announcement",
+):  # fmt: skip
     """The answer to AwaitLease. ``params`` ("leased") are exactly the kv_transfer_params
-    prefill returned for its decode engine: decode validates them as it validates a router's.
-    ``reason`` says why ("failed")."""
+    prefill returned for its decode engine: decode validates them as it validates a router's;
+    ("partial") the same for the blocks written so far, under the lease the final one keeps.
+    ``reason`` says why ("failed"). ``generation`` numbers a key's partials from 1 (0, not
+    sent, on the others: an older decode reads them)."""
 
     status: AnnouncementStatus
     params: dict[str, object] | None = None
     reason: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    generation: int = 0
 
 
 Reply = HelloReply | HandshakeReply | Ack | LeaseStatus | ErrorReply | LeaseAnnouncement
@@ -413,17 +420,13 @@ def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, what: str) -> _T:
     try:
         return decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"{what} ({_short(exc)})") from None
+        raise ProtocolError(f"{what} ({_short_text(str(exc))})") from None
     except RecursionError:
         raise ProtocolError(f"{what} (nested too deeply)") from None
     except UnicodeDecodeError:
         raise ProtocolError(f"{what} (a string is not valid UTF-8)") from None
     except Exception as exc:  # any other failure on a peer's bytes is still malformed input
-        raise ProtocolError(f"{what} ({type(exc).__name__}: {_short(exc)})") from None
-
-
-def _short(exc: Exception) -> str:
-    return _short_text(str(exc))
+        raise ProtocolError(f"{what} ({type(exc).__name__}: {_short_text(str(exc))})") from None
 
 
 def _short_text(text: str) -> str:
@@ -431,7 +434,6 @@ def _short_text(text: str) -> str:
 
 
 # Free notifications: b"<remote_request_id>:<consumers>", sent by NIXL once a READ's data landed.
-
 LEASE_KEY_SEPARATOR = "@"
 
 
@@ -486,12 +488,11 @@ def decode_free_notif(msg: bytes) -> tuple[str, int]:
     if not id_bytes:
         raise InvalidNotification(f"free notification {_show(msg)} has an empty request id")
     try:
-        remote_request_id = id_bytes.decode("utf-8")
+        return id_bytes.decode("utf-8"), int(count_bytes)
     except UnicodeDecodeError:
         raise InvalidNotification(
             f"free notification {_show(msg)}: request id is not UTF-8"
         ) from None
-    return remote_request_id, int(count_bytes)
 
 
 def _show(msg: bytes | bytearray) -> str:

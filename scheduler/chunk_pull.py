@@ -31,8 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from connector.layout import GroupKind
 from connector.metadata import BlockIds, RemoteSource
 from connector.outcomes import FailureKind, LoadFailure
+
+# Groups whose blocks can be read chunk by chunk (a sliding window frees early blocks during
+# prefill, an SSM group holds only the state after the last token).
+CHUNKABLE_KINDS = (GroupKind.FULL, GroupKind.MLA)
 
 
 class ChunkRefused(Exception):

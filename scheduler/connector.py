@@ -33,6 +33,7 @@ from connector.metadata import ConnectorMetadata, WorkerReport
 from connector.outcomes import LoadFailure
 from connector.params import raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
+from scheduler.chunk_leases import ChunkLeases, eligible
 from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer, RequestLoad
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
@@ -40,7 +41,7 @@ from scheduler.lifecycles import OnMove
 from scheduler.overlap import OverlappedLoads
 from scheduler.params_reader import ParamsReader
 from scheduler.producer import Producer
-from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role
+from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role, final_tokens
 from scheduler.sibling_loads import SiblingLoads
 from scheduler.side_channel import SideChannelServer
 from scheduler.suffix import PULLABLE_KINDS, held_blocks
@@ -129,9 +130,17 @@ class SchedulerConnector:
             reader=self._reader,
         )
         self._overlapped = OverlappedLoads.for_config(  # decode: loads parked until announced
-            config, self._reader, self._consumer,
+            config, self._reader, self._consumer, spec.groups,
             parse=self._parse, read=self._params.read, match=self._match,
         )  # fmt: skip
+        # Prefill with chunked pulls (docs/overlap.md): partial announcements while it runs.
+        self.chunk_leases: ChunkLeases | None = None
+        if config.chunked_pull and eligible(spec.groups, host_staging):
+            self.chunk_leases = ChunkLeases(
+                groups=spec.groups, engine_id=engine_id, tp_size=tp_size, leases=self._leases,
+                board=self._transfers, clock=clock, address=self._side_channel_address,
+                boot_id=self._side_channel_boot_id,
+            )  # fmt: skip
 
     @property
     def reader(self) -> ReaderId:
@@ -307,6 +316,9 @@ class SchedulerConnector:
         ``block_ids``: the request's blocks per cache group (read, not kept).
         """
         request_id = request.request_id
+        chunks = self.chunk_leases  # prefill, chunked pulls: the lease its chunks went under
+        chunk_lease = chunks.finish(request_id, request.aborted) if chunks is not None else None
+        self._overlapped.end_chunked(request_id)  # decode: abort chunk READs (they drain)
         record = self._consumer.record(request_id)
         if record and record.state is CLAIMED and self._overlapped.end_unbound(request, record):
             return True, None  # overlapped, unbound: parked on blocks the engine frees later
@@ -335,6 +347,7 @@ class SchedulerConnector:
         lease = functools.partial(
             self._producer.request_finished, request.request_id, block_ids,
             request.num_prompt_tokens, token_ids=request.token_ids, kv_salt=request.kv_salt,
+            lease_id=chunk_lease,
         )  # fmt: skip
         if params.transfer_key is not None:  # overlapped dispatch: announced under the key
             return lease_under_key(self._transfers, params.transfer_key, request.aborted, lease)
@@ -479,22 +492,3 @@ def _params_summary(raw: object) -> str:
     if not isinstance(raw, dict):
         return f"params are now {type(raw).__name__}"
     return f"do_remote_prefill is now {raw.get('do_remote_prefill')!r}"
-
-
-def final_tokens(request: RequestInfo) -> int | None:
-    """Decode, at request_finished: how many leading tokens have both an id and final KV in
-    the request's blocks; None without ids.
-
-    At most ``num_computed_tokens`` (None: the prompt), and never the last id: a sampled
-    token whose KV no step computed yet. Positions past the ids are scratch: vLLM 0.33's
-    async scheduling counts in-flight positions (speculative drafts among them) in
-    ``num_computed_tokens`` before their ids exist (``num_output_placeholders``).
-    Example: ids [p0..p9, a0, a1] with num_computed_tokens 14 (two draft positions) -> 11.
-    """
-    token_ids = request.token_ids
-    if token_ids is None:
-        return None
-    num_computed = request.num_computed_tokens
-    if num_computed is None:
-        num_computed = request.num_prompt_tokens
-    return min(num_computed, len(token_ids) - 1)

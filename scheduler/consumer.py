@@ -1,14 +1,11 @@
 """Decode-side request state: which prompts to load from which prefill engine, and their outcome.
 
-Each decode request has one record in the scheduler process, here, from the engine's first ask
-to request_finished; nothing else keeps state for it (the vLLM adapter only translates). It
-moves only along REQUEST_LOAD_LIFECYCLE (scheduler/lifecycles.py) and also holds the request's
-parsed params (``parsed``, reused while the request carries the same params object).
-
-Params bind at allocation, as vLLM binds a request (scheduler/connector.py): the first ask
-only claims the tokens (CLAIMED, unread) and the params are read at allocation; refused ones
-(REFUSING, then REFUSED) are announced as a failed load if the engine parked the request, and
-never offered a load again.
+Each decode request has one record here, from the engine's first ask to request_finished
+(the vLLM adapter only translates). It moves only along REQUEST_LOAD_LIFECYCLE
+(scheduler/lifecycles.py) and holds the parsed params (``parsed``, reused while the request
+carries the same params object). Params bind at allocation (scheduler/connector.py): the first
+ask only claims the tokens (CLAIMED, unread); refused ones (REFUSING, then REFUSED) are
+announced as a failed load if the engine parked the request, and never offered a load again.
 
 Read params: get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
 (ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
@@ -23,9 +20,8 @@ Prefill is told to free only once the engine decided: at allocation with nothing
 full local prefix hit), as vLLM's own connector does, or at request_finished; never at an ask,
 which the engine may repeat with a smaller hit.
 
-In multi-turn mode a prefill engine loads through this same class: its source is the decode
-engine holding an earlier turn (``RemoteSource.remote_num_tokens`` set), and a successful pull is
-counted in ``nixl_pd_pulled_tokens_total``.
+Multi-turn: a prefill engine pulls an earlier turn from decode through this class too
+(``RemoteSource.remote_num_tokens`` set; counted in ``nixl_pd_pulled_tokens_total``).
 """
 
 from __future__ import annotations
@@ -136,6 +132,7 @@ class Consumer:
         )
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_releases: list[ReleaseSpec] = []
+        self._pending_chunks: list[LoadSpec] = []  # chunked pulls (scheduler/overlap.py)
         self._finished: list[str] = []
         self._failed: dict[str, LoadFailure] = {}
         self._by_ranks: set[str] = set()  # of the above: loads whose LoadSpec went out
@@ -167,13 +164,9 @@ class Consumer:
         num_new_tokens = num_tokens - num_cached_tokens
         if load is None:
             load = RequestLoad(
-                source,
-                num_tokens,
-                num_cached_tokens,
-                parsed=parsed,
-                token_ids=token_ids,
+                source, num_tokens, num_cached_tokens, parsed=parsed, token_ids=token_ids,
                 kv_salt=kv_salt,
-            )
+            )  # fmt: skip
             self._loads.start(request_id, load, MATCHED)
             self._keepalive.hold(request_id, source)
             self.siblings.reading(request_id, lease_key(source.remote_request_id, source.lease_id))
@@ -317,8 +310,24 @@ class Consumer:
         self._keepalive.engine_stepped()
         allocated = self._loads.in_state(ALLOCATED)
         loads = [spec for request_id, load in allocated if (spec := self._emit(request_id, load))]
+        loads, self._pending_chunks = loads + self._pending_chunks, []
         releases, self._pending_releases = tuple(self._pending_releases), []
         return tuple(loads), releases
+
+    def send_chunk(self, request_id: str, spec: LoadSpec) -> None:
+        """Chunked pulls: one more LoadSpec of an allocated load (LOADING from the first)."""
+        load = self._loads.get(request_id)
+        if load is not None and load.state is ALLOCATED:
+            self._loads.move(request_id, LOADING)
+            load.load_sent = True
+        self._pending_chunks.append(spec)
+
+    def stop_chunks(self, request_id: str, failure: LoadFailure | None) -> None:
+        """Chunked pulls: end a load whose chunk READs went out, failed (or aborted: None)
+        once the ranks drained them; they report it as any load."""
+        load = self._loads.get(request_id)
+        if load is not None and load.state in _RANKS_ANSWER_LOAD:
+            self._pending_releases.append(ReleaseSpec(request_id, _source_of(load), failure))
 
     def request_finished(self, request_id: str, source: RemoteSource | None) -> tuple[bool, None]:
         """(True, None) while ranks may still touch the request's blocks, else (False, None).
@@ -377,18 +386,13 @@ class Consumer:
         load.load_sent = True
         token_ids, load.token_ids = load.token_ids, None  # the ranks digest them; keep none
         return LoadSpec(
-            request_id,
-            local_block_ids,
-            load.num_tokens,
-            load.num_cached_tokens,
-            self._named(load),
-            token_ids,
-            load.kv_salt,
-        )
+            request_id, local_block_ids, load.num_tokens, load.num_cached_tokens,
+            self._named(load), token_ids, load.kv_salt,
+        )  # fmt: skip
 
     def _named(self, load: RequestLoad) -> RemoteSource:
-        """The load's source naming this reader, as its ranks' lease checks do. The tokens it
-        expects the remote blocks to hold go as the LoadSpec's ids, digested by the ranks."""
+        """The load's source naming this reader, as its ranks' lease checks do (the tokens
+        it expects go as the LoadSpec's ids, digested by the ranks)."""
         source = _source_of(load)
         if self._reader is None:
             return source
@@ -396,11 +400,8 @@ class Consumer:
 
     def on_engine_outcomes(self, finished: Iterable[str], failed: Iterable[str]) -> None:
         """The engine's own word that loads ended: ``finished`` ids (``failed`` among them).
-
-        vLLM aggregates the ranks' results itself and may know before (or without) our
-        reports; its word ends the load for every rank that has not reported yet. Ids that are
-        not loads we track (already reported, or never ours) are ignored.
-        """
+        vLLM aggregates the ranks' results and may know before (or without) our reports; its
+        word ends the load for every rank not reported yet. Ids not tracked are ignored."""
         failed_ids = set(failed)
         for request_id in finished:
             load = self._loads.get(request_id)

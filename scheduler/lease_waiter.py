@@ -4,7 +4,9 @@ One daemon thread per awaited transfer long-polls prefill's side channel (AwaitL
 there until prefill's ``request_finished`` settles the key or the hold runs out) until it
 learns the lease's params, prefill's failure, or its own deadline passes; the outcome goes to
 an inbox the engine thread takes at its next step (``take``), as it takes the ranks' reports.
-The engine thread never waits here.
+The engine thread never waits here. With chunked pulls (``chunked``) each partial
+announcement prefill makes while it computes goes to the inbox too (``Settled.partial``), and
+the wait goes on for the next one, until the final one.
 
 Bounds: at most ``max_waits`` waits at once (another fails at once), each ends by
 ``timeout_s`` after it started, plus at most one ``call_timeout_s`` when a side channel stops
@@ -27,7 +29,7 @@ from connector.errors import HandshakeError, PeerRestarted
 from connector.net import side_channel_client
 from connector.outcomes import FailureKind, LoadFailure
 from connector.params import AwaitedLease
-from connector.protocol import ANNOUNCED_FAILED, ANNOUNCED_LEASED, ReaderId
+from connector.protocol import ANNOUNCED_FAILED, ANNOUNCED_LEASED, ANNOUNCED_PARTIAL, ReaderId
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class Settled(msgspec.Struct, frozen=True, gc=False):
     params: dict[str, object] | None = None
     failure: LoadFailure | None = None
     engine_id: str = ""  # the engine that announced (its Hello's; the params must name it)
+    partial: bool = False  # chunked pulls: the blocks written so far; the wait goes on
 
 
 class LeaseWaiter:
@@ -59,7 +62,9 @@ class LeaseWaiter:
         reader: ReaderId | None = None,
         max_waits: int = MAX_WAITS,
         clock: Callable[[], float] = time.monotonic,
+        chunked: bool = False,  # ask for partial announcements too (chunked pulls)
     ) -> None:
+        self._chunked = chunked
         self._timeout_s = timeout_s
         self._call_timeout_s = call_timeout_s
         self._secret = secret
@@ -143,7 +148,8 @@ class LeaseWaiter:
         with self._lock:
             if stop is not None and self._waits.get(settled.request_id) is not stop:
                 return  # cancelled meanwhile: nobody wants it
-            self._waits.pop(settled.request_id, None)
+            if not settled.partial:
+                self._waits.pop(settled.request_id, None)
             self._inbox.append(settled)
 
     def _await(
@@ -152,6 +158,7 @@ class LeaseWaiter:
         """Ask until the key settles, the deadline passes or the wait is cancelled (None)."""
         deadline = self._clock() + self._timeout_s
         engine_id, boot_id = "", ""
+        after_generation = 0 if self._chunked else None
         last_error = "its side channel never answered"
         while not stop.is_set():
             remaining_s = deadline - self._clock()
@@ -170,6 +177,7 @@ class LeaseWaiter:
                     awaited.host, awaited.port, awaited.transfer_key,
                     engine_id=engine_id, boot_id=boot_id, hold_s=hold_s,
                     secret=self._secret, timeout_s=call_timeout_s, reader=self._reader,
+                    after_generation=after_generation,
                 )  # fmt: skip
             except PeerRestarted as exc:
                 why = f"prefill restarted while decode waited (the request it got is gone): {exc}"
@@ -178,6 +186,11 @@ class LeaseWaiter:
             except HandshakeError as exc:
                 last_error = str(exc)
                 stop.wait(min(RETRY_S, max(0.0, deadline - self._clock())))
+                continue
+            if reply.status == ANNOUNCED_PARTIAL and after_generation is not None:
+                after_generation = max(after_generation, reply.generation)
+                partial = Settled(request_id, awaited, reply.params, None, engine_id, True)
+                self._settle(partial, stop)
                 continue
             if reply.status == ANNOUNCED_LEASED:
                 return Settled(request_id, awaited, params=reply.params, engine_id=engine_id)

@@ -153,6 +153,7 @@ class Producer:
         hold_s: float | None = None,
         token_ids: Sequence[int] | None = None,
         kv_salt: KVSalt = (),
+        lease_id: str | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """Lease the blocks and return the params their reader needs; (False, None) if we
         cannot.
@@ -163,6 +164,8 @@ class Producer:
         blocks, is refused). Without them (None, or fewer ids) nothing is offered: a lease
         that could not say what its blocks hold would vouch for any reader. ``kv_salt``:
         what else their KV depends on, bound with them (connector/token_digest.py).
+        ``lease_id``: the id of the lease chunked pulls drew while the request ran
+        (scheduler/chunk_leases.py), bound here to the whole prompt; None draws one.
         ``hold_s`` (a decode engine in bidirectional mode): hold the finished request's
         blocks that long for the next turn's prefill, and return the params it needs.
         """
@@ -190,7 +193,7 @@ class Producer:
             )
             return False, None
         now_s = self._clock()
-        lease_id = self._lease_ids.draw()
+        lease_id = lease_id or self._lease_ids.draw()
         key = lease_key(request_id, lease_id)
         # Our own copy of the ids the params name: the params travel on and may be edited.
         blocks: BlockIds = tuple(tuple(group) for group in block_ids)

@@ -48,7 +48,7 @@ class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cyc
     # the engine may append to the list, never change the ids a lease covers). They bind
     # leases to tokens (connector/token_digest.py): a reader's load expects its first tokens,
     # a holder's lease holds its first ``num_prompt_tokens`` (a multi-turn hold: its final
-    # tokens, scheduler/connector.py ``final_tokens``). None: unknown (prompt embeddings, an
+    # tokens, ``final_tokens`` below). None: unknown (prompt embeddings, an
     # engine that does not pass them): nothing is offered, since no lease is unbound.
     token_ids: Sequence[int] | None = None
     # What the KV of those ids depends on besides them (a LoRA adapter, a cache salt,
@@ -84,3 +84,22 @@ class ParsedParams(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers t
     source: RemoteSource | None
     pulls: bool = False
     awaits: AwaitedLease | None = None
+
+
+def final_tokens(request: RequestInfo) -> int | None:
+    """Decode, at request_finished: how many leading tokens have both an id and final KV in
+    the request's blocks; None without ids.
+
+    At most ``num_computed_tokens`` (None: the prompt), and never the last id: a sampled
+    token whose KV no step computed yet. Positions past the ids are scratch: vLLM 0.33's
+    async scheduling counts in-flight positions (speculative drafts among them) in
+    ``num_computed_tokens`` before their ids exist (``num_output_placeholders``).
+    Example: ids [p0..p9, a0, a1] with num_computed_tokens 14 (two draft positions) -> 11.
+    """
+    token_ids = request.token_ids
+    if token_ids is None:
+        return None
+    num_computed = request.num_computed_tokens
+    if num_computed is None:
+        num_computed = request.num_prompt_tokens
+    return min(num_computed, len(token_ids) - 1)

@@ -96,11 +96,13 @@ def _ignore_reader(reader: ReaderId, names: tuple[str, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Park:
-    """An AwaitLease with nothing to announce yet: answer it when the key settles or at
-    ``hold_ms``, from the serving thread (the only one that touches the socket)."""
+    """An AwaitLease with nothing to announce yet: answer it when the key settles (or, asked
+    with ``after_generation``, announces a newer partial) or at ``hold_ms``, from the serving
+    thread (the only one that touches the socket)."""
 
     transfer_key: str
     hold_ms: int
+    after_generation: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +111,7 @@ class _Parked:
     route: tuple[bytes, ...]  # the peer's identity, and the REQ delimiter if any
     nonce: bytes
     deadline: float  # monotonic seconds
+    after_generation: int | None
 
 
 class SideChannelServer:
@@ -280,9 +283,8 @@ class SideChannelServer:
         """Answer the parked AwaitLease requests whose key settled or whose hold ran out."""
         now, still = self._log_clock(), []
         for parked in self._parked:
-            status = (
-                None if self._transfers is None else self._transfers.status(parked.transfer_key)
-            )
+            key, after = parked.transfer_key, parked.after_generation
+            status = None if self._transfers is None else self._transfers.status(key, after)
             if status is None and parked.deadline > now:
                 still.append(parked)
                 continue
@@ -311,7 +313,8 @@ class SideChannelServer:
             if len(self._parked) < MAX_PARKED:
                 deadline = self._log_clock() + reply.hold_ms / 1000
                 route = (identity, *delimiter)
-                self._parked.append(_Parked(reply.transfer_key, route, nonce, deadline))
+                parked = _Parked(reply.transfer_key, route, nonce, deadline, reply.after_generation)
+                self._parked.append(parked)
                 return self._log_clock() - started_s
             reply = PENDING
         frame = self._encode(reply, nonce)
@@ -396,10 +399,8 @@ class SideChannelServer:
         key = request.transfer_key
         if isinstance(request, CancelTransfer):
             return Ack(self._transfers.cancel(key))
-        status = self._transfers.status(key)
-        if status is not None:
-            return status
-        return _Park(key, request.hold_ms)
+        status = self._transfers.status(key, request.after_generation)
+        return status or _Park(key, request.hold_ms, request.after_generation)
 
     def _note_reader(self, reader: ReaderId, names: tuple[str, ...]) -> None:
         """Tell the holder who sent the message; log the leases its restart orphaned."""

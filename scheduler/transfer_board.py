@@ -11,6 +11,12 @@ answer decode's AwaitLease, and writes a decode's CancelTransfer:
                 --cancel----> CANCELLED --announce--> CANCELLED (that late lease released
                                                       at once; the connector draws none when
                                                       it sees the cancel first)
+                --announce_partial--> PARTIAL --announce_partial, announce, fail, cancel-->
+
+Chunked pulls (``announce_partial``): while prefill still computes, the key holds the latest
+partial announcement (the whole blocks written so far, under the lease the final one keeps),
+each with the next ``generation``; only an AwaitLease that asks for partials sees them
+(``status(key, after_generation)``), and a cancel releases that lease as it does a final one.
 
 Bounded in size and time: an entry lives ``ttl_s`` after its last write (a lease nobody
 heartbeats ends after one lease duration anyway), and past ``max_keys`` the oldest is dropped
@@ -28,6 +34,8 @@ from typing import Any
 from connector.protocol import (
     ANNOUNCED_FAILED,
     ANNOUNCED_LEASED,
+    ANNOUNCED_PARTIAL,
+    AnnouncementStatus,
     LeaseAnnouncement,
     lease_key,
 )
@@ -83,11 +91,25 @@ class TransferBoard:
 
         False when decode cancelled ``key`` first: the lease was released here at once.
         """
-        announcement = LeaseAnnouncement(ANNOUNCED_LEASED, params=dict(params))
+        return self._announce(key, ANNOUNCED_LEASED, params, lease)
+
+    def announce_partial(self, key: str, params: Mapping[str, Any], lease: str) -> bool:
+        """Chunked pulls: prefill wrote the blocks ``params`` name, under ``lease`` (a lease
+        key), and computes on. False (the lease released here) when decode cancelled ``key``."""
+        return self._announce(key, ANNOUNCED_PARTIAL, params, lease)
+
+    def _announce(
+        self, key: str, status: AnnouncementStatus, params: Mapping[str, Any], lease: str
+    ) -> bool:
         with self._lock:
             entry = self._live(key)
             cancelled = entry is not None and entry.announcement is CANCELLED
             if not cancelled:
+                # Only partials count (a final one needs none; 0 is not sent: older decodes)
+                generation = 0
+                if status == ANNOUNCED_PARTIAL:
+                    generation = 1 + (0 if entry is None else entry.announcement.generation)
+                announcement = LeaseAnnouncement(status, dict(params), generation=generation)
                 self._write(key, announcement, lease)
             watchers = tuple(self._watchers)
         if cancelled:
@@ -101,7 +123,8 @@ class TransferBoard:
         with self._lock:
             entry = self._live(key)
             if entry is None or entry.announcement is not CANCELLED:
-                self._write(key, LeaseAnnouncement(ANNOUNCED_FAILED, reason=reason[:4096]), "")
+                failed = LeaseAnnouncement(ANNOUNCED_FAILED, reason=reason[:4096])
+                self._write(key, failed, "")
             watchers = tuple(self._watchers)
         _notify(watchers)
 
@@ -114,11 +137,19 @@ class TransferBoard:
             self._write(key, CANCELLED, "")
         return self._release((lease,)) if lease else 0
 
-    def status(self, key: str) -> LeaseAnnouncement | None:
-        """What ``key`` came to, or None while prefill has not finished it (or forgot it)."""
+    def status(self, key: str, after_generation: int | None = None) -> LeaseAnnouncement | None:
+        """What ``key`` came to, or None while prefill has not finished it (or forgot it).
+        With ``after_generation``, also a partial announcement newer than that generation."""
         with self._lock:
             entry = self._live(key)
-            return None if entry is None else entry.announcement
+        if entry is None:
+            return None
+        announcement = entry.announcement
+        if announcement.status != ANNOUNCED_PARTIAL:
+            return announcement
+        if after_generation is None or announcement.generation <= after_generation:
+            return None
+        return announcement
 
     def __len__(self) -> int:
         with self._lock:

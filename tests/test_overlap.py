@@ -7,13 +7,20 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from connector.errors import InvalidTransferParams
 from connector.net import side_channel_client as client
 from connector.outcomes import FailureKind
 from connector.params import AwaitedLease, parse_kv_transfer_params
-from connector.protocol import ANNOUNCED_FAILED, ANNOUNCED_LEASED, ANNOUNCED_PENDING
+from connector.protocol import (
+    ANNOUNCED_FAILED,
+    ANNOUNCED_LEASED,
+    ANNOUNCED_PARTIAL,
+    ANNOUNCED_PENDING,
+    AwaitLease,
+)
 from scheduler.lease_waiter import LeaseWaiter, Settled
 from scheduler.side_channel import SideChannelServer
 from scheduler.transfer_board import TransferBoard
@@ -265,3 +272,64 @@ def test_the_waiter_refuses_waits_past_its_bound() -> None:
     (settled,) = waiter.take()
     assert settled.failure is not None and settled.failure.kind is FailureKind.PREFILL_TIMEOUT
     assert "0 loads already wait" in settled.failure.message
+
+
+# ---- chunked pulls: partial announcements ---------------------------------------------------
+
+
+def test_partials_are_seen_only_by_awaits_that_ask_and_a_cancel_releases_their_lease() -> None:
+    clock, released = Clock(), Released()
+    board = _board(clock, released)
+    assert board.announce_partial("k", {"remote_num_tokens": 16}, "p@l1")
+    assert board.status("k") is None  # an await for the final one only keeps waiting
+    first = board.status("k", after_generation=0)
+    assert first is not None and (first.status, first.generation) == (ANNOUNCED_PARTIAL, 1)
+    assert board.status("k", after_generation=1) is None  # nothing newer yet
+    assert board.announce_partial("k", {"remote_num_tokens": 32}, "p@l1")
+    second = board.status("k", after_generation=1)
+    assert second is not None and (second.generation, second.params) == (
+        2,
+        {"remote_num_tokens": 32},
+    )
+    assert board.cancel("k") == 1 and released.keys == ["p@l1"]
+    assert not board.announce_partial("k", {"remote_num_tokens": 48}, "p@l1")  # cancelled
+
+
+def test_the_final_announcement_after_partials_answers_every_await() -> None:
+    board = _board(Clock(), Released())
+    board.announce_partial("k", {"remote_num_tokens": 16}, "p@l1")
+    board.announce("k", {"remote_num_tokens": 20}, "p@l1")
+    for after in (None, 0, 5):
+        status = board.status("k", after_generation=after)
+        assert status is not None and status.status == ANNOUNCED_LEASED
+
+
+def test_without_partials_the_wire_carries_no_new_field_for_an_older_peer() -> None:
+    """An older peer decodes with forbid_unknown_fields: an AwaitLease that asks for no
+    partial, and a final or failed announcement, must not carry the new fields."""
+    old_await = msgspec.defstruct(
+        "AwaitLease", [("engine_id", str), ("transfer_key", str), ("hold_ms", int, 1000),
+                       ("reader", object, None)],
+        tag="await_lease", forbid_unknown_fields=True,
+    )  # fmt: skip
+    msgspec.msgpack.decode(msgspec.msgpack.encode(AwaitLease("e", "k")), type=old_await)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode(AwaitLease("e", "k", after_generation=0)), type=old_await
+        )
+    board = _board(Clock(), Released())
+    board.announce("k", {"remote_request_id": "p"}, "p@l1")
+    assert b"generation" not in msgspec.msgpack.encode(board.status("k"))
+
+
+def test_a_chunked_waiter_hands_over_each_partial_then_the_final(served_board: Any) -> None:
+    server, board = served_board
+    waiter = LeaseWaiter(timeout_s=5.0, call_timeout_s=1.0, secret=None, chunked=True)
+    waiter.wait("d", AwaitedLease("k", None, HOST, server.port))
+    board.announce_partial("k", {"remote_num_tokens": 16}, "p@l")
+    (first,) = _settled(waiter)
+    assert first.partial and first.params == {"remote_num_tokens": 16}
+    board.announce("k", {"remote_num_tokens": 20}, "p@l")
+    (final,) = _settled(waiter)
+    assert not final.partial and final.params == {"remote_num_tokens": 20}
+    assert waiter.num_waiting == 0

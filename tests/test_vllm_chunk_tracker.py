@@ -11,14 +11,13 @@ three facts about vLLM's scheduler, checked here on the real one with chunked pr
    sees before the step's forward (the first that can write the freed blocks);
 3. a resumed request's row carries its whole new table.
 
-The tracker is not wired into the connector yet: this test feeds it from the hooks vLLM
-calls (the scheduler output at build_connector_meta, the step's end at
-update_connector_output), as the wiring will.
+This test feeds its own tracker from the hooks vLLM calls (the scheduler output at
+build_connector_meta, the step's end at update_connector_output), as the wiring
+(scheduler/chunk_leases.py) does; tests/test_vllm_chunked_pull.py runs the wired one.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -106,21 +105,8 @@ def _engine(model: Any, monkeypatch: pytest.MonkeyPatch, num_blocks: int) -> h.E
     config = h.vllm_config(model, kv_role="kv_producer", block_size=BLOCK_SIZE)
     cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=num_blocks)
     engine = h.build_engine("prefill", config, cache, port=h.free_port(), env=monkeypatch)
-    run_rank = engine._run_rank
-    engine._run_rank = functools.partial(_no_token_for_a_chunk, engine, run_rank)  # type: ignore[method-assign]
+    h.sample_nothing_for_chunks(engine)
     return engine
-
-
-def _no_token_for_a_chunk(engine: h.Engine, run_rank: Any, worker: Any, scheduled: Any) -> Any:
-    """The harness's step, but as vLLM's model runner: a request whose prompt is not
-    computed yet (a chunk of a chunked prefill) samples nothing."""
-    output = run_rank(worker, scheduled)
-    requests = engine.scheduler.requests
-    output.sampled_token_ids = [
-        [] if requests[rid].is_prefill_chunk else tokens
-        for rid, tokens in zip(output.req_ids, output.sampled_token_ids, strict=True)
-    ]
-    return output
 
 
 def test_chunks_announce_growing_prefixes_of_the_blocks_the_final_params_name(

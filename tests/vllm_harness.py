@@ -439,6 +439,24 @@ def heads_bytes(engine: Engine, block_ids: Sequence[int]) -> list[list[bytes]]:
     return result
 
 
+def sample_nothing_for_chunks(engine: Engine) -> None:
+    """Make ``engine``'s step behave as vLLM's model runner with chunked prefill: a request
+    whose prompt is not computed yet (a chunk of a chunked prefill) samples nothing. (The
+    harness's step samples a token for every scheduled request.)"""
+    run_rank = engine._run_rank
+
+    def run(worker: NixlPDConnector, scheduled: Any) -> ModelRunnerOutput:
+        output = run_rank(worker, scheduled)
+        requests = engine.scheduler.requests
+        output.sampled_token_ids = [
+            [] if requests[rid].is_prefill_chunk else tokens
+            for rid, tokens in zip(output.req_ids, output.sampled_token_ids, strict=True)
+        ]
+        return output
+
+    engine._run_rank = run  # type: ignore[method-assign]
+
+
 def prefill_for_decode(
     prefill: Engine, request_id: str, num_tokens: int, *, block_size: int
 ) -> dict[str, Any]:

@@ -371,7 +371,8 @@ class WorkerConnector:
         for spec in metadata.loads:
             loads.add(spec, self._peers.ensure(spec.source))
         for release in metadata.releases:
-            loads.abort(release.request_id, release.source, self._peers.ensure(release.source))
+            peer = self._peers.ensure(release.source)
+            loads.abort(release.request_id, release.source, peer, release.failure)
 
     def _digest_leases(self, specs: tuple[DigestSpec, ...]) -> None:
         """verify_kv, prefill: digest newly leased blocks; the next report carries them."""

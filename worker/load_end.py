@@ -8,7 +8,8 @@ own notification cannot end the lease before the proof. Prefill counts them in
 worker/notifications.py.
 
 Its outcome as the world sees it: why a handshake failure fails it (pure wording,
-``handshake_failure``) and one call into connector/observability/trace.py that never raises
+``handshake_failure``; where a failed load's time went, ``with_handshake_phases`` and
+``with_timeline``) and one call into connector/observability/trace.py that never raises
 (``record_outcome``): a metrics bug must not cost a request its outcome.
 
 Transfer thread only: sending calls the NIXL agent.
@@ -33,6 +34,9 @@ if TYPE_CHECKING:  # annotations only: no import at run time
     from worker.peer_lifecycle import Peer
 
 logger = logging.getLogger(__name__)
+
+# A failed load that waited this long for its peer's handshake names the handshake's phases.
+HANDSHAKE_NOTE_S = 1.0
 
 
 def free_notif(load: Load, remote_rank: int) -> bytes:
@@ -100,3 +104,35 @@ def record_outcome(
         load_ended(metrics, load.timeline, ids=ids, reason=reason, now_s=now_s)
     except Exception:  # a metrics bug must not cost the request its outcome
         logger.exception("request %s: recording its metrics failed", load.request_id)
+
+
+def with_handshake_phases(load: Load, reason: LoadFailure | None) -> LoadFailure | None:
+    """A failure of a load that waited long for its peer's handshake says where that time went
+    (a lease that expired meanwhile, say)."""
+    ready_s = load.timeline.handshake_ready_s
+    phases = load.peer.handshake_phases
+    if reason is None or not phases or ready_s is None:
+        return reason
+    waited_s = ready_s - load.created_s
+    if waited_s < HANDSHAKE_NOTE_S:
+        return reason
+    note = f" (this load waited {waited_s:.1f} s for the handshake; {phases})"
+    return LoadFailure(reason.kind, reason.message + note)
+
+
+def with_timeline(load: Load, reason: LoadFailure | None, now_s: float) -> LoadFailure | None:
+    """A lease that ended under a load says how long this rank held the load, and where: was
+    the lease's time spent here, or before decode scheduled the request?"""
+    if reason is None or reason.kind is not FailureKind.LEASE_EXPIRED:
+        return reason
+    timeline = load.timeline
+    stamps = (
+        ("handshake ready", timeline.handshake_ready_s),
+        ("READs posted", timeline.posted_s),
+        ("READs done", timeline.done_s),
+        ("failed", now_s),
+    )
+    steps = ", ".join(
+        f"{name} +{when_s - load.created_s:.1f} s" for name, when_s in stamps if when_s is not None
+    )
+    return LoadFailure(reason.kind, f"{reason.message} (this rank's load: {steps})")

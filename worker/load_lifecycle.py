@@ -11,6 +11,10 @@
        │               (from READING or FAILING, on the transfer timeout)
        └─► ABORT_WAITING ──────────────────► ABORTED
 
+    Chunked pulls: READING ──► CHUNK_READ ──► READING (the next LoadSpec's READs), or
+                               CHUNK_READ ──► ABORT_READING (an abort, or a failure: ended
+                               with it at once, nothing live)
+
 A load waits for its peer's handshake (WAITING), posts its READs (READING), then, with every
 READ landed, waits for prefill's word that the lease still holds (CONFIRMING: the proof,
 worker/lease_proof.py) and ends once: SUCCEEDED, FAILED or ABORTED. A failure or an abort while READs are live waits for them
@@ -50,6 +54,7 @@ class RankLoadState(enum.Enum):
     FAILING = enum.auto()  # failed (``failure`` says why); READs still live
     ABORT_READING = enum.auto()  # aborted while READs are live
     QUARANTINED = enum.auto()  # timed out; READs the backend has not ended may still land
+    CHUNK_READ = enum.auto()  # chunked pulls: every READ so far landed; more LoadSpecs follow
     SUCCEEDED = enum.auto()
     FAILED = enum.auto()
     ABORTED = enum.auto()
@@ -61,7 +66,15 @@ RANK_LOAD_LIFECYCLE = TransitionTable(
     {
         _L.WAITING: {_L.READING, _L.FAILING, _L.SUCCEEDED, _L.FAILED, _L.ABORT_WAITING},
         _L.ABORT_WAITING: {_L.ABORTED},
-        _L.READING: {_L.CONFIRMING, _L.FAILING, _L.FAILED, _L.ABORT_READING, _L.QUARANTINED},
+        _L.READING: {
+            _L.CONFIRMING,
+            _L.FAILING,
+            _L.FAILED,
+            _L.ABORT_READING,
+            _L.QUARANTINED,
+            _L.CHUNK_READ,
+        },
+        _L.CHUNK_READ: {_L.READING, _L.ABORT_READING, _L.FAILED},
         _L.CONFIRMING: {_L.SUCCEEDED, _L.FAILED, _L.ABORT_READING},
         _L.FAILING: {_L.FAILED, _L.ABORT_READING, _L.QUARANTINED},
         _L.QUARANTINED: {_L.FAILED, _L.ABORT_READING},
@@ -100,6 +113,8 @@ class Load:
     stuck_logged: bool = False  # the quarantine outlasted its bound and said so once
     internal_error_logged: bool = False  # an unexpected error on its path was logged once
     timeline: LoadTimeline = field(init=False)  # stamped at state changes: metrics, trace
+    queued: list[LoadSpec] = field(default_factory=list)  # chunked pulls: next LoadSpecs
+    reads_started_s: float | None = None  # chunked pulls: when the last chunk was posted
 
     def __post_init__(self) -> None:
         self.timeline = LoadTimeline(self.created_s)
@@ -141,7 +156,7 @@ class Load:
     def abort(self) -> None:
         if self.state is _L.WAITING:
             self.move(_L.ABORT_WAITING)
-        elif self.state in (_L.READING, _L.FAILING, _L.CONFIRMING, _L.QUARANTINED):
+        elif self.state in (_L.READING, _L.FAILING, _L.CONFIRMING, _L.QUARANTINED, _L.CHUNK_READ):
             self.move(_L.ABORT_READING)
 
     def quarantine(self, reason: LoadFailure, now_s: float) -> bool:
@@ -171,9 +186,14 @@ class Load:
             elif self.state is _L.WAITING:
                 self.move(_L.READING)
         elif self.state is _L.READING and self.failure is None:
-            self.move(_L.CONFIRMING)
+            chunk = self.spec is not None and self.spec.chunk
+            self.move(_L.CHUNK_READ if chunk else _L.CONFIRMING)
         else:
             self.end()
+
+    @property
+    def chunk_read(self) -> bool:
+        return self.state is _L.CHUNK_READ
 
     @property
     def confirming(self) -> bool:

@@ -50,7 +50,13 @@ from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
 from connector.token_digest import token_digest
 from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
-from worker.load_end import handshake_failure, notify_rest, record_outcome
+from worker.load_end import (
+    handshake_failure,
+    notify_rest,
+    record_outcome,
+    with_handshake_phases,
+    with_timeline,
+)
 from worker.load_lifecycle import Load, OnMove, RankLoadState, ReadKey
 from worker.nixl_api import NixlAgent, TransferState
 from worker.peer_lifecycle import Peer, PeerLink
@@ -62,8 +68,6 @@ logger = logging.getLogger(__name__)
 
 MAX_RECENT_IDS = 4096  # ended request ids remembered so a late abort is not reported twice
 QUARANTINE_WARN_TIMEOUTS = 4  # a quarantine this many transfer timeouts long is logged as stuck
-# A failed load that waited this long for its peer's handshake names the handshake's phases.
-HANDSHAKE_NOTE_S = 1.0
 
 Outcome = tuple[str, LoadFailure | None]  # (request id, failure or None for success)
 
@@ -104,7 +108,7 @@ class LoadTable:
         self._local_addresses = tuple(local_region_addresses)
         self._local_memory = local_memory
         self._clock = clock
-        self._transfer_timeout_s = transfer_timeout_s
+        self._timeout_s = transfer_timeout_s
         self._quarantine_warn_s = QUARANTINE_WARN_TIMEOUTS * transfer_timeout_s
         self._handshake_wait_s = handshake_wait_s
         self._on_peer_failure = on_peer_failure
@@ -121,7 +125,11 @@ class LoadTable:
         return len(self._loads)
 
     def add(self, spec: LoadSpec, peer: Peer) -> None:
-        if spec.request_id in self._loads:
+        load = self._loads.get(spec.request_id)
+        if load is not None and load.spec is not None and load.spec.chunk:
+            load.queued.append(spec)  # chunked pulls: READ once the chunks before it landed
+            return
+        if load is not None:
             logger.warning(
                 "request %s is already loading; duplicate LoadSpec ignored", spec.request_id
             )
@@ -137,19 +145,27 @@ class LoadTable:
         else:
             load.proof_ticket = self._proofs.submit(source, BEFORE_READS)
 
-    def abort(self, request_id: str, remote: RemoteSource, peer: Peer) -> None:
-        """Abort a request; one never loaded here gets a record only to notify prefill.
-
-        A request this rank already reported is left alone: it was reported once, and its
-        free notifications already went out.
-        """
+    def abort(
+        self, request_id: str, remote: RemoteSource, peer: Peer, failure: LoadFailure | None = None
+    ) -> None:
+        """Abort a request; one never loaded here gets a record only to notify prefill (one
+        this rank already reported is left alone). ``failure`` (chunked pulls): a load whose
+        chunk READs went out fails with it instead, once none of them is live."""
         load = self._loads.get(request_id)
         if load is None and request_id in self._recent:
             logger.info("request %s aborted after this rank reported it; nothing to do", request_id)
             return
         if load is None:
             load = self._loads[request_id] = self._new_load(request_id, remote, peer, None)
-        load.abort()
+        load.queued.clear()
+        if failure is None or load.aborting:
+            load.abort()
+            return
+        load.fail(failure)
+        if load.chunk_read:
+            load.end()
+        elif load.reading:
+            load.settle()
 
     def _new_load(
         self, request_id: str, remote: RemoteSource, peer: Peer, spec: LoadSpec | None
@@ -227,6 +243,8 @@ class LoadTable:
             load.peer.transfer_ended()
 
     def _step(self, load: Load) -> None:
+        if load.chunk_read and load.queued:
+            self._next_chunk(load)
         if load.waiting:
             self._start(load)
         if load.reading:  # also right after posting: a small READ often lands inside post()
@@ -234,6 +252,19 @@ class LoadTable:
             load.settle()
         if load.confirming:
             self._confirm(load)
+
+    def _next_chunk(self, load: Load) -> None:
+        """Chunked pulls: post the next LoadSpec's READs (the last one's proof covers all)."""
+        spec = load.queued.pop(0)
+        load.spec, load.source = spec, checked_source(spec)
+        load.move(RankLoadState.READING)
+        load.reads_started_s = self._clock()
+        link = load.peer.link
+        if link is None:
+            load.fail(handshake_failure(load.source, load.peer))
+        else:
+            self._post(load, spec, link)
+        load.settle()
 
     def _confirm(self, load: Load) -> None:
         """Every READ landed: succeed only once prefill says the lease still holds."""
@@ -279,7 +310,7 @@ class LoadTable:
         if link is None:
             load.fail(handshake_failure(load.source, peer))
             load.end()
-        elif load.aborting or load.spec is None:
+        elif load.aborting or load.spec is None or load.failure is not None:
             load.end()
         elif self._lease_holds_before_reads(load):
             self._post(load, load.spec, link)
@@ -305,13 +336,13 @@ class LoadTable:
         return True
 
     def _post(self, load: Load, spec: LoadSpec, link: PeerLink) -> None:
-        request = TransferRequest(
-            spec.local_block_ids,
-            spec.source.remote_block_ids,
-            spec.num_tokens,
-            spec.num_cached_tokens,
-            remote_holds_more=spec.source.remote_num_tokens is not None,  # a pull from decode
-        )
+        local, start = spec.local_block_ids, spec.num_cached_tokens
+        if spec.read_block_ids is not None and spec.num_read_tokens is not None:
+            local, start = spec.read_block_ids, spec.num_read_tokens  # chunked: this window
+        if start >= spec.num_tokens:
+            return  # chunked: the chunks before read it all; the proof follows
+        remote, pulls = spec.source.remote_block_ids, spec.source.remote_num_tokens is not None
+        request = TransferRequest(local, remote, spec.num_tokens, start, remote_holds_more=pulls)
         try:
             plans = plan_request(link.plan, request).reads
         except ConnectorError as error:
@@ -372,14 +403,14 @@ class LoadTable:
             if state is TransferState.DONE:
                 load.timeline.done_s = self._clock()
                 self._release(load, key)
-            elif self._clock() - load.created_s > self._transfer_timeout_s:
+            elif self._clock() - (load.reads_started_s or load.created_s) > self._timeout_s:
                 # Not released: releasing an unfinished READ does not stop it (UCX).
                 self._quarantine(
                     load,
                     LoadFailure(
                         FailureKind.TRANSFER_TIMEOUT,
                         f"READ from prefill engine {load.peer.engine_id} rank {remote_rank} did "
-                        f"not finish within {self._transfer_timeout_s} s",
+                        f"not finish within {self._timeout_s} s",
                     ),
                 )
 
@@ -414,7 +445,7 @@ class LoadTable:
             self._recent.popitem(last=False)
         if load.proof_ticket is not None:  # aborted while prefill was being asked
             self._proofs.abandon(load.proof_ticket)
-        reason = _with_timeline(load, _with_handshake_phases(load, load.reason), self._clock())
+        reason = with_timeline(load, with_handshake_phases(load, load.reason), self._clock())
         if reason is not None and reason.kind is FailureKind.PREFILL_RESTARTED:
             # The boot that leased is gone: nothing to free there, and a notification to its
             # dead agent would block this thread until UCX gives up on it (~20 s measured).
@@ -461,38 +492,6 @@ def _wait_of(load: Load) -> Wait:
     else:
         kind = "proof" if load.confirming else "reads"
     return Wait(load.request_id, kind, peer.engine_id, peer.address)
-
-
-def _with_handshake_phases(load: Load, reason: LoadFailure | None) -> LoadFailure | None:
-    """A failure of a load that waited long for its peer's handshake says where that time went
-    (a lease that expired meanwhile, say)."""
-    ready_s = load.timeline.handshake_ready_s
-    phases = load.peer.handshake_phases
-    if reason is None or not phases or ready_s is None:
-        return reason
-    waited_s = ready_s - load.created_s
-    if waited_s < HANDSHAKE_NOTE_S:
-        return reason
-    note = f" (this load waited {waited_s:.1f} s for the handshake; {phases})"
-    return LoadFailure(reason.kind, reason.message + note)
-
-
-def _with_timeline(load: Load, reason: LoadFailure | None, now_s: float) -> LoadFailure | None:
-    """A lease that ended under a load says how long this rank held the load, and where: was
-    the lease's time spent here, or before decode scheduled the request?"""
-    if reason is None or reason.kind is not FailureKind.LEASE_EXPIRED:
-        return reason
-    timeline = load.timeline
-    stamps = (
-        ("handshake ready", timeline.handshake_ready_s),
-        ("READs posted", timeline.posted_s),
-        ("READs done", timeline.done_s),
-        ("failed", now_s),
-    )
-    steps = ", ".join(
-        f"{name} +{when_s - load.created_s:.1f} s" for name, when_s in stamps if when_s is not None
-    )
-    return LoadFailure(reason.kind, f"{reason.message} (this rank's load: {steps})")
 
 
 def _num_blocks(load: Load) -> int:

@@ -263,12 +263,14 @@ def await_lease(
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     reader: ReaderId | None = None,
+    after_generation: int | None = None,
 ) -> LeaseAnnouncement:
     """Overlapped dispatch: what prefill ``engine_id`` (boot ``boot_id``) drew for
     ``transfer_key``, waiting up to ``hold_s`` on its side (then "pending": ask again).
-    ``timeout_s`` bounds the wait for the reply beyond the hold."""
+    ``timeout_s`` bounds the wait for the reply beyond the hold. ``after_generation``
+    (chunked pulls): a partial announcement newer than it answers too."""
     hold_ms = max(0, min(MAX_AWAIT_HOLD_MS, round(hold_s * 1000)))
-    request = AwaitLease(engine_id, transfer_key, hold_ms, reader)
+    request = AwaitLease(engine_id, transfer_key, hold_ms, reader, after_generation)
     reply = _call(
         host, port, request, secret, hold_ms / 1000 + timeout_s, max_message_bytes,
         boot_id=boot_id,

@@ -269,11 +269,16 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         scheduler = self._scheduler or self._require_scheduler()
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if scheduler.connector.chunk_leases is not None:  # chunked pulls: prefill follows it
+            scheduler.track_chunks(request)
         if self._saves is not None and offers_to_decode(kv_transfer_params(request)):
             self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        metadata = (self._scheduler or self._require_scheduler()).build_connector_meta()
+        scheduler = self._scheduler or self._require_scheduler()
+        metadata = scheduler.build_connector_meta()
+        if scheduler.connector.chunk_leases is not None:
+            metadata = scheduler.step_chunks(metadata, scheduler_output)
         if self._saves is None or not len(self._saves):
             return metadata
         saves = self._saves.step(scheduled_rows(scheduler_output, self._kv_cache_config))

@@ -33,11 +33,13 @@ from connector.vllm.semantics import (
     ssm_scratch_blocks,
     transferred_prompt_tokens,
 )
+from connector.vllm.staging import scheduled_rows
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import FinishedRequests, RequestInfo
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -135,6 +137,27 @@ class SchedulerSide:
             num_external_tokens,
         )
 
+    def track_chunks(self, request: Request) -> None:
+        """Chunked pulls, prefill: follow a request whose blocks decode reads chunk by chunk."""
+        if self.connector.chunk_leases is not None and not self._has_ssm:
+            self.connector.chunk_leases.track(
+                request.request_id, request.kv_transfer_params, request.num_prompt_tokens,
+                _ids(request), kv_salt(request),
+            )  # fmt: skip
+
+    def step_chunks(
+        self, metadata: NixlPDMetadata, scheduler_output: SchedulerOutput
+    ) -> NixlPDMetadata:
+        """Chunked pulls, prefill: note the step's chunks (and end preempted requests' leases
+        before the step's forward); the ranks echo the step's number once it ran."""
+        chunks = self.connector.chunk_leases
+        if chunks is None or not len(chunks):
+            return metadata
+        rows = scheduled_rows(scheduler_output, self._kv_cache_config)
+        step_seq = chunks.step(rows, scheduler_output.preempted_req_ids or ())
+        step = msgspec.structs.replace(metadata.step, step_seq=step_seq)
+        return NixlPDMetadata(step, metadata.announce, metadata.saves)
+
     def build_connector_meta(self) -> NixlPDMetadata:
         step = self.connector.build_connector_meta()
         refused = FinishedRequests(failed_recving=self.connector.take_refused())
@@ -152,6 +175,8 @@ class SchedulerSide:
         meta = connector_output.kv_connector_worker_meta
         reports = meta.reports if isinstance(meta, NixlPDWorkerMeta) else ()
         self.connector.update_connector_output(reports)
+        if self.connector.chunk_leases is not None:
+            self.connector.chunk_leases.saved(reports)
         self.connector.on_engine_outcomes(
             connector_output.finished_recving or (), connector_output.failed_recving or ()
         )

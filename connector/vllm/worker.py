@@ -197,6 +197,9 @@ class WorkerSide:
         if metadata is not None:
             self.start_load_kv(metadata)
         report = self._require().get_finished()
+        if self._last_run is not None and self._last_run.step.step_seq:
+            # After the step's forward (vLLM asks for results then): its chunks are written.
+            report = msgspec.structs.replace(report, saved_step=self._last_run.step.step_seq)
         if self._unsaved or self._staged:
             report = msgspec.structs.replace(
                 report, unsaved=tuple(self._unsaved), staged=tuple(self._staged)
