@@ -670,6 +670,7 @@ def pd_engine(
     *,
     extra_config: Mapping[str, Any] | None = None,
     failure_policy: str = "fail",
+    extra_env: tuple[tuple[str, str], ...] = (),
 ) -> Engine:
     """One unstarted P/D engine: ``role`` kv_producer (named prefill) or kv_consumer (decode),
     ``connector``'s kv-transfer config, its own HTTP and side-channel ports."""
@@ -679,7 +680,7 @@ def pd_engine(
     config = kv_transfer_config(
         connector, role, extra_config=extra_config, failure_policy=failure_policy
     )
-    spec = EngineSpec(name, model_dir, free_port(), config, free_port(), args)
+    spec = EngineSpec(name, model_dir, free_port(), config, free_port(), args, extra_env=extra_env)
     return Engine(spec, log_dir)
 
 
@@ -742,6 +743,7 @@ class Deployment:
         decode_args: tuple[str, ...] = (),
         with_reference: bool = True,
         reference: Engine | None = None,
+        extra_env: tuple[tuple[str, str], ...] = (),
     ) -> Iterator[tuple[Deployment, ...]]:
         """One P/D pair per connector, sharing one reference engine (the first deployment's),
         all engines started at once, then one proxy per pair. ``extra_args`` go to every
@@ -752,9 +754,10 @@ class Deployment:
         waited for with ours and not started here."""
         shared = reference
         if reference is None:
-            reference = Engine(
-                EngineSpec("reference", model_dir, free_port(), None, None, extra_args), log_dir
+            spec = EngineSpec(
+                "reference", model_dir, free_port(), None, None, extra_args, extra_env=extra_env
             )
+            reference = Engine(spec, log_dir)
         with_reference = with_reference and shared is None
 
         def half(connector: str, role: str, own_args: tuple[str, ...]) -> Engine:
@@ -767,6 +770,7 @@ class Deployment:
                 (*extra_args, *own_args),
                 extra_config=extra_config,
                 failure_policy=policy,
+                extra_env=extra_env,
             )
 
         deployments = tuple(
