@@ -102,6 +102,7 @@ VLLM_MODULES = {
     "test_vllm_block_major",
     "test_vllm_changed_params",
     "test_vllm_chunk_tracker",
+    "test_vllm_chunked_pull",
     "test_vllm_connector",
     "test_vllm_failed_load_cache",
     "test_vllm_layout",
