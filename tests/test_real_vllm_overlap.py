@@ -44,6 +44,7 @@ from tests.real_vllm_harness import (
     completion_body,
     free_port,
     missing_vllm_venv,
+    one_set_starting,
 )
 from tests.real_vllm_workspace import OVERLAP_WAIT_S, Workspace
 
@@ -88,6 +89,16 @@ def served(real_vllm: Workspace) -> Iterator[Served]:
         proxy.shutdown()
         proxy.server_close()
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_engine_set_starting_beside(served: Served) -> Iterator[None]:
+    """The drills act inside windows (prefill still generating, decode taking the request
+    within seconds) that an engine set starting in the tier's other stream closed on two
+    cores (both failed so once): hold the start lock while they run, once ``served`` is up
+    (its pair starts under that lock itself)."""
+    with one_set_starting():
+        yield
 
 
 def mismatch(actual: Completion, expected: Completion) -> str | None:
