@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.nixl_bandwidth import read_seconds  # noqa: E402
+from benchmarks.nixl_bandwidth import read_seconds, stop_peer  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
 
 NUM_LAYERS = 8
@@ -114,13 +114,7 @@ def measure(block_tokens: int, repeats: int) -> list[dict[str, object]]:
             print(json.dumps(results[-1]), flush=True)
         agent.close()
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop_peer(child)
     return results
 
 

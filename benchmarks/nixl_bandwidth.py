@@ -62,6 +62,17 @@ def read_seconds(
     return elapsed_s
 
 
+def stop_peer(child: subprocess.Popen[str]) -> None:
+    """End a `serve` child: close its stdin (it exits), kill it if it has not after 10 s."""
+    if child.stdin is not None:
+        child.stdin.close()
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def measure(num_bytes: int, progress_delay_us: int | None, repeats: int) -> dict[str, object]:
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--size-mib", str(num_bytes >> 20),
@@ -116,13 +127,7 @@ def measure(num_bytes: int, progress_delay_us: int | None, repeats: int) -> dict
         agent.close()
         return results
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop_peer(child)
 
 
 def main() -> None:
