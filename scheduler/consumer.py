@@ -37,6 +37,7 @@ from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.observability.metrics import (
+    CHUNK_READS,
     LOADS_FAILED,
     PULLED_TOKENS,
     MetricsRecorder,
@@ -321,6 +322,8 @@ class Consumer:
             self._loads.move(request_id, LOADING)
             load.load_sent = True
         self._pending_chunks.append(spec)
+        if spec.chunk:
+            self._metrics.inc(CHUNK_READS)
 
     def stop_chunks(self, request_id: str, failure: LoadFailure | None) -> None:
         """Chunked pulls: end a load whose chunk READs went out, failed (or aborted: None)

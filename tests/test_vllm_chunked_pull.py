@@ -30,7 +30,11 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from connector.observability.metrics import LOADS_FAILED, default_recorder  # noqa: E402
+from connector.observability.metrics import (  # noqa: E402
+    CHUNK_READS,
+    LOADS_FAILED,
+    default_recorder,
+)
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -157,6 +161,11 @@ def failed_loads() -> Any:
     return delta
 
 
+def chunk_reads_counted() -> int:
+    """nixl_pd_chunk_reads_total so far in this process (decode counts it)."""
+    return default_recorder().snapshot().counters.get(CHUNK_READS.name, {}).get("", 0)
+
+
 def _start(prefill: h.Engine, decode: h.Engine, key: str, num_tokens: int, **options: Any) -> None:
     """Decode parks ``d-<key>``; prefill takes ``p-<key>`` in (not stepped yet)."""
     decode.add(_request(f"d-{key}", num_tokens, _decode_params(prefill, key), **options))
@@ -176,6 +185,7 @@ def test_a_load_across_three_chunks_reads_each_while_prefill_computes_the_next(
     """Prefill TP 2: a chunk is announced only once both ranks echoed its step."""
     prefill, decode = make_pair(verify_kv=verify_kv, tp_sizes=tp_sizes)
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
+    chunk_reads = chunk_reads_counted()
     num_tokens = 704  # chunks of 256, 256, 192: 44 whole blocks
     _start(prefill, decode, "k1", num_tokens)
     prefill.step()  # chunk 1 computed and echoed: announced
@@ -190,6 +200,7 @@ def test_a_load_across_three_chunks_reads_each_while_prefill_computes_the_next(
 
     spans = [(s.num_read_tokens, s.num_tokens, s.chunk) for s in decode.load_specs]
     assert spans == [(0, 256, True), (256, 512, True), (512, num_tokens, False)]
+    assert chunk_reads_counted() == chunk_reads + 2  # the final window is not a chunk read
     leases = {s.source.lease_id for s in decode.load_specs}
     assert leases == {returned["remote_lease_id"]}  # one lease, kept by request_finished
     final = decode.load_specs[-1]

@@ -137,6 +137,13 @@ PULLED_TOKENS = MetricSpec(
     "Prefill (bidirectional mode): prompt tokens loaded from a decode engine's held KV of an "
     "earlier turn instead of computed.",
 )
+CHUNK_READS = MetricSpec(
+    "nixl_pd_chunk_reads_total",
+    COUNTER,
+    "chunks",
+    "Decode (chunked_pull): READ windows sent to the ranks while prefill was still computing "
+    "the prompt, one per announced chunk; the final window is not counted.",
+)
 LEASES_COMPLETED = MetricSpec(
     "nixl_pd_leases_completed_total",
     COUNTER,
@@ -205,6 +212,7 @@ METRICS: tuple[MetricSpec, ...] = (
     NOTIFICATIONS,
     LEASES_STARTED,
     PULLED_TOKENS,
+    CHUNK_READS,
     LEASES_COMPLETED,
     LEASES_EXPIRED,
     LEASES_RELEASED,
