@@ -1,11 +1,17 @@
 """A process that imports vLLM's API server once and forks each engine's API server from it.
 
 An engine start under `vllm serve` imports vLLM in each of its processes: about 9 s of a core
-for the API server, as much for the engine core (spawned: vLLM's CPU platform forces it).
+for the API server, 13 for the engine core (spawned: vLLM's CPU platform forces it).
 The real-vLLM tier starts dozens of engines on two cores, so it runs this once per pytest
 process (tests/real_vllm_harness.py) and each engine's API server is a fork of it that runs
-`vllm.entrypoints.openai.api_server` as `python -m` would. Only the API server is forked:
-the engine core and its worker, where the connector runs, start as under `vllm serve`.
+`vllm.entrypoints.openai.api_server` as `python -m` would.
+
+The engine core of a ``uni`` engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its TP 1 worker,
+where the connector runs, in the engine-core process) is forked from its API server, which
+has vLLM imported: vLLM's default start method, the one its engines use on a GPU host. Only
+the CPU platform's config check sets ``spawn``; `_fork_engine_core` sets vLLM's default back
+right after it. ``mp`` engines (TP 2, the drills, the bf16 hybrid) keep the CPU platform's
+spawn for the engine core and every worker, so both start methods stay under test.
 
 Protocol, over a Unix socket, one connection per engine: the client sends one JSON line
 {"args", "env", "cwd", "log"}; the zygote answers "<pid>\\n" once forked and, when that process
@@ -90,6 +96,8 @@ def _become_api_server(request: dict[str, Any]) -> None:
         sys.path[0:0] = paths
         tempfile.tempdir = None  # TMPDIR is the engine's own now
         sys.argv = [sys.modules[API_SERVER].__file__ or API_SERVER, *request["args"]]
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            _fork_engine_core()
         runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit_:
@@ -101,6 +109,21 @@ def _become_api_server(request: dict[str, Any]) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _fork_engine_core() -> None:
+    """Start the engine core with vLLM's default method, fork, instead of the CPU platform's
+    spawn. The platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn in its config check, which
+    runs in the API server before the engine core starts: this puts fork back right after."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_then_fork(cls: type, vllm_config: Any) -> None:
+        check(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_then_fork)  # type: ignore[method-assign,assignment]
 
 
 # ----------------------------------------------------------------------------- the client side
