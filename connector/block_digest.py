@@ -80,24 +80,48 @@ class HeldBlocks:
     whether a reader must read exactly its ``num_tokens`` (a group holds a state after them,
     or only their end: SSM, sliding window) or may read a prefix (attention only).
 
+    A lease that grows under one id (chunked pulls: each chunk announced re-binds it to more
+    blocks, then request_finished to the whole prompt) keeps what it announced before
+    (``grown_from``): a reader of an earlier announcement, whose check arrives after the
+    next, reads blocks the lease still holds, so its check passes.
+
     The digest is computed when a check first asks, then kept; two threads computing it at
     once get the same value, so no lock is needed.
     """
 
-    __slots__ = ("_block_ids", "_digest", "exact", "num_tokens")
+    __slots__ = ("_block_ids", "_digest", "_earlier", "exact", "num_tokens")
 
     def __init__(self, block_ids: BlockIds, num_tokens: int, *, exact: bool) -> None:
         self._block_ids = block_ids
         self._digest: BlockDigest | None = None
+        self._earlier: HeldBlocks | None = None
         self.num_tokens = num_tokens
         self.exact = exact
 
+    def grown_from(self, earlier: HeldBlocks) -> None:
+        """The same lease held ``earlier`` before: keep it answering its readers, when these
+        blocks extend it (its ids lead each group's, for at most as many tokens) and neither
+        is exact (a state is read only whole). Anything else keeps nothing."""
+        if self.exact or earlier.exact or earlier.num_tokens > self.num_tokens:
+            return
+        if len(earlier._block_ids) != len(self._block_ids):
+            return
+        for before, now in zip(earlier._block_ids, self._block_ids, strict=True):
+            if tuple(now[: len(before)]) != tuple(before):
+                return
+        self._earlier = earlier
+
     def verdict(self, expected: BlockDigest | None) -> str:
-        """``blocks_verdict`` of these blocks against a reader's ``expected``."""
+        """``blocks_verdict`` of these blocks against a reader's ``expected``; "" too when it
+        reads exactly what this lease held earlier (``grown_from``)."""
         held = self._digest
         if held is None:
             held = block_digest(self._block_ids, self.num_tokens)
             if held is None:  # our own ids: a block id always fits int64
                 raise ValueError(f"a leased block id does not fit int64: {self._block_ids}")
             self._digest = held
-        return blocks_verdict(held, expected)
+        why = blocks_verdict(held, expected)
+        earlier = self._earlier
+        if not why or earlier is None or expected is None:
+            return why
+        return why if expected.num_tokens > earlier.num_tokens or earlier.verdict(expected) else ""

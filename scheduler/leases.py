@@ -23,6 +23,8 @@ connector/token_digest.py): a LeaseCheck ref gets "held" only when its reader re
 those blocks (per cache group, in order) for exactly the lease's token count, and expects
 tokens that are a prefix of the lease's ids: all of them for a lease with an SSM or
 sliding-window group (``HeldBlocks.exact``: its state is the one after the last token).
+A lease re-bound under the same id to blocks that extend its earlier ones (chunked pulls)
+still answers readers of the earlier blocks (``HeldBlocks.grown_from``).
 Otherwise, or when the ref does not say (an older reader), it is refused for that reader,
 with the reason (``Refusal``). Producer binds every lease it takes; a lease taken without
 a binding (this table's own tests) answers for its id alone.
@@ -135,6 +137,9 @@ class LeaseTable:
             elif request_id in self._tokens:  # the id leased again (an engine reusing ids)
                 del self._tokens[request_id]
             if blocks is not None:
+                earlier = self._blocks.get(request_id)
+                if earlier is not None and lease_id and self._lease_ids.get(request_id) == lease_id:
+                    blocks.grown_from(earlier)  # a chunked pull's lease, grown
                 self._blocks[request_id] = blocks
             elif request_id in self._blocks:
                 del self._blocks[request_id]

@@ -158,6 +158,71 @@ def test_a_prefix_of_the_tokens_is_read_only_from_an_attention_only_lease(
     assert _lease(block_ids, num_tokens, exact=True).check([whole], 1.0) == LeaseStatus((True,))
 
 
+def _grow(table: LeaseTable, block_ids: Any, num_tokens: int, lease_id: str = "L1", *,
+          exact: bool = False) -> None:  # fmt: skip
+    """Re-bind request p1's lease (chunked pulls: the next chunk, or request_finished)."""
+    tokens = HeldTokens.of(HELD_IDS, num_tokens)
+    table.lease(
+        "p1", 0.5, lease_id, tokens=tokens, blocks=HeldBlocks(block_ids, num_tokens, exact=exact)
+    )
+
+
+@given(block_ids=groups_st, num_tokens=st.integers(2, 64), data=st.data())
+def test_a_lease_grown_under_its_id_still_answers_readers_of_what_it_announced_before(
+    block_ids: tuple[tuple[int, ...], ...], num_tokens: int, data: st.DataObject
+) -> None:
+    """Chunked pulls: the reader of a chunk whose lease check reaches prefill after the next
+    chunk's announcement (or the prompt's end) re-bound the lease reads blocks it still holds
+    (seen on real engines: such a good request failed `blocks mismatch`)."""
+    earlier = tuple(group[: data.draw(st.integers(1, len(group)))] for group in block_ids)
+    num_earlier = data.draw(st.integers(1, num_tokens))
+    table = _lease(earlier, num_earlier, exact=False)
+    _grow(table, block_ids, num_tokens)
+    refs = [_read(earlier, num_earlier), _read(block_ids, num_tokens)]
+    assert table.check(refs, 1.0) == LeaseStatus((True, True))
+    # Grown twice: the first announcement still answers.
+    longer = tuple((*group, 7) for group in block_ids)
+    _grow(table, longer, 64)
+    assert table.check([_read(earlier, num_earlier)], 1.0) == LeaseStatus((True,))
+
+
+GROWTHS_THAT_KEEP_NOTHING = {
+    "blocks-that-do-not-extend": (((9, 2, 3, 4),), 40, "L1", False),
+    "an-exact-lease": (((1, 2, 3, 4),), 40, "L1", True),
+    "another-lease-id": (((1, 2, 3, 4),), 40, "L2", False),
+    "fewer-tokens": (((1, 2, 3, 4),), 16, "L1", False),
+}
+
+
+@pytest.mark.parametrize(
+    ("grown", "num_tokens", "lease_id", "exact"),
+    GROWTHS_THAT_KEEP_NOTHING.values(),
+    ids=GROWTHS_THAT_KEEP_NOTHING,
+)
+def test_a_lease_re_bound_otherwise_refuses_readers_of_its_earlier_blocks(
+    grown: Any, num_tokens: int, lease_id: str, exact: bool
+) -> None:
+    table = _lease(((1, 2, 3),), 24, exact=False)
+    _grow(table, grown, num_tokens, lease_id, exact=exact)
+    earlier_reader = LeaseRef(
+        "p1", lease_id, (), token_digest(HELD_IDS, 24), block_digest(((1, 2, 3),), 24)
+    )
+    status = table.check([earlier_reader], 1.0)
+    assert status.held == (False,)
+    refusal = status.refused[0]
+    assert refusal is not None and refusal.kind in (REFUSED_BLOCKS, REFUSED_TOKENS)
+
+
+def test_a_grown_lease_refuses_a_reader_of_blocks_it_never_announced() -> None:
+    table = _lease(((1, 2),), 32, exact=False)
+    _grow(table, ((1, 2, 3, 4),), 64)
+    for never in (_read(((1, 2, 3),), 48), _read(((1,),), 16), _read(((1, 2),), 24)):
+        status = table.check([never], 1.0)
+        assert status.held == (False,), never
+        refusal = status.refused[0]
+        assert refusal is not None and refusal.kind == REFUSED_BLOCKS
+
+
 BLOCKS = ((1, 2, 3),)
 REFS_THAT_DO_NOT_SAY = {
     "no-tokens": (
