@@ -6,12 +6,12 @@ The real-vLLM tier starts dozens of engines on two cores, so it runs this once p
 process (tests/real_vllm_harness.py) and each engine's API server is a fork of it that runs
 `vllm.entrypoints.openai.api_server` as `python -m` would.
 
-The engine core of a ``uni`` engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its TP 1 worker,
-where the connector runs, in the engine-core process) is forked from its API server, which
-has vLLM imported: vLLM's default start method, the one its engines use on a GPU host. Only
-the CPU platform's config check sets ``spawn``; `_fork_engine_core` sets vLLM's default back
-right after it. ``mp`` engines (TP 2, the drills, the bf16 hybrid) keep the CPU platform's
-spawn for the engine core and every worker, so both start methods stay under test.
+The engine core is forked from its API server, which has vLLM imported, and so is every
+worker of a TP > 1 engine from its engine core: vLLM's default start method, the one its
+engines use on a GPU host. Only the CPU platform's config check sets ``spawn``;
+`_fork_engine_core` sets vLLM's default back right after it. An engine that asks for spawn
+itself (``VLLM_WORKER_MULTIPROC_METHOD=spawn`` in its environment: the harness's
+CPU_PLATFORM_LAYOUT) keeps it, so both start methods stay under test.
 
 Protocol, over a Unix socket, one connection per engine: the client sends one JSON line
 {"args", "env", "cwd", "log"}; the zygote answers "<pid>\\n" once forked and, when that process
@@ -96,7 +96,7 @@ def _become_api_server(request: dict[str, Any]) -> None:
         sys.path[0:0] = paths
         tempfile.tempdir = None  # TMPDIR is the engine's own now
         sys.argv = [sys.modules[API_SERVER].__file__ or API_SERVER, *request["args"]]
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
             _fork_engine_core()
         runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
         code = 0
@@ -112,9 +112,10 @@ def _become_api_server(request: dict[str, Any]) -> None:
 
 
 def _fork_engine_core() -> None:
-    """Start the engine core with vLLM's default method, fork, instead of the CPU platform's
-    spawn. The platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn in its config check, which
-    runs in the API server before the engine core starts: this puts fork back right after."""
+    """Start the engine core (and its workers) with vLLM's default method, fork, instead of
+    the CPU platform's spawn. The platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn in its
+    config check, which runs in the API server before the engine core starts: this puts fork
+    back right after (the engine core inherits it for its workers)."""
     from vllm.platforms.cpu import CpuPlatform
 
     check = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]

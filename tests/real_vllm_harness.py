@@ -92,14 +92,20 @@ ENGINE_ENV = {
     "TORCH_COMPILE_DISABLE": "1",
     # vLLM's CPU platform gives a TP 1 engine's worker a process of its own (the `mp`
     # executor); with this the worker runs in the engine-core process (`uni`), the layout
-    # vLLM uses for TP 1 on GPUs. A start then imports vLLM twice, not three times (about 8 s
-    # of a core less), an engine holds one torch process fewer (about 0.6 GB), and a step
-    # crosses no shared-memory queue. TP > 1 is `mp` whatever this says, and the drills and
-    # the bf16 hybrid run their TP 1 engines in `mp` (MP_LAYOUT): both layouts stay under test.
+    # vLLM uses for TP 1 on GPUs: an engine holds one torch process fewer (about 0.6 GB) and
+    # a step crosses no shared-memory queue. TP > 1 is `mp` whatever this says. With the
+    # zygote (below) the engine core and any worker are forked, vLLM's default start method,
+    # not spawned as the CPU platform forces (tests/engine_zygote.py): a start imports vLLM
+    # in no new process. The bf16 hybrid keeps the CPU platform's own layout, `mp` and spawn
+    # (CPU_PLATFORM_LAYOUT), so it stays under test too.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
-# extra_env of an engine that keeps vLLM's CPU default: its TP 1 worker in a process of its own.
-MP_LAYOUT = (("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),)
+# extra_env of an engine in exactly the layout `vllm serve` gives it on the CPU platform: its
+# TP 1 worker in a process of its own, every process spawned (importing vLLM afresh).
+CPU_PLATFORM_LAYOUT = (
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
+    ("VLLM_WORKER_MULTIPROC_METHOD", "spawn"),
+)
 # float32 so that the P/D path and the single engine agree to ~1e-5 in logprobs: greedy ties
 # that a bf16 rounding difference could flip would make a correct connector look wrong.
 ENGINE_ARGS = (
@@ -243,8 +249,9 @@ class EngineSpec:
         return cmd
 
 
-# Engines' API servers are forks of one process that imported vLLM once (tests/engine_zygote.py):
-# about 9 s of a core less per start. NIXL_PD_ENGINE_ZYGOTE=0: each `vllm serve` its own process.
+# Engines' API servers are forks of one process that imported vLLM once (tests/engine_zygote.py),
+# and so are their engine cores and workers (unless CPU_PLATFORM_LAYOUT): about 9 s of a core
+# less per process. NIXL_PD_ENGINE_ZYGOTE=0: each `vllm serve` its own process, as vLLM starts it.
 ZYGOTE_ENV = "NIXL_PD_ENGINE_ZYGOTE"
 _zygote_made: list[Zygote] = []
 _zygote_lock = threading.Lock()
@@ -714,10 +721,12 @@ class Deployment:
         prefill_failure_policy: str = "fail",
         reference: Engine | None = None,
         extra_args: tuple[str, ...] = (),
+        prefill_args: tuple[str, ...] = (),
     ) -> Iterator[Deployment]:
         """Start the three engines at once (startup dominates), then the proxy. Engine logs
         go to ``log_dir``; ``extra_config`` goes to both P/D engines' extra config;
-        ``reference``: a started single engine to use instead of starting one."""
+        ``reference``: a started single engine to use instead of starting one;
+        ``prefill_args``: more arguments for prefill only."""
         with cls.running_together(
             model_dir,
             (connector,),
@@ -726,6 +735,7 @@ class Deployment:
             extra_config=extra_config,
             prefill_failure_policy=prefill_failure_policy,
             reference=reference,
+            prefill_args=prefill_args,
         ) as (deployment,):
             yield deployment
 

@@ -11,7 +11,8 @@ tests/conftest.py, does that once:
   nothing another module does to its own engines, so every module comparing tiny-Llama P/D
   answers with a single engine asks this one;
 - ``pair(connector)``: the plain tiny-Llama P/D pair of that connector (default failure
-  policies, ours with verify_kv and a short ``overlap_wait_timeout``) and its proxy, behind
+  policies; ours with verify_kv, a short ``overlap_wait_timeout``, ``chunked_pull`` and a
+  prefill that computes in chunks of 128 tokens) and its proxy, behind
   the shared reference; started on first use, stopped when the session ends. Every module
   whose cases need a plain pair and leave it serving shares it (tests/test_real_vllm.py,
   tests/test_real_vllm_overlap.py, the n-gram case's prefill in
@@ -45,6 +46,11 @@ REFERENCE_NUM_BLOCKS = 128
 # The shared pair's KV blocks (128 MiB each with the tiny model, not 1 GiB: it lives beside
 # every module's own engines). Its largest user keeps 16 prompts of up to 7 blocks cached.
 PAIR_NUM_BLOCKS = 512
+# Our pair's prefill computes prompts in chunks of this many tokens (chunked prefill), and
+# both engines have chunked_pull on: under overlapped dispatch
+# (tests/test_real_vllm_overlap.py) decode pulls each chunk while prefill computes the next.
+# Sequential dispatch (every other user) is the same as without it, chunked prefill included.
+PAIR_PREFILL_CHUNK = 128
 # Its decode's overlap_wait_timeout: how long a load waits for prefill's announcement under
 # overlapped dispatch (tests/test_real_vllm_overlap.py); sequential dispatch never waits.
 OVERLAP_WAIT_S = 5.0
@@ -103,7 +109,10 @@ class Workspace:
         if connector not in self._pairs:
             logs = self.root / f"logs-pair-{connector}"
             logs.mkdir(exist_ok=True)
-            extra = {"overlap_wait_timeout": OVERLAP_WAIT_S} if connector == "nixlpd" else None
+            extra, prefill_args = None, ()
+            if connector == "nixlpd":
+                extra = {"overlap_wait_timeout": OVERLAP_WAIT_S, "chunked_pull": True}
+                prefill_args = ("--max-num-batched-tokens", str(PAIR_PREFILL_CHUNK))
             self._pairs[connector] = self._running.enter_context(
                 Deployment.running(
                     self.model(),
@@ -112,6 +121,7 @@ class Workspace:
                     extra_config=extra,
                     reference=self.reference(),
                     extra_args=("--num-gpu-blocks-override", str(PAIR_NUM_BLOCKS)),
+                    prefill_args=prefill_args,
                 )
             )
         return self._pairs[connector]

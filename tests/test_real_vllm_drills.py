@@ -50,7 +50,6 @@ import pytest
 from examples.vllm.proxy import make_server
 from tests.real_vllm_harness import (
     HOST,
-    MP_LAYOUT,
     Completion,
     Engine,
     EngineSpec,
@@ -156,7 +155,6 @@ def drills(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Dri
             kv_transfer_config(connector, "kv_producer", extra_config=extra),
             free_port(),
             extra_args=("--num-gpu-blocks-override", str(PREFILL_BLOCKS)),
-            extra_env=MP_LAYOUT,  # the drills run vLLM's CPU default process layout
         )
         decodes = {
             policy: Engine(
@@ -168,7 +166,6 @@ def drills(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Dri
                         connector, "kv_consumer", failure_policy=policy, extra_config=extra
                     ),
                     free_port(),
-                    extra_env=MP_LAYOUT,
                 ),
                 logs,
             )

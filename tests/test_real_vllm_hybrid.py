@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.real_vllm_harness import (
-    MP_LAYOUT,
+    CPU_PLATFORM_LAYOUT,
     Completion,
     Deployment,
     complete,
@@ -94,7 +94,7 @@ def hybrid(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Hyb
             ("nixlpd", "vllm"),
             logs,
             extra_args=ENGINE_ARGS,
-            extra_env=MP_LAYOUT,
+            extra_env=CPU_PLATFORM_LAYOUT,
         ) as (ours, theirs),
     ):
         sizes = {engine.block_size() for engine in (*ours.engines(), *theirs.engines())}

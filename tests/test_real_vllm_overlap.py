@@ -123,11 +123,21 @@ def assert_match(url: str, reference_url: str, prompts: Sequence[Sequence[int]])
 
 
 def test_overlapped_and_sequential_dispatch_match_a_single_engine(served: Served) -> None:
-    lengths = [1, 100, 127, 128, 129, 300, 421, 600]
+    """The shared pair has chunked_pull on and prefill computes 128 tokens a step: overlapped,
+    the longer prompts are pulled chunk by chunk while prefill computes (verify_kv proves
+    every chunk), and a one-chunk prompt in one READ."""
+    lengths = [1, 100, 127, 128, 129, 300, 421, 600, 900]
     prompts = [prompt(seed, n) for seed, n in enumerate(lengths, start=10)]
     reference_url = served.deployment.reference.url
+    decode = served.deployment.decode
+    chunk_reads = decode.metric("nixl_pd_chunk_reads_total")
     assert_match(served.overlap_url, reference_url, prompts)
+    # Four prompts span 2-8 chunks: decode, given the request with prefill, reads some
+    # of their chunks before prefill's last one (900 tokens is 8 prefill steps).
+    assert decode.metric("nixl_pd_chunk_reads_total") > chunk_reads, "no chunk was pulled early"
+    chunk_reads = decode.metric("nixl_pd_chunk_reads_total")
     assert_match(served.deployment.proxy_url, reference_url, prompts)
+    assert decode.metric("nixl_pd_chunk_reads_total") == chunk_reads  # sequential: one READ
 
 
 def test_a_decode_whose_prefill_never_gets_the_request_fails_within_the_wait(
