@@ -23,7 +23,7 @@ blocks until the lease expires; except when prefill restarted since it leased: t
 agent is gone, and a notification to it would block this thread until UCX gives up.
 
 The stages a load calls, each in its own module: plan (worker/plan/recipe.py ``plan_request``),
-make the READs (worker/reads.py), notify and report (worker/load_end.py).
+make the READs (worker/reads.py), notify and report (worker/load_lifecycle.py).
 Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -50,19 +51,24 @@ from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
 from connector.token_digest import token_digest
 from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
-from worker.load_end import (
+from worker.load_lifecycle import (
+    Load,
+    OnMove,
+    RankLoadState,
+    ReadKey,
     handshake_failure,
     notify_rest,
     record_outcome,
     with_handshake_phases,
     with_timeline,
 )
-from worker.load_lifecycle import Load, OnMove, RankLoadState, ReadKey
 from worker.nixl_api import NixlAgent, TransferState
-from worker.peer_lifecycle import Peer, PeerLink
 from worker.plan.recipe import RankPlan, TransferRequest, plan_request
 from worker.reads import MakeRead, read_makers
 from worker.stall_watch import Wait
+
+if TYPE_CHECKING:  # annotations only: keeps the run-time import chain short
+    from worker.peers import Peer, PeerLink
 
 logger = logging.getLogger(__name__)
 
