@@ -1,39 +1,21 @@
 """Decode's heartbeats and releases to prefill side channels, sent from a background thread.
 
-What is due: ``HeartbeatRegistry`` holds the prefill leases decode still means to read. The
-engine thread only writes to it: one dict set when a request enters the heartbeating states
-(CLAIMED, MATCHED, ALLOCATED, LOADING, DRAINING), one pop when it leaves them by any way
-(scheduler/lifecycles.py's Book calls ``drop``), and a clock stamp per engine step. No lock:
-each of those is one dict operation or one attribute store, atomic in CPython (under the GIL,
-and under the dict's own lock in free-threaded builds), and the sender thread reads a copy of
-the dict, taken the same way. A claimed request's params are unread on the engine thread by
-design (they bind at allocation): ``take_due`` parses them on the sender thread, once per
-params object, with the one validator (connector/params.py); params that do not validate are
-not heartbeated, and the allocation's parse fails the request with the reason.
+Why and how, in docs/architecture.md "Threads": the engine thread only writes to a
+``HeartbeatRegistry`` (the prefill leases decode still means to read) with single dict
+operations, atomic in CPython, so it takes no lock, and stamps its clock once per step; the
+sender thread reads a copy every poll and sends one heartbeat per prefill boot per interval,
+on its own timer. A claimed request's params, unread on the engine thread until allocation,
+are parsed there once, with the one validator (connector/params.py); params that do not
+validate are not heartbeated. An engine thread that ran no step for more than
+``stall_limit_s`` (decode's kv_lease_duration) is wedged: heartbeats pause until it steps.
 
-A wedged engine: when the engine thread has run no step for more than ``stall_limit_s`` (the
-SchedulerConnector passes decode's kv_lease_duration), heartbeats pause until it steps again.
-A decode that is slow keeps its leases through a stall of about two leases (the limit, then
-the last heartbeat's lease); a decode that hangs pins prefill's blocks no longer than that.
-
-Sending: every poll the sender thread asks each registry for the heartbeats due, one per
-prefill boot per interval, so a long step, a GC pause or a loaded host does not let a live
-decode's leases expire at prefill. Releases are enqueued by the engine thread (never
-blocking); a full queue drops one with a warning. Failures are logged, never raised: a missed
-heartbeat at worst lets a lease expire, and a missed release leaves the prefill blocks to
-their lease.
-
-One thread serves every prefill engine, so a dead side channel must not hold up the live ones:
-each message waits at most MAX_MESSAGE_TIMEOUT_S for its reply, and after a failure further
-messages to that engine are skipped for a while (``Backoff``) instead of each waiting out its
-own timeout. A skipped message is lost like a failed one: at worst a lease runs out.
-
-Every message names the prefill side channel's boot id (connector/protocol.py): the one the
-request's params carry (``remote_boot_id``, the boot that leased), so a prefill that restarted
-since refuses it (PeerRestarted) and no lease of the new boot is touched. Params without one
-(an older prefill) fall back to learning it with a Hello on the first message to a destination
-(``BootIds``); after a PeerRestarted that remembered id is dropped and the next message asks
-again. A refused message is never retried: the leases it named died with the old boot.
+Releases come from the engine thread through a bounded queue (a full one drops with a
+warning). Failures are logged, never raised: at worst a lease expires. One thread serves
+every prefill engine, so each message waits at most MAX_MESSAGE_TIMEOUT_S and a destination
+that failed is skipped for a while (``Backoff``). Every message names the prefill boot the
+params carry (``remote_boot_id``), so a restarted prefill refuses it (PeerRestarted); params
+without one learn it with a Hello, remembered per destination (``BootIds``) until a
+PeerRestarted. A refused message is never retried: its leases died with the old boot.
 """
 
 from __future__ import annotations

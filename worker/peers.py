@@ -52,8 +52,8 @@ from connector.observability.metrics import (
     default_recorder,
     handshake_failure_kind,
 )
-from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
-from worker.compat import Fingerprint, check_compatible, check_transport
+from connector.protocol import WorkerHandshake
+from worker.compat import Fingerprint, check_compatible, check_transport, validate_handshakes
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult, Phase, describe_phases
 from worker.nixl_api import NixlAgent
 from worker.plan.recipe import PeerPlan, peer_plan
@@ -205,39 +205,6 @@ class _Failure:
     probe_after_s: float
     probing: bool = False
     restarted: bool = False  # the side channel answered as a later boot than the params name
-
-
-def validate_handshakes(
-    source_engine_id: str, remote_tp_size: int, handshakes: dict[int, WorkerHandshake]
-) -> None:
-    """Check what the remote ranks sent agrees with the request and with itself."""
-    for remote_rank, handshake in sorted(handshakes.items()):
-        where = f"remote rank {remote_rank}"
-        if handshake.protocol_version != PROTOCOL_VERSION:
-            raise HandshakeError(
-                f"{where} speaks protocol version {handshake.protocol_version}, we speak "
-                f"{PROTOCOL_VERSION}; run the same connector version on both engines"
-            )
-        if handshake.engine_id != source_engine_id:
-            raise HandshakeError(
-                f"{where} belongs to engine {handshake.engine_id!r}, but the request's KV is on "
-                f"engine {source_engine_id!r}: the prefill engine restarted and its KV is gone"
-            )
-        ranks = {
-            (handshake.tp_rank, handshake.tp_size),
-            (handshake.layout.tp_rank, handshake.layout.tp_size),
-        }
-        if ranks != {(remote_rank, remote_tp_size)}:
-            raise HandshakeError(
-                f"{where} says it is rank {handshake.tp_rank} of {handshake.tp_size} (its "
-                f"layout: {handshake.layout.tp_rank} of {handshake.layout.tp_size}), but the "
-                f"request says the prefill engine has tp_size {remote_tp_size}"
-            )
-        if len(handshake.region_addresses) != len(handshake.layout.region_bytes):
-            raise HandshakeError(
-                f"{where} sent {len(handshake.region_addresses)} region addresses for a layout "
-                f"of {len(handshake.layout.region_bytes)} regions; its handshake is corrupt"
-            )
 
 
 class PeerTable:

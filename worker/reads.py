@@ -70,10 +70,6 @@ class PreparedLists:
         self._local: dict[bytes, _Shared] = {}  # rows bytes -> shared local list
 
     @property
-    def num_local_lists(self) -> int:
-        return len(self._local)
-
-    @property
     def local_addresses(self) -> tuple[int, ...]:
         return self._local_addresses
 
