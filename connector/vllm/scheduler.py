@@ -6,25 +6,15 @@ and the outcomes vLLM has not heard of from the ranks go back for them to echo. 
 request's one record, its claim, parse, refusal and load, is SchedulerConnector's (Consumer's),
 whose params bind at allocation: see scheduler/connector.py.
 
-vLLM's request semantics, mirrored here (the functions at the end): after a full external
-load vLLM's decode recomputes the last loaded prompt token to get its logits. Attention does
-not mind (the slot is rewritten with the same values), but a recurrent state would take that
-token twice: so with SSM (Mamba) groups prefill stops ``backoff`` tokens short and decode
-loads ``N - backoff`` tokens, deriving h(N) itself. Multi-token prediction keeps its
-lookahead window off the prefiller the same way. With speculative decoding vLLM co-allocates
-scratch SSM slots after the running state: only the running state is transferred.
-
-A state is the state after exactly its tokens, so both sides count the transfer with one
-function, ``transferred_prompt_tokens``, of what both see alike: the prompt's length and the
-model's back-off. No request option enters it: prompt logprobs, sampling parameters and
-prompt embeddings back off like any request. (A decode request that skips reading the prefix
-cache, prompt logprobs there, loads nothing: vLLM's scheduler zeroes its external tokens and
-our connector releases the lease.) Engines whose back-offs differ count differently: the
-state prefill leased is then not the one decode needs, and a state lease is readable only for
-its exact count (scheduler/leases.py).
-
-A LoRA adapter, a cache salt and multimodal inputs change a prompt's KV without changing its
-ids: ``kv_salt`` names them for the lease's token binding (connector/token_digest.py).
+vLLM's request semantics, mirrored here (the functions at the end; why, in docs/integrity.md
+"A state is loaded for exactly its tokens"): with SSM (Mamba) groups or multi-token prediction
+prefill stops ``backoff`` tokens short and decode loads ``N - backoff``, since vLLM's decode
+recomputes the last loaded prompt token; both sides count the transfer with one function,
+``transferred_prompt_tokens``, of the prompt's length and the model's back-off, whatever the
+request asks. Speculative decoding's scratch SSM slots are clipped (only the running state is
+transferred). A LoRA adapter, a cache salt and multimodal inputs change a prompt's KV without
+changing its ids: ``kv_salt`` names them for the lease's token binding
+(connector/token_digest.py).
 """
 
 from __future__ import annotations
