@@ -5,7 +5,7 @@ and decode requests to Consumer (loads, releases, heartbeats), builds each step'
 collects the ranks' reports. Requests are plain RequestInfo records, not engine objects; a
 decode request's one record, its parsed params included, is Consumer's.
 Every method runs on the engine thread; the side-channel thread touches only the lease table,
-and the heartbeat thread only the heartbeat registry (scheduler/heartbeat_registry.py).
+and the heartbeat thread only the heartbeat registry (scheduler/heartbeats.py).
 
 Params bind at allocation, as vLLM binds a request: the engine may ask
 get_num_new_matched_tokens many times before it allocates, and nothing binds until then. The
@@ -39,9 +39,15 @@ from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import OnMove
 from scheduler.overlap import OverlappedLoads
-from scheduler.params_reader import ParamsReader
 from scheduler.producer import Producer
-from scheduler.requests import FinishedRequests, ParsedParams, RequestInfo, Role, final_tokens
+from scheduler.requests import (
+    FinishedRequests,
+    ParamsReader,
+    ParsedParams,
+    RequestInfo,
+    Role,
+    final_tokens,
+)
 from scheduler.sibling_loads import SiblingLoads
 from scheduler.side_channel import SideChannelServer
 from scheduler.suffix import PULLABLE_KINDS, held_blocks
@@ -113,7 +119,7 @@ class SchedulerConnector:
         )
         # Heartbeats run on the sender thread's timer, not on engine-thread hooks. Its limit:
         # an engine thread that ran no step for one of its own leases is taken as wedged and
-        # its leases are left to expire (scheduler/heartbeat_registry.py says why that bound).
+        # its leases are left to expire (scheduler/heartbeats.py says why that bound).
         keepalive = self._heartbeats.keep_alive(
             interval_s=config.heartbeat_interval_s,
             stall_limit_s=config.kv_lease_duration_s,

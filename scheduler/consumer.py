@@ -46,8 +46,7 @@ from connector.observability.metrics import (
 from connector.outcomes import FailureKind, LoadFailure, one_failure
 from connector.protocol import ReaderId, lease_key
 from connector.token_digest import KVSalt
-from scheduler.heartbeat_registry import HeartbeatRegistry
-from scheduler.heartbeats import HeartbeatSender
+from scheduler.heartbeats import HeartbeatRegistry, HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
 from scheduler.requests import ParsedParams
 from scheduler.sibling_loads import SiblingLoads, params_key
@@ -66,7 +65,7 @@ UNREAD_OR_REFUSED = (CLAIMED, REFUSING, REFUSED)  # no parsed source: nothing to
 _RANKS_ANSWER_LOAD = (LOADING, DRAINING)  # a LoadSpec or ReleaseSpec the engine waits on
 _RANKS_HOLD_BLOCKS = (ALLOCATED, LOADING, DRAINING)  # at request_finished: delay the free
 _RANKS_ANSWER_RELEASE = (RELEASING, REPORTED_RELEASING)  # a ReleaseSpec nobody waits on
-# Prefill must keep the KV: heartbeated (scheduler/heartbeat_registry.py) while in these.
+# Prefill must keep the KV: heartbeated (scheduler/heartbeats.py) while in these.
 # CLAIMED too: decode still means to read, however long the engine keeps it waiting.
 _HEARTBEATING = (CLAIMED, MATCHED, ALLOCATED, LOADING, DRAINING)
 # Claims and refusals ask nothing of the ranks: the engine steps anyway until it allocates.

@@ -1,23 +1,21 @@
-"""Send decode's heartbeats and releases to prefill side channels from a background thread.
+"""Decode's heartbeats and releases to prefill side channels, sent from a background thread.
 
-Heartbeats run on this thread's own timer: every poll it asks each HeartbeatRegistry
-(scheduler/heartbeat_registry.py) for the heartbeats due, one per prefill boot per interval,
-so they do not wait for the engine thread's hooks. Releases are enqueued by the engine thread
-(never blocking); a full queue drops one with a warning. Failures are logged, never raised: a
-missed heartbeat at worst lets a lease expire, and a missed release leaves the prefill blocks
-to their lease.
+Why and how, in docs/architecture.md "Threads": the engine thread only writes to a
+``HeartbeatRegistry`` (the prefill leases decode still means to read) with single dict
+operations, atomic in CPython, so it takes no lock, and stamps its clock once per step; the
+sender thread reads a copy every poll and sends one heartbeat per prefill boot per interval,
+on its own timer. A claimed request's params, unread on the engine thread until allocation,
+are parsed there once, with the one validator (connector/params.py); params that do not
+validate are not heartbeated. An engine thread that ran no step for more than
+``stall_limit_s`` (decode's kv_lease_duration) is wedged: heartbeats pause until it steps.
 
-One thread serves every prefill engine, so a dead side channel must not hold up the live ones:
-each message waits at most MAX_MESSAGE_TIMEOUT_S for its reply, and after a failure further
-messages to that engine are skipped for a while (``Backoff``) instead of each waiting out its
-own timeout. A skipped message is lost like a failed one: at worst a lease runs out.
-
-Every message names the prefill side channel's boot id (connector/protocol.py): the one the
-request's params carry (``remote_boot_id``, the boot that leased), so a prefill that restarted
-since refuses it (PeerRestarted) and no lease of the new boot is touched. Params without one
-(an older prefill) fall back to learning it with a Hello on the first message to a destination
-(``BootIds``); after a PeerRestarted that remembered id is dropped and the next message asks
-again. A refused message is never retried: the leases it named died with the old boot.
+Releases come from the engine thread through a bounded queue (a full one drops with a
+warning). Failures are logged, never raised: at worst a lease expires. One thread serves
+every prefill engine, so each message waits at most MAX_MESSAGE_TIMEOUT_S and a destination
+that failed is skipped for a while (``Backoff``). Every message names the prefill boot the
+params carry (``remote_boot_id``), so a restarted prefill refuses it (PeerRestarted); params
+without one learn it with a Hello, remembered per destination (``BootIds``) until a
+PeerRestarted. A refused message is never retried: its leases died with the old boot.
 """
 
 from __future__ import annotations
@@ -28,14 +26,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-from connector.errors import ConnectorError, PeerRestarted
-from connector.metadata import SideChannelBoot
+from connector.errors import ConnectorError, InvalidTransferParams, PeerRestarted
+from connector.metadata import RemoteSource, SideChannelBoot
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
-from connector.protocol import ReaderId
-from scheduler.heartbeat_registry import HeartbeatRegistry
+from connector.params import parse_kv_transfer_params
+from connector.protocol import ReaderId, lease_key
 
 logger = logging.getLogger(__name__)
 
@@ -386,3 +384,140 @@ def _skipped_note(num_skipped: int) -> str:
     if not num_skipped:
         return ""
     return f" ({num_skipped} message(s) skipped while it was backing off)"
+
+
+# What to heartbeat for one request: its read params' source, or (claimed) its raw params.
+Held = RemoteSource | Mapping[str, Any]
+
+
+Heartbeat = tuple[SideChannelBoot, tuple[str, ...]]  # where, and the lease keys it extends
+
+
+class HeartbeatRegistry:
+    """The heartbeating requests of one decode engine (``clock``: seconds, monotonic, callable
+    from any thread). ``on_first_hold`` runs once, on the engine thread, at the first ``hold``
+    (the sender starts its thread there: an engine that never loads runs none)."""
+
+    def __init__(
+        self,
+        *,
+        interval_s: float,
+        stall_limit_s: float,
+        clock: Callable[[], float],
+        on_first_hold: Callable[[], None] | None = None,
+    ) -> None:
+        self._interval_s = interval_s
+        self._stall_limit_s = stall_limit_s
+        self._clock = clock
+        self._on_first_hold = on_first_hold
+        # Written by the engine thread only, in single atomic operations (see the top).
+        self._entries: dict[str, Held] = {}  # request id -> what to heartbeat; arrival order
+        self._last_step_s = clock()
+        # The sender thread's own: when heartbeats are next due, the claimed params parsed
+        # (id -> (params object, source)), and whether it pauses for a wedged engine.
+        self._next_s = clock() + interval_s
+        self._parsed: dict[str, tuple[object, RemoteSource | None]] = {}
+        self._stalled = False
+
+    # ---- engine thread ----
+
+    def hold(self, request_id: str, held: Held) -> None:
+        """Heartbeat ``request_id``'s lease from now on: ``held`` is its read params' source,
+        or its raw params while they are unread (claimed)."""
+        if self._on_first_hold is not None:
+            start, self._on_first_hold = self._on_first_hold, None
+            start()
+        entries = self._entries
+        if not entries:  # after an idle spell the last step says nothing of now
+            self._last_step_s = self._clock()
+        entries[request_id] = held
+
+    def drop(self, request_id: str) -> None:
+        """Stop heartbeating ``request_id`` (no-op if it is not held)."""
+        self._entries.pop(request_id, None)
+
+    def engine_stepped(self) -> None:
+        """The engine thread ran a step: it is alive (called once per build_connector_meta)."""
+        self._last_step_s = self._clock()
+
+    def held_ids(self) -> frozenset[str]:
+        """The request ids heartbeated now (any thread)."""
+        return frozenset(self._entries.copy())
+
+    # ---- sender thread ----
+
+    def take_due(self) -> list[Heartbeat]:
+        """The heartbeats due now, one per prefill boot (sorted by address), or [] when not
+        due, nothing is held, or the engine is wedged. Sender thread only."""
+        now = self._clock()
+        if now < self._next_s:
+            return []
+        self._next_s = now + self._interval_s
+        entries = list(self._entries.copy().items())  # copy(): one atomic read of the dict
+        idle_s = now - self._last_step_s
+        if not entries or self._is_wedged(idle_s, len(entries)):
+            return []
+        return self._group(entries)
+
+    def _is_wedged(self, idle_s: float, num_held: int) -> bool:
+        """Log once when heartbeats pause for a wedged engine, and once when they resume."""
+        wedged = idle_s > self._stall_limit_s
+        if wedged and not self._stalled:
+            logger.warning(
+                "decode's engine thread has run no step for %.1f s (limit %.1f s): not "
+                "heartbeating its %d lease(s) until it steps again; prefill ends them when they "
+                "expire",
+                idle_s,
+                self._stall_limit_s,
+                num_held,
+            )
+        elif self._stalled and not wedged:
+            logger.info("decode's engine thread steps again; heartbeats resume")
+        self._stalled = wedged
+        return wedged
+
+    def _group(self, entries: list[tuple[str, Held]]) -> list[Heartbeat]:
+        by_boot: dict[SideChannelBoot, list[str]] = {}
+        parsed: dict[str, tuple[object, RemoteSource | None]] = {}
+        for request_id, held in entries:
+            if isinstance(held, RemoteSource):
+                source: RemoteSource | None = held
+            else:
+                source = self._claimed_source(request_id, held, parsed)
+            if source is None:
+                continue
+            boot = source.side_channel
+            key = lease_key(source.remote_request_id, source.lease_id)
+            by_boot.setdefault(boot, []).append(key)
+        self._parsed = parsed  # only the claims still held: bounded by the registry
+        order = sorted(
+            by_boot, key=lambda boot: (boot.host, boot.port, boot.engine_id, boot.boot_id)
+        )
+        return [(boot, tuple(by_boot[boot])) for boot in order]
+
+    def _claimed_source(
+        self,
+        request_id: str,
+        raw: Mapping[str, Any],
+        parsed: dict[str, tuple[object, RemoteSource | None]],
+    ) -> RemoteSource | None:
+        """The claimed request's source, parsed once per params object; None if its params
+        do not validate or ask for no load."""
+        cached = self._parsed.get(request_id)
+        if cached is not None and cached[0] is raw:
+            parsed[request_id] = cached
+            return cached[1]
+        try:
+            params = parse_kv_transfer_params(raw)
+            source = params.remote_source() if params and params.do_remote_prefill else None
+        except InvalidTransferParams as exc:
+            logger.debug("request %s: claimed params not heartbeated: %s", request_id, exc)
+            source = None
+        except Exception as exc:  # e.g. the engine edited the dict while it was read: next time
+            logger.debug("request %s: claimed params not read this time: %r", request_id, exc)
+            return None
+        parsed[request_id] = (raw, source)
+        return source
+
+    def __len__(self) -> int:
+        return len(self._entries)

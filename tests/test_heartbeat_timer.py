@@ -253,7 +253,7 @@ def test_a_request_that_leaves_the_heartbeating_states_is_heartbeated_no_more(
 
 # ---- a wedged engine thread ----
 
-REGISTRY_LOG = "scheduler.heartbeat_registry"
+REGISTRY_LOG = "scheduler.heartbeats"
 
 
 def test_heartbeats_pause_while_the_engine_thread_is_wedged_past_the_limit(

@@ -26,8 +26,7 @@ from tests.test_worker_connector import (
 from tests.test_worker_parts import BASE, Clock
 from worker.compat import fingerprint
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
-from worker.peer_lifecycle import PeerState
-from worker.peers import PeerTable
+from worker.peers import PeerState, PeerTable
 
 BAD_PORT = PREFILL_PORT + 50
 

@@ -31,7 +31,7 @@ from tests.test_worker_connector import remote_handshake, source
 from tests.test_worker_lifecycles import ScriptedProofs
 from worker.loads import LoadTable, Outcome
 from worker.nixl_real import RealNixlAgent
-from worker.peer_lifecycle import Peer, PeerLink
+from worker.peers import Peer, PeerLink
 from worker.plan.recipe import peer_plan
 
 pytestmark = pytest.mark.real_nixl

@@ -672,7 +672,7 @@ def test_abort_at_every_stage_is_reported_at_most_once_and_leaks_nothing(
 def test_params_are_parsed_once_per_request_and_again_for_new_params(
     decode: SchedulerConnector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import scheduler.params_reader as module
+    import scheduler.requests as module
 
     calls: list[object] = []
     real_parse = module.parse_kv_transfer_params

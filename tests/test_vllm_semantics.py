@@ -33,7 +33,7 @@ from vllm.v1.request import Request  # noqa: E402
 from connector.errors import UnsupportedConfiguration  # noqa: E402
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
-from connector.vllm.semantics import (  # noqa: E402
+from connector.vllm.scheduler import (  # noqa: E402
     clip_ssm_groups,
     transferred_prompt_tokens,
     truncate_for_prefill,

@@ -27,7 +27,7 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 
 from connector.observability.metrics import LOADS_FAILED, PULLED_TOKENS, default_recorder  # noqa: E402
-from connector.vllm.semantics import kv_salt  # noqa: E402
+from connector.vllm.scheduler import kv_salt  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -201,16 +201,16 @@ def test_the_paths_take_every_edge_out_of_a_claim_or_a_refusal() -> None:
 def test_a_decode_requests_params_are_parsed_once_at_allocation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import scheduler.params_reader as params_reader
+    import scheduler.requests as requests_module
 
     parsed: list[object] = []
-    real_parse = params_reader.parse_kv_transfer_params
+    real_parse = requests_module.parse_kv_transfer_params
 
     def counting_parse(raw: Any) -> Any:
         parsed.append(raw)
         return real_parse(raw)
 
-    monkeypatch.setattr(params_reader, "parse_kv_transfer_params", counting_parse)
+    monkeypatch.setattr(requests_module, "parse_kv_transfer_params", counting_parse)
     results, _ = walk(REMOTE_PARAMS, "match 16, match 16")
     assert results == [(24, True)] * 2 and parsed == [], "asking twice read no params"
     results, _ = walk(REMOTE_PARAMS, "match 16, match 16, alloc 24, meta, ranks ok, finish")

@@ -1,5 +1,5 @@
 """Worker-side lifecycles as data: random event sequences take only table edges, and every
-load ends in a terminal state exactly once (worker/load_lifecycle.py, worker/peer_lifecycle.py).
+load ends in a terminal state exactly once (worker/load_lifecycle.py, worker/peers.py).
 
 Loads are driven through a real LoadTable against the recording agent double, with the peer's
 handshake, READ outcomes, prefill's answers to lease checks, aborts and the clock chosen by
@@ -25,7 +25,7 @@ from worker.lease_proof import AFTER_READS, lease_failure
 from worker.load_lifecycle import RANK_LOAD_LIFECYCLE, RankLoadState
 from worker.loads import LoadTable
 from worker.nixl_api import TransferState
-from worker.peer_lifecycle import PEER_LIFECYCLE, Peer, PeerLink, PeerState
+from worker.peers import PEER_LIFECYCLE, Peer, PeerLink, PeerState
 from worker.plan.recipe import peer_plan
 
 NUM_REQUESTS = 4

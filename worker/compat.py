@@ -1,4 +1,6 @@
-"""Model-compatibility fingerprint of a KV cache, and the check two engines run at handshake.
+"""The checks a handshake runs: the remote ranks' handshakes sound, the two engines' KV compatible.
+
+The handshakes must agree with the request and with themselves (``validate_handshakes``).
 
 The fingerprint covers the facts both sides must share for a byte copy to mean the same thing:
 model, dtypes, protocol version and, per cache group, its kind, layers, heads, head sizes and
@@ -17,7 +19,7 @@ from typing import NamedTuple
 from connector.errors import HandshakeError, UnsupportedConfiguration
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
-from connector.protocol import PROTOCOL_VERSION
+from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
 
 PROTOCOL_FACT = "protocol_version"
 
@@ -190,3 +192,36 @@ def check_transport(
             'with GPU support, or stage through host memory ("kv_buffer_device": "cpu")'
         )
     return usable
+
+
+def validate_handshakes(
+    source_engine_id: str, remote_tp_size: int, handshakes: dict[int, WorkerHandshake]
+) -> None:
+    """Check what the remote ranks sent agrees with the request and with itself."""
+    for remote_rank, handshake in sorted(handshakes.items()):
+        where = f"remote rank {remote_rank}"
+        if handshake.protocol_version != PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"{where} speaks protocol version {handshake.protocol_version}, we speak "
+                f"{PROTOCOL_VERSION}; run the same connector version on both engines"
+            )
+        if handshake.engine_id != source_engine_id:
+            raise HandshakeError(
+                f"{where} belongs to engine {handshake.engine_id!r}, but the request's KV is on "
+                f"engine {source_engine_id!r}: the prefill engine restarted and its KV is gone"
+            )
+        ranks = {
+            (handshake.tp_rank, handshake.tp_size),
+            (handshake.layout.tp_rank, handshake.layout.tp_size),
+        }
+        if ranks != {(remote_rank, remote_tp_size)}:
+            raise HandshakeError(
+                f"{where} says it is rank {handshake.tp_rank} of {handshake.tp_size} (its "
+                f"layout: {handshake.layout.tp_rank} of {handshake.layout.tp_size}), but the "
+                f"request says the prefill engine has tp_size {remote_tp_size}"
+            )
+        if len(handshake.region_addresses) != len(handshake.layout.region_bytes):
+            raise HandshakeError(
+                f"{where} sent {len(handshake.region_addresses)} region addresses for a layout "
+                f"of {len(handshake.layout.region_bytes)} regions; its handshake is corrupt"
+            )

@@ -7,7 +7,7 @@ metadata once) and after it stops (``shutdown``). In between, the rank's transfe
 queues the step's metadata for it, and ``get_finished`` just takes what it published under
 ``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. The transfer thread owns
 the LoadTable, PeerTable (with the prepared descriptor lists it makes when a handshake
-completes, worker/prepped.py) and NotificationCounter. The handshake threads (worker/handshake.py)
+completes, worker/reads.py) and NotificationCounter. The handshake threads (worker/handshake.py)
 only talk ZMQ to remote side channels and hand the bytes back through a queue, which the
 transfer thread drains.
 
@@ -61,7 +61,7 @@ from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
 from worker.peers import PeerTable
-from worker.prepped import PreparedLists
+from worker.reads import PreparedLists
 from worker.stall_watch import StallWatch, StallWatchdog
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 

@@ -1,38 +1,25 @@
 """Prove a load's lease: after its READs landed, ask prefill whether that very lease still holds.
 
-A first check runs when the load arrives, alongside the handshake, unless prefill's side
-channel (that boot) answered a lease check in the last ``lease_precheck_skip`` seconds: a
-lease already gone then fails the load before any READ is posted (no bandwidth spent on bytes
-that cannot be used, no READ against a dead or restarted prefill's agent). A load to a side
-channel heard from recently posts its READs at once, which saves a round trip on the path to
-the first token. The second check, after the READs, is the proof, and it alone makes a load
-successful: skipping the first check changes when a dead lease is noticed, never what is
-reported.
-
-Block ids are addresses, not capabilities: a READ returns whatever the blocks hold when it
-runs. A load is therefore reported successful only when prefill says, after the last READ of
-this rank completed, that the lease the params name is still held. A held lease was held
-during every READ: prefill never revives an ended lease, and lease ids are random per lease,
-so a later lease of a repeated request id cannot answer for an earlier one. Both checks
-name what the load reads (connector/block_digest.py): the blocks, per group in order, and
-the tokens it assumes they hold, so prefill answers "held" only for a load that reads that
-lease's very blocks (``BLOCKS_MISMATCH`` otherwise). The free
-notifications go out only after the answer, so this rank's own notification cannot end the
-lease before it is checked.
+Why a held lease proves the bytes, what each check costs and how a failure reads:
+docs/integrity.md, "Lease-proven loads". Here: the proof after the READs alone makes a load
+successful, and names what the load reads (connector/block_digest.py: its blocks and the
+tokens it assumes they hold), so prefill answers "held" only for that lease's very blocks
+(``BLOCKS_MISMATCH`` otherwise). A first check runs when the load arrives, alongside the
+handshake, unless that prefill boot's side channel answered a lease check in the last
+``lease_precheck_skip`` seconds: a lease already gone then fails the load before any READ.
+Skipping it changes when a dead lease is noticed, never what is reported.
 
 A host-staged lease (a decode engine's hold, scheduler/leases.py) starts not readable and
-becomes readable once its holder's copy is done: the one lease that goes from not held to
-held. For it "held after the READs" does not imply "held during them", so the holder says
-which leases started so (``Staging.HELD_AFTER_COPY``) and such a load succeeds only if a
-check before its first READ saw the lease held: the check before the READs waits (bounded)
-while the answer is pending, and a load that skipped it fails ("staged copy not proven ready
-before the READs"), whatever the proof after says. A side channel that answered for a staged
-lease is never a reason to skip the check before the READs again.
+becomes readable once its holder's copy is done, so for it "held after the READs" does not
+imply "held during them": the holder says which leases started so
+(``Staging.HELD_AFTER_COPY``), and such a load succeeds only if a check before its first READ
+saw the lease held. That check waits (bounded) while the answer is pending; a load that
+skipped it fails ("staged copy not proven ready before the READs"). A side channel that
+answered for a staged lease is never a reason to skip the check before the READs again.
 
 Checks are batched: the transfer thread collects the checks one pass submits and
-``dispatch`` sends them as one LeaseCheck per prefill engine boot (worker/lease_checks.py), so
-a burst of loads from one prefill costs it one message per pass, not one per load. Each load
-still gets prefill's answer for its own lease, asked after its own READs landed.
+``dispatch`` sends them as one LeaseCheck per prefill engine boot (worker/lease_checks.py);
+each load still gets prefill's answer for its own lease, asked after its own READs landed.
 
 Threading contract: check threads only talk to side channels (through the injected checks)
 and put answers on a queue; the transfer thread submits, dispatches and collects. Each check

@@ -1,20 +1,18 @@
 """Decode side: the loads in flight on one rank, each from its LoadSpec to its one outcome.
 
-A ``Load`` (worker/load_lifecycle.py: its states and moves) waits for its peer's handshake,
-then plans and posts the READs of each remote rank it reads (one, or two: by index and by
-byte ranges). Once every READ landed it asks prefill whether the lease still holds
-(worker/lease_proof.py): only a held lease makes it a success. Then, success or not, every
-covered remote rank gets its free notification: none rides a READ, so this rank's own
-notification cannot end the lease before the proof. It ends once, with success or a reason,
-and only when no posted READ is live: decode blocks are never handed back under a READ.
+A ``Load`` (worker/load_lifecycle.py: its states, its moves and what it owes at its end) waits
+for its peer's handshake, plans (worker/plan/recipe.py ``plan_request``) and posts the READs of
+each remote rank it reads (worker/reads.py: one, or two: by index and by byte ranges). Once
+every READ landed it asks prefill whether the lease still holds (worker/lease_proof.py): only
+a held lease makes it a success. Then, success or not, every covered remote rank gets its free
+notification. It ends once, and only when no posted READ is live: decode blocks are never
+handed back under a READ.
 
-A READ past the transfer timeout is never released while NIXL says it is in progress: over
-UCX, release() of an unfinished READ returns success and the READ still lands. The load is
-failed but QUARANTINED: unreported, its blocks held by the engine, counted in
-nixl_pd_quarantined_* metrics, until every READ is DONE or in error (a resumed or dead peer).
-A quarantine longer than QUARANTINE_WARN_TIMEOUTS transfer timeouts is logged as an error
-once; the blocks stay held however long it lasts. A bug on a load's path fails it the same
-way: reported only once NIXL says none of its READs still runs.
+A READ past the transfer timeout is never released while NIXL says it is in progress (over
+UCX, release() of an unfinished READ returns success and the READ still lands): the load is
+failed but QUARANTINED, unreported, its blocks held, counted in nixl_pd_quarantined_* metrics,
+until every READ is DONE or in error. One longer than QUARANTINE_WARN_TIMEOUTS transfer
+timeouts is logged as an error once. A bug on a load's path fails it the same way.
 
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
@@ -22,8 +20,6 @@ A failed load notifies the covered ranks too (best effort), so prefill does not 
 blocks until the lease expires; except when prefill restarted since it leased: that boot's
 agent is gone, and a notification to it would block this thread until UCX gives up.
 
-The stages a load calls, each in its own module: plan (worker/plan/recipe.py ``plan_request``),
-make the READs (worker/reads.py), notify and report (worker/load_end.py).
 Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
 """
 
@@ -32,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -50,19 +47,24 @@ from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
 from connector.token_digest import token_digest
 from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
-from worker.load_end import (
+from worker.load_lifecycle import (
+    Load,
+    OnMove,
+    RankLoadState,
+    ReadKey,
     handshake_failure,
     notify_rest,
     record_outcome,
     with_handshake_phases,
     with_timeline,
 )
-from worker.load_lifecycle import Load, OnMove, RankLoadState, ReadKey
 from worker.nixl_api import NixlAgent, TransferState
-from worker.peer_lifecycle import Peer, PeerLink
 from worker.plan.recipe import RankPlan, TransferRequest, plan_request
 from worker.reads import MakeRead, read_makers
 from worker.stall_watch import Wait
+
+if TYPE_CHECKING:  # annotations only: keeps the run-time import chain short
+    from worker.peers import Peer, PeerLink
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One record per remote engine address: its handshakes, loaded NIXL agents, PeerPlan and state.
+r"""One record per remote engine address: its handshakes, loaded NIXL agents, PeerPlan and state.
 
 A ``Peer`` is one generation of our knowledge of a remote engine at one address, keyed by
 (engine id, host, port, TP size) exactly as requests name it, so a request naming a wrong port
@@ -7,7 +7,17 @@ first needs it, READY once every remote rank this rank covers has handshaken, or
 the reason. When a transfer to it fails (peer gone) the record is retired; the next request
 for that key starts a fresh handshake, which picks up a restarted peer's new agent names. A
 retired record's prepared lists and agents are freed once no load and no posted READ refers to
-it (its states and moves: worker/peer_lifecycle.py).
+it. Its states and moves (``PEER_LIFECYCLE``):
+
+    HANDSHAKING ──► READY ──► RETIRED ──► CLOSED      (retired: no new loads; closed once
+        │   \                                          idle, its lists and agents freed)
+        │    └──► RETIRED_HANDSHAKING ──► FAILED
+        └──────────────────────────────► FAILED
+    PROBING (a background re-check of a failed key) ──► READY | FAILED
+
+A READY peer always carries its PeerLink (plan, handshakes, agents, prepared lists): the one
+call that moves it to READY sets it. The peer counts its own loads and live READs; the table
+(``PeerTable``) decides when it moves.
 
 A failed handshake is remembered per key (a negative cache) while the failure is fresh:
 requests for that key then fail at once with the reason instead of waiting for a handshake of
@@ -16,8 +26,7 @@ prefill that came back under the same engine id (a stopped one continued, say). 
 has answered decides the next request, even before the transfer thread's next poll. A failure
 no attempt has confirmed for ``stale_after_s`` (no request asked for the key meanwhile, so
 nobody probed) is no longer believed: the next request makes one fresh attempt, and it and the
-requests after it wait for that attempt instead of failing with a reason that may be stale
-(issue 25: a prefill continued 26 s earlier failed half the next batch with such a reason). A
+requests after it wait for that attempt instead of failing with a reason that may be stale. A
 restarted prefill normally has a new engine id: a new key, handshaken at once.
 
 The rank's transfer thread only (worker/transfer_thread.py): the table calls the NIXL agent
@@ -26,6 +35,7 @@ The rank's transfer thread only (worker/transfer_thread.py): the table calls the
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -33,7 +43,8 @@ from dataclasses import dataclass
 
 from connector.errors import ConnectorError, HandshakeError, UnsupportedConfiguration
 from connector.layout import RankLayout
-from connector.metadata import RemoteSource
+from connector.lifecycle import TransitionTable
+from connector.metadata import RemoteSource, SideChannelBoot
 from connector.observability.metrics import (
     HANDSHAKE_FAILURES,
     HANDSHAKE_SECONDS,
@@ -41,13 +52,12 @@ from connector.observability.metrics import (
     default_recorder,
     handshake_failure_kind,
 )
-from connector.protocol import PROTOCOL_VERSION, WorkerHandshake
-from worker.compat import Fingerprint, check_compatible, check_transport
+from connector.protocol import WorkerHandshake
+from worker.compat import Fingerprint, check_compatible, check_transport, validate_handshakes
 from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult, Phase, describe_phases
 from worker.nixl_api import NixlAgent
-from worker.peer_lifecycle import Peer, PeerKey, PeerLink, PeerState
 from worker.plan.recipe import PeerPlan, peer_plan
-from worker.prepped import PreparedLists, PreparedReads
+from worker.reads import PreparedLists, PreparedReads
 from worker.topology import head_shapes, notification_duty
 
 logger = logging.getLogger(__name__)
@@ -56,6 +66,130 @@ PROBE_INTERVAL_S = 1.0  # a failed peer key gets at most one background probe pe
 STALE_AFTER_S = 3.0  # a failure no attempt confirmed for this long: the next request retries
 MAX_FAILED_KEYS = 1024  # negative-cache bound; the oldest entry goes first
 SLOW_HANDSHAKE_S = 5.0  # a handshake this slow is logged as a warning, with its phases
+
+PeerKey = tuple[SideChannelBoot, int]  # (the side channel, remote TP size)
+
+
+class PeerState(enum.Enum):
+    HANDSHAKING = "handshaking"  # the key's handshake is in flight; loads wait for it
+    PROBING = "probing"  # a background re-check of a failed key: no load waits on it
+    RETIRED_HANDSHAKING = "retired_handshaking"  # superseded mid-handshake: it will fail
+    READY = "ready"  # handshaken: carries its PeerLink
+    RETIRED = "retired"  # superseded: no new loads; its agents go once it is idle
+    FAILED = "failed"  # the handshake failed (``failure`` says why); terminal
+    CLOSED = "closed"  # a retired peer's agents and lists are gone; terminal
+
+
+_S = PeerState
+PEER_LIFECYCLE = TransitionTable(
+    "peer",
+    {
+        _S.HANDSHAKING: {_S.READY, _S.FAILED, _S.RETIRED_HANDSHAKING},
+        _S.PROBING: {_S.READY, _S.FAILED},
+        _S.RETIRED_HANDSHAKING: {_S.FAILED},
+        _S.READY: {_S.RETIRED},
+        _S.RETIRED: {_S.CLOSED},
+        _S.FAILED: (),
+        _S.CLOSED: (),
+    },
+)
+_WAITING = frozenset({_S.HANDSHAKING, _S.PROBING, _S.RETIRED_HANDSHAKING})
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """What a completed handshake gives a peer, all at once: a READY peer always has one."""
+
+    plan: PeerPlan  # pairing, prepared rows (only where lists were prepared), duty
+    handshakes: dict[int, WorkerHandshake]  # remote rank -> what it sent
+    agent_names: dict[int, str]  # remote rank -> its loaded NIXL agent
+    prepared: dict[int, PreparedReads]  # remote rank -> prepared lists (READs by index)
+
+
+@dataclass(eq=False)
+class Peer:
+    """One generation of a remote engine as this rank knows it.
+
+    ``state`` moves only through PEER_LIFECYCLE (the methods below); ``link`` is set by the
+    same call that makes it READY. The peer counts the loads and posted READs that hold it.
+    """
+
+    engine_id: str
+    host: str
+    port: int
+    remote_tp_size: int
+    # Remote rank this rank covers -> readers its free notification counts: computed once per
+    # peer (worker.topology.notification_duty), used for the handshake, the PeerPlan and loads.
+    duty: dict[int, int]
+    state: PeerState = PeerState.HANDSHAKING
+    failure: str | None = None  # why the handshake failed (FAILED only)
+    restarted: bool = False  # FAILED because the side channel is a later boot than the params'
+    link: PeerLink | None = None  # set with READY, kept while RETIRED
+    stale_reason: str = "a newer handshake superseded it"  # why it retired, for waiting loads
+    num_live_transfers: int = 0  # posted READs not yet released (transfer_started/ended)
+    num_loads: int = 0  # loads that hold this record (load_attached/detached)
+    submitted_s: float = 0.0  # when its handshake was submitted (table's clock), for metrics
+    handshake_phases: str = ""  # where its handshake's time went (worker/handshake.py)
+    # The prefill boot the requests' params name ("": params without one). A prefill restarted
+    # under the same engine id and address is another peer: its params name another boot.
+    boot_id: str = ""
+
+    @property
+    def key(self) -> PeerKey:
+        side_channel = SideChannelBoot(self.engine_id, self.host, self.port, self.boot_id)
+        return (side_channel, self.remote_tp_size)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def waiting(self) -> bool:
+        """Its handshake is still in flight."""
+        return self.state in _WAITING
+
+    @property
+    def retired(self) -> bool:
+        return self.state in (_S.RETIRED_HANDSHAKING, _S.RETIRED, _S.CLOSED)
+
+    @property
+    def idle(self) -> bool:
+        return self.num_live_transfers == 0 and self.num_loads == 0
+
+    def load_attached(self) -> None:
+        self.num_loads += 1
+
+    def load_detached(self) -> None:
+        self.num_loads -= 1
+
+    def transfer_started(self) -> None:
+        self.num_live_transfers += 1
+
+    def transfer_ended(self) -> None:
+        self.num_live_transfers -= 1
+
+    def connect(self, link: PeerLink) -> None:
+        """The handshake completed: READY, with what it gave."""
+        self.state = PEER_LIFECYCLE.move(self._subject, self.state, _S.READY)
+        self.link = link
+
+    def fail(self, reason: str, *, restarted: bool = False) -> None:
+        self.state = PEER_LIFECYCLE.move(self._subject, self.state, _S.FAILED)
+        self.failure = reason
+        self.restarted = restarted
+
+    def retire(self, reason: str | None) -> None:
+        target = _S.RETIRED if self.state is _S.READY else _S.RETIRED_HANDSHAKING
+        self.state = PEER_LIFECYCLE.move(self._subject, self.state, target)
+        if reason is not None:
+            self.stale_reason = reason
+
+    def close(self) -> None:
+        self.state = PEER_LIFECYCLE.move(self._subject, self.state, _S.CLOSED)
+
+    @property
+    def _subject(self) -> str:
+        return f"peer {self.engine_id} at {self.address}"
 
 
 def peer_key(source: RemoteSource) -> PeerKey:
@@ -71,39 +205,6 @@ class _Failure:
     probe_after_s: float
     probing: bool = False
     restarted: bool = False  # the side channel answered as a later boot than the params name
-
-
-def validate_handshakes(
-    source_engine_id: str, remote_tp_size: int, handshakes: dict[int, WorkerHandshake]
-) -> None:
-    """Check what the remote ranks sent agrees with the request and with itself."""
-    for remote_rank, handshake in sorted(handshakes.items()):
-        where = f"remote rank {remote_rank}"
-        if handshake.protocol_version != PROTOCOL_VERSION:
-            raise HandshakeError(
-                f"{where} speaks protocol version {handshake.protocol_version}, we speak "
-                f"{PROTOCOL_VERSION}; run the same connector version on both engines"
-            )
-        if handshake.engine_id != source_engine_id:
-            raise HandshakeError(
-                f"{where} belongs to engine {handshake.engine_id!r}, but the request's KV is on "
-                f"engine {source_engine_id!r}: the prefill engine restarted and its KV is gone"
-            )
-        ranks = {
-            (handshake.tp_rank, handshake.tp_size),
-            (handshake.layout.tp_rank, handshake.layout.tp_size),
-        }
-        if ranks != {(remote_rank, remote_tp_size)}:
-            raise HandshakeError(
-                f"{where} says it is rank {handshake.tp_rank} of {handshake.tp_size} (its "
-                f"layout: {handshake.layout.tp_rank} of {handshake.layout.tp_size}), but the "
-                f"request says the prefill engine has tp_size {remote_tp_size}"
-            )
-        if len(handshake.region_addresses) != len(handshake.layout.region_bytes):
-            raise HandshakeError(
-                f"{where} sent {len(handshake.region_addresses)} region addresses for a layout "
-                f"of {len(handshake.layout.region_bytes)} regions; its handshake is corrupt"
-            )
 
 
 class PeerTable:

@@ -13,12 +13,14 @@ import os
 import signal
 import sys
 import threading
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import msgspec
 
 from connector.errors import ConnectorError
 from connector.tools import source_tree
+
+_Options = TypeVar("_Options", bound=msgspec.Struct)
 
 MODELS = ("dense", "mla", "hybrid-swa", "hybrid-ssm")
 
@@ -298,29 +300,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _options(options_type: type[_Options], args: argparse.Namespace, **flag_of: str) -> _Options:
+    """``options_type`` from the parsed flags: each field from the flag of its name, or of the
+    name ``flag_of`` gives it; a field no flag sets keeps its default."""
+    fields = options_type.__struct_fields__
+    names = {field: flag_of.get(field, field) for field in fields}
+    return options_type(**{f: getattr(args, n) for f, n in names.items() if hasattr(args, n)})
+
+
 def _demo(args: argparse.Namespace) -> int:
     demo = source_tree.import_example("demo")
 
-    options = demo.DemoOptions(
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
-        prefill_block_size=args.prefill_block_size,
-        decode_block_size=args.decode_block_size,
-        prefill_kernel_block_size=args.prefill_kernel_block_size,
-        decode_kernel_block_size=args.decode_kernel_block_size,
-        layout=args.layout,
-        model=args.model,
-        decode_model=args.decode_model,
-        decode_prefix_hit=args.decode_prefix_hit,
-        requests=args.requests,
-        prompt_len=args.prompt_len,
-        max_tokens=args.max_tokens,
-        fake_nixl=args.fake_nixl,
-        staged=args.staged,
-        verify_kv=args.verify_kv,
-        timeout_s=args.timeout,
-        turns=args.turns,
-    )
+    options = _options(demo.DemoOptions, args, timeout_s="timeout")
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM cleans up like Ctrl-C
     try:
         result = demo.run_demo(options, progress=None if args.json else demo.print_progress)
@@ -351,28 +342,16 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("nixl_pd.trace").setLevel(logging.DEBUG)
     serve = source_tree.import_example("serve")
 
-    options = serve.ServeOptions(
-        role=args.role,
-        host=args.host,
-        port=args.port,
-        side_channel_port=args.side_channel_port,
-        metrics_port=args.metrics_port,
-        engine_id=args.engine_id,
-        model=args.model,
-        tp_size=args.tp,
-        block_size=args.block_size,
-        kernel_block_size=args.kernel_block_size,
-        num_blocks=args.num_blocks,
-        layout=args.layout,
-        seed=args.seed,
-        staged=args.staged,
-        kv_lease_duration_s=args.lease,
-        heartbeat_interval_s=args.heartbeat,
-        handshake_timeout_s=args.handshake_timeout,
-        handshake_retries=args.handshake_retries,
-        bidirectional_kv_xfer=args.bidirectional,
-        decoder_kv_blocks_ttl_s=args.decoder_kv_ttl,
-        kv_recompute_threshold=args.recompute_threshold,
+    options = _options(
+        serve.ServeOptions,
+        args,
+        tp_size="tp",
+        kv_lease_duration_s="lease",
+        heartbeat_interval_s="heartbeat",
+        handshake_timeout_s="handshake_timeout",
+        bidirectional_kv_xfer="bidirectional",
+        decoder_kv_blocks_ttl_s="decoder_kv_ttl",
+        kv_recompute_threshold="recompute_threshold",
     )
     try:
         serve.validate_options(options)  # before the signal handlers: a bad flag changes nothing
@@ -400,17 +379,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _route(args: argparse.Namespace) -> int:
     route = source_tree.import_example("route")
 
-    options = route.RouteOptions(
-        prefill=args.prefill,
-        decode=args.decode,
-        prompt_len=args.prompt_len,
-        requests=args.requests,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        check=args.check,
-        turns=args.turns,
-    )
+    options = _options(route.RouteOptions, args, timeout_s="timeout")
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         result = route.run_route(options)

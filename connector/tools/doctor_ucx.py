@@ -123,24 +123,26 @@ def read_lanes(tables: Iterable[ProtoTable], descriptor_bytes: int) -> tuple[str
     Tables of the ``self`` scope (an agent's endpoint to itself) are ignored: they say nothing
     about the peer. Empty when UCX printed no such table (old UCX, or UCX_PROTO_ENABLE=n).
     """
-    found: list[str] = []
-    for table in tables:
-        if table.scope == "self" or "remote memory read" not in table.operation:
-            continue
-        for row in table.rows:
-            if _covers(row, descriptor_bytes):
-                found.extend(lane for lane in lanes(row.config) if lane not in found)
-    return tuple(found)
+    return _lanes(tables, "remote memory read", descriptor_bytes)
 
 
 def message_lanes(tables: Iterable[ProtoTable]) -> tuple[str, ...]:
     """The lanes UCX uses for active messages (NIXL notifications) to another process."""
+    return _lanes(tables, "active message")
+
+
+def _lanes(
+    tables: Iterable[ProtoTable], operation: str, num_bytes: int | None = None
+) -> tuple[str, ...]:
+    """The lanes of the tables of ``operation`` to another process, in first-seen order; with
+    ``num_bytes``, only the size ranges that cover it."""
     found: list[str] = []
     for table in tables:
-        if table.scope == "self" or "active message" not in table.operation:
+        if table.scope == "self" or operation not in table.operation:
             continue
         for row in table.rows:
-            found.extend(lane for lane in lanes(row.config) if lane not in found)
+            if num_bytes is None or _covers(row, num_bytes):
+                found.extend(lane for lane in lanes(row.config) if lane not in found)
     return tuple(found)
 
 
@@ -181,13 +183,7 @@ def _covers(row: ProtoRow, num_bytes: int) -> bool:
 def all_read_lanes(tables: Iterable[ProtoTable]) -> tuple[str, ...]:
     """Every lane of every size range of the remote-memory-read tables to another process:
     what an engine's READs of any size could have used (``read_lanes`` picks one size)."""
-    found: list[str] = []
-    for table in tables:
-        if table.scope == "self" or "remote memory read" not in table.operation:
-            continue
-        for row in table.rows:
-            found.extend(lane for lane in lanes(row.config) if lane not in found)
-    return tuple(found)
+    return _lanes(tables, "remote memory read")
 
 
 def read_scopes(tables: Iterable[ProtoTable]) -> tuple[str, ...]:

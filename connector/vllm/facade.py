@@ -66,8 +66,8 @@ from connector.vllm.layout import (
 )
 from connector.vllm.messages import NixlPDMetadata, NixlPDStats
 from connector.vllm.scales import kv_scales_of
-from connector.vllm.scheduler import SchedulerSide
-from connector.vllm.semantics import (
+from connector.vllm.scheduler import (
+    SchedulerSide,
     kv_transfer_params,
     offers_to_decode,
     prefill_backoff_tokens,

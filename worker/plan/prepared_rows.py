@@ -17,7 +17,7 @@ so a full segment is a full block on both sides. Per request, full segments beco
 byte ranges, exact as ever. Splitting a request into whole and partial blocks, and whether
 it reads by index at all, is worker/plan/whole_blocks.py's job.
 
-Pure: ints and numpy arrays; the edge (worker/prepped.py) prepares the lists on NIXL.
+Pure: ints and numpy arrays; the edge (worker/reads.py) prepares the lists on NIXL.
 """
 
 from __future__ import annotations
