@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 Item = TypeVar("Item")
 
 BUSY_POLL_S = 0.001  # while READs are live: a finished READ is seen within about 1 ms
-IDLE_POLL_S = 0.005  # nothing live: still collect free notifications (prefill) and handshakes
+IDLE_POLL_S = 0.05  # nothing live: free notifications (prefill) are collected within 50 ms
 STOP_TIMEOUT_S = 10.0  # a post() in progress finishes its copy first (well under a second)
 
 # glibc mallopt parameters (malloc.h) and the values keep_plan_memory_mapped sets.
