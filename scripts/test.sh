@@ -29,7 +29,7 @@ fi
 # which only the real-vLLM tier needs, is built in the background while .venv is built and
 # linted; then the real-vLLM tier runs as two pytest processes, one per stream of modules
 # (tests/conftest.py), while mypy, every other tier (two xdist workers) and vLLM's upstream
-# tests run beside it at a lower priority (nice 10), in the cores it leaves idle.
+# tests run beside it at a lower priority (nice 5), in the cores it leaves idle.
 # A step's end: wall seconds since the start and the CPU time (user, system) of the children
 # waited for so far. On a shared machine the wall time says little; the CPU time does.
 stamp() {
@@ -53,7 +53,7 @@ stamp "lint done"
 # Beside the real-vLLM tier, niced: its engines and their timing windows (leases, the
 # overlap drills) come first, and these fill what they leave of the two cores.
 # mypy (about 60 s of one core on a fresh clone, no cache).
-nice -n 10 .venv/bin/mypy connector worker scheduler >"$LOGS/mypy.log" 2>&1 &
+nice -n 5 .venv/bin/mypy connector worker scheduler >"$LOGS/mypy.log" 2>&1 &
 mypy_pid=$!
 # Every tier but real vLLM, two pytest-xdist workers with whole modules each, the slowest
 # modules first (tests/conftest.py, SLOW_MODULES_FIRST; --no-loadscope-reorder keeps that
@@ -67,10 +67,10 @@ print(' '.join(f'--ignore=tests/{name}.py' for name in sorted(m)))")
 # shellcheck disable=SC2086  # one word per module
 (
     rc=0
-    nice -n 10 .venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile \
+    nice -n 5 .venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile \
         --no-loadscope-reorder --durations=25 $real_vllm_ignored "$@" || rc=1
     echo "== other tiers done at $SECONDS s"
-    nice -n 10 bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
+    nice -n 5 bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
     echo "== vLLM upstream tests done at $SECONDS s"
     exit "$rc"
 ) >"$LOGS/other_tiers.log" 2>&1 &
