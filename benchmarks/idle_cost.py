@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.latency_budget import VOCAB_IDS, _engine, _long_model, _route, _serve_only
-from tests.real_vllm_harness import MARKER_ENV, Engine, _pids_with_env
+from tests.real_vllm_harness import Engine
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -28,7 +28,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 def _cpu_s(engine: Engine) -> float:
     """CPU seconds (user + system) used so far by every process of ``engine``."""
     total = 0
-    for pid in _pids_with_env(MARKER_ENV, engine._marker):
+    for pid in engine.pids():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:

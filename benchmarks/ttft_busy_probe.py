@@ -28,7 +28,7 @@ from benchmarks.ttft_bench import (
     running,
 )
 from benchmarks.ttft_stream import stream_token_times
-from tests.real_vllm_harness import MARKER_ENV, Engine, _pids_with_env
+from tests.real_vllm_harness import Engine
 
 IDLE_WINDOW_S = 5.0
 
@@ -37,7 +37,7 @@ def engine_cpu_s(engine: Engine) -> dict[str, float]:
     """CPU seconds (user+system) of every process of ``engine``, by process name."""
     ticks = os.sysconf("SC_CLK_TCK")
     by_name: dict[str, float] = {}
-    for pid in _pids_with_env(MARKER_ENV, engine._marker):  # noqa: SLF001 (probe only)
+    for pid in engine.pids():
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
@@ -50,7 +50,7 @@ def engine_cpu_s(engine: Engine) -> dict[str, float]:
 
 def affinity(engine: Engine) -> set[str]:
     lists = set()
-    for pid in _pids_with_env(MARKER_ENV, engine._marker):  # noqa: SLF001
+    for pid in engine.pids():
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("Cpus_allowed_list"):
                 lists.add(line.split()[1])

@@ -363,6 +363,16 @@ class Engine:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
+    def pids(self) -> list[int]:
+        """Every live process of the engine: its process group (the API server's, which its
+        engine core and workers share, forked or spawned) and any process carrying its marker.
+        The marker alone misses processes that rename themselves (`VLLM::EngineCore`) or were
+        forked after a marker was set: /proc shows the environment a process was exec'd with."""
+        found = set(_pids_with_env(MARKER_ENV, self._marker))
+        if self._proc is not None:
+            found.update(_pids_in_group(self._proc.pid))
+        return sorted(found)
+
     def pause(self) -> None:
         """SIGSTOP every process of the engine (a hung host, as far as its peers can tell)."""
         self._signal_all(signal.SIGSTOP)
@@ -506,6 +516,16 @@ def failure_reason(engine: Engine, request_id: str, timeout_s: float = 10.0) -> 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _pids_in_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+    return pids
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
