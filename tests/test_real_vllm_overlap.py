@@ -174,7 +174,9 @@ STEP_SLACK_S = 5.0  # engine steps and HTTP between a decision and its reply, on
 PARK_TIMEOUT_S = WAIT_S / 2  # decode must be seen waiting well before its wait ends
 IDLE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 LEASE_ENDS = ("completed", "expired", "released", "reader_restarted")
-LONG_GENERATION = 600  # prefill's tokens after the prompt (180): still busy when the drill acts
+# Prefill's tokens after the prompt (180), as many as --max-model-len 1024 allows: it must still
+# be generating when the drill acts (600 once finished first, about 3 s on a quiet machine).
+LONG_GENERATION = 840
 
 
 class Client:
