@@ -4,7 +4,7 @@
 # Everything goes in with --no-deps so pip never replaces the CPU torch (vLLM pins a CUDA one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP=(.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps)
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps)
 if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('vllm') == '0.33.0'" 2>/dev/null; then
     "${PIP[@]}" "vllm==0.33.0"
 fi

@@ -8,16 +8,13 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-# --no-compile: Python compiles each module when it is first imported (and caches that); pip
-# compiling every file of torch, vLLM and the rest up front was about 45 of the 113 CPU-s of
-# a fresh .venv, most of it for modules no test imports.
-pip_install() { .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check "$@"; }
+pip_install() { .venv/bin/python -m pip install --quiet --disable-pip-version-check "$@"; }
 # torch first, pinned: the CPU wheel of this machine kind. nixl declares a torch dependency and
 # would otherwise pull a multi-GB CUDA build.
 pip_install "torch==2.13.0"
 # Under a lock on pyproject.toml: scripts/test.sh builds .venv-vllm at the same time, and two
 # editable installs of one checkout write the same *.egg-info folder.
-flock pyproject.toml .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check \
+flock pyproject.toml .venv/bin/python -m pip install --quiet --disable-pip-version-check \
     -e ".[test]"
 if [ "${WITH_VLLM:-1}" = "1" ]; then
     bash scripts/install_vllm.sh
