@@ -350,37 +350,28 @@ class SchedulerConnector:
         params = parsed.params
         if params is None or not params.do_remote_decode:
             return False, None
-        prompt_blocks = self._prompt_blocks(request, block_ids)
-        lease: Callable[[], tuple[bool, dict[str, Any] | None]] = functools.partial(
-            self._producer.request_finished, request.request_id, prompt_blocks or (),
-            request.num_prompt_tokens, token_ids=request.token_ids, kv_salt=request.kv_salt,
-            lease_id=chunk_lease,
+        lease = functools.partial(
+            self._producer.request_finished, request.request_id,
+            self._prompt_blocks(request, block_ids), request.num_prompt_tokens,
+            token_ids=request.token_ids, kv_salt=request.kv_salt, lease_id=chunk_lease,
         )  # fmt: skip
-        if prompt_blocks is None:  # no block holds the prompt's KV any more: offer nothing
-            lease = _no_lease
         if params.transfer_key is not None:  # overlapped dispatch: announced under the key
             return lease_under_key(self._transfers, params.transfer_key, request.aborted, lease)
         return (False, None) if request.aborted else lease()
 
     def _prompt_blocks(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
-    ) -> Sequence[Sequence[int]] | None:
+    ) -> Sequence[Sequence[int]]:
         """The blocks that hold the prompt's KV, for prefill's lease. All of them, unless the
-        request computed past its prompt (a client asked prefill for more than one token):
-        then each attention group's first blocks, and None when a group holds a state or a
-        window, which has moved past the prompt's end (offering it would load the wrong KV)."""
+        request computed past its prompt (a client asked prefill for more than one token) on
+        an attention-only model: then each group's first blocks, those holding the prompt.
+        (A model with an SSM state or a sliding window keeps all: what it should offer then
+        is not settled, docs/vllm.md.)"""
         computed = request.num_computed_tokens
         if computed is None or computed <= request.num_prompt_tokens:
             return block_ids
         held = held_blocks(block_ids, self._spec.groups, request.num_prompt_tokens)
-        if held is None:
-            logger.warning(
-                "request %s computed %d tokens past its %d-token prompt, and this model's SSM "
-                "state or sliding window now holds their end, not the prompt's: its KV is not "
-                "offered to a decode engine (send prefill requests with max_tokens=1)",
-                request.request_id, computed - request.num_prompt_tokens, request.num_prompt_tokens,
-            )  # fmt: skip
-        return held
+        return block_ids if held is None else held
 
     def _hold_for_next_turn(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
@@ -521,7 +512,3 @@ def _params_summary(raw: object) -> str:
     if not isinstance(raw, dict):
         return f"params are now {type(raw).__name__}"
     return f"do_remote_prefill is now {raw.get('do_remote_prefill')!r}"
-
-
-def _no_lease() -> tuple[bool, None]:
-    return False, None
