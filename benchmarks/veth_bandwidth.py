@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.nixl_bandwidth import read_seconds, serve  # noqa: E402
+from benchmarks.nixl_bandwidth import read_seconds, serve, stop_peer  # noqa: E402
 from connector.tools.doctor_ucx import all_read_lanes, parse_proto_tables  # noqa: E402
 from tests.netns import host_pair  # noqa: E402
 
@@ -105,13 +105,7 @@ def run_pair(
         result_line = [ln for ln in reader.stdout.splitlines() if ln.startswith("RESULT ")]
         return dict(json.loads(result_line[-1][len("RESULT ") :]))
     finally:
-        if server.stdin is not None:
-            server.stdin.close()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_peer(server)
 
 
 def measure(num_bytes: int, trials: int) -> list[dict[str, object]]:
