@@ -17,7 +17,7 @@ import pytest
 from connector.config import ENV_SIDE_CHANNEL_SECRET
 from connector.protocol import WorkerHandshake
 from connector.tools.doctor import DoctorOptions, probe_side_channel, run_doctor
-from connector.tools.doctor_loopback import run_loopback
+from connector.tools.doctor_loopback import PeerProcess, run_loopback
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
 from worker.compat import digest_of
@@ -204,3 +204,20 @@ def test_loopback_failures_are_reported_and_bounded(
     assert not result.ok
     assert reason in (result.error or "")
     assert time.monotonic() - start_s < timeout_s + 30  # children stopped, not waited for
+
+
+def test_the_lanes_survive_a_reader_killed_after_its_result(monkeypatch: Any) -> None:
+    """On a busy host the doctor may have to kill a reader that is slow to exit: UCX's log,
+    which names the lanes, must already be written out (it was lost, "unknown", in CI)."""
+    stop = PeerProcess.stop
+
+    def kill_the_reader_first(peer: PeerProcess) -> None:
+        if peer.role == "reader":
+            peer._proc.kill()
+        stop(peer)
+
+    monkeypatch.setattr(PeerProcess, "stop", kill_the_reader_first)
+    result = run_loopback(ENV, num_bytes=2**20, num_reads=1, timeout_s=60.0)
+    assert result.ok and result.bytes_matched
+    assert result.read_lanes, "the killed reader's UCX log named no lane"
+    assert result.transport_class in ("shared-memory", "rdma", "tcp")

@@ -19,6 +19,7 @@ logging) is to be ignored by the parent.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import select
 import sys
@@ -101,6 +102,9 @@ def run_reader(num_bytes: int, num_reads: int, lifetime_s: float) -> None:
         read_once()
     elapsed_s = time.perf_counter() - start_s
     matched = bool(np.array_equal(buffer, pattern(num_bytes)))
+    # UCX writes the lanes it chose into its log through C stdio buffers, written out at a
+    # clean exit: flushed now, they survive a doctor that has to kill this process (busy host).
+    ctypes.CDLL(None).fflush(None)
     _say("RESULT", num_bytes, f"{elapsed_s:.6f}", num_reads, len(local), int(matched))
     agent.remove_remote_agent(remote_agent)
     agent.deregister(registration)
