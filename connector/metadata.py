@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import msgspec
 
+from connector.lease_binding import KVSalt
 from connector.outcomes import LoadFailure
 from connector.protocol import BlockDigest, ReaderId, TokenDigest
-from connector.token_digest import KVSalt
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 # The largest block id anywhere on the path: vLLM's block tables are int32 tensors and the
@@ -57,11 +57,11 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     # Set by the reader, never taken from params: the tokens this load expects the blocks to
     # hold (its prompt's first ones; digested by its ranks from the LoadSpec's ids on their
     # transfer thread), and who reads (this engine and boot; set by its scheduler). Lease
-    # checks send both (connector/token_digest.py, scheduler/readers.py).
+    # checks send both (connector/lease_binding.py, scheduler/readers.py).
     tokens: TokenDigest | None = None
     reader: ReaderId | None = None
     # Set by the reader's ranks (transfer thread) from the above: the digest of the blocks
-    # its READs come from and the tokens it assumes they hold (connector/block_digest.py).
+    # its READs come from and the tokens it assumes they hold (connector/lease_binding.py).
     blocks: BlockDigest | None = None
 
     @property

@@ -35,6 +35,7 @@ import msgspec
 
 from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
+from connector.lease_binding import KVSalt
 from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.observability.metrics import (
     CHUNK_READS,
@@ -45,7 +46,6 @@ from connector.observability.metrics import (
 )
 from connector.outcomes import FailureKind, LoadFailure, one_failure
 from connector.protocol import ReaderId, lease_key
-from connector.token_digest import KVSalt
 from scheduler.heartbeats import HeartbeatRegistry, HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
 from scheduler.requests import ParsedParams
@@ -157,7 +157,7 @@ class Consumer:
         num_cached_tokens: int,
         parsed: ParsedParams | None = None,
         token_ids: Sequence[int] | None = None,  # the request's; its first num_tokens are loaded
-        kv_salt: KVSalt = (),  # what else their KV depends on (connector/token_digest.py)
+        kv_salt: KVSalt = (),  # what else their KV depends on (connector/lease_binding.py)
     ) -> tuple[int, bool]:
         """The read params' answer: ``source`` holds tokens [0, num_tokens) of the prompt."""
         load = self._loads.get(request_id)

@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from connector.block_digest import HeldBlocks
+from connector.lease_binding import HeldBlocks, HeldTokens, KVSalt
 from connector.metadata import BlockIds, DigestSpec, StageSpec, WorkerReport
 from connector.observability.metrics import (
     LEASES_COMPLETED,
@@ -54,7 +54,6 @@ from connector.observability.metrics import (
 from connector.observability.ratelimit import RateLimitedLog
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
-from connector.token_digest import HeldTokens, KVSalt
 from scheduler.leases import LeaseTable
 from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
@@ -163,7 +162,7 @@ class Producer:
         bound to them and to ``block_ids`` (a reader expecting other tokens, or reading other
         blocks, is refused). Without them (None, or fewer ids) nothing is offered: a lease
         that could not say what its blocks hold would vouch for any reader. ``kv_salt``:
-        what else their KV depends on, bound with them (connector/token_digest.py).
+        what else their KV depends on, bound with them (connector/lease_binding.py).
         ``lease_id``: the id of the lease chunked pulls drew while the request ran
         (scheduler/chunk_leases.py), bound here to the whole prompt; None draws one.
         ``hold_s`` (a decode engine in bidirectional mode): hold the finished request's
@@ -181,7 +180,7 @@ class Producer:
             )
             return False, None
         # Bound to the engine's ids as they are: the side-channel thread packs them when a
-        # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
+        # check needs them, not the engine thread now (connector/lease_binding.py HeldTokens).
         tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0, kv_salt)
         if tokens is None:
             logger.warning(

@@ -17,10 +17,10 @@ import msgspec
 
 from connector.config import ConnectorConfig
 from connector.layout import KVCacheSpec
+from connector.lease_binding import KVSalt
 from connector.metadata import RemoteSource
 from connector.outcomes import LoadFailure
 from connector.params import AwaitedLease, KVTransferParams, parse_kv_transfer_params
-from connector.token_digest import KVSalt
 from scheduler.suffix import PULLABLE_KINDS
 
 
@@ -56,14 +56,14 @@ class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cyc
     # The request's token ids, prompt first (vLLM: ``all_token_ids``; kept by a load until its
     # LoadSpec goes out, and by a holder's lease, unpacked, until a check first needs them:
     # the engine may append to the list, never change the ids a lease covers). They bind
-    # leases to tokens (connector/token_digest.py): a reader's load expects its first tokens,
+    # leases to tokens (connector/lease_binding.py): a reader's load expects its first tokens,
     # a holder's lease holds its first ``num_prompt_tokens`` (a multi-turn hold: its final
     # tokens, ``final_tokens`` below). None: unknown (prompt embeddings, an
     # engine that does not pass them): nothing is offered, since no lease is unbound.
     token_ids: Sequence[int] | None = None
     # What the KV of those ids depends on besides them (a LoRA adapter, a cache salt,
     # multimodal inputs), as parts (first token position affected, bytes): bound with the ids,
-    # so a reader whose request differs in any is refused (connector/token_digest.py KVSalt).
+    # so a reader whose request differs in any is refused (connector/lease_binding.py KVSalt).
     # Both sides of a transfer must derive the parts alike from their requests. (): the ids'
     # KV depends on nothing else.
     kv_salt: KVSalt = ()

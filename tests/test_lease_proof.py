@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from connector.block_digest import bound_to_blocks
 from connector.config import ConnectorConfig
 from connector.errors import HandshakeError, PeerRestarted
 from connector.geometry import build_rank_layout
+from connector.lease_binding import bound_to_blocks
 from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
 from connector.net.side_channel_client import check_leases, send_release
 from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure

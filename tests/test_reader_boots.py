@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
+from connector.lease_binding import block_digest, token_digest
 from connector.net.side_channel_client import check_leases
 from connector.observability.metrics import LEASES_READER_RESTARTED, default_recorder
 from connector.protocol import (
@@ -32,7 +32,6 @@ from connector.protocol import (
     encode_request,
     lease_key,
 )
-from connector.token_digest import token_digest
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender

@@ -2,7 +2,7 @@
 
 Why a held lease proves the bytes, what each check costs and how a failure reads:
 docs/integrity.md, "Lease-proven loads". Here: the proof after the READs alone makes a load
-successful, and names what the load reads (connector/block_digest.py: its blocks and the
+successful, and names what the load reads (connector/lease_binding.py: its blocks and the
 tokens it assumes they hold), so prefill answers "held" only for that lease's very blocks
 (``BLOCKS_MISMATCH`` otherwise). A first check runs when the load arrives, alongside the
 handshake, unless that prefill boot's side channel answered a lease check in the last

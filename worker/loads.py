@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from connector.block_digest import bound_to_blocks
 from connector.errors import ConnectorError
+from connector.lease_binding import bound_to_blocks, token_digest
 from connector.memory import HOST_MEMORY, Memory
 from connector.metadata import LoadSpec, RemoteSource
 from connector.observability.metrics import (
@@ -45,7 +45,6 @@ from connector.observability.metrics import (
 )
 from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
-from connector.token_digest import token_digest
 from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
 from worker.load_lifecycle import (
     Load,
