@@ -41,16 +41,17 @@ from scheduler.lifecycles import OnMove
 from scheduler.overlap import OverlappedLoads
 from scheduler.producer import Producer
 from scheduler.requests import (
+    PULLABLE_KINDS,
     FinishedRequests,
     ParamsReader,
     ParsedParams,
     RequestInfo,
     Role,
     final_tokens,
+    held_blocks,
 )
 from scheduler.sibling_loads import SiblingLoads
 from scheduler.side_channel import SideChannelServer
-from scheduler.suffix import PULLABLE_KINDS, held_blocks
 from scheduler.transfer_board import TransferBoard, lease_under_key
 
 __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]

@@ -48,9 +48,8 @@ from connector.outcomes import FailureKind, LoadFailure, one_failure
 from connector.protocol import ReaderId, lease_key
 from scheduler.heartbeats import HeartbeatRegistry, HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
-from scheduler.requests import ParsedParams
+from scheduler.requests import ParsedParams, uncached_suffix_blocks
 from scheduler.sibling_loads import SiblingLoads, params_key
-from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from scheduler.lifecycles import (
     RequestLoadState,
 )
 from scheduler.producer import Producer
+from scheduler.requests import uncached_suffix_blocks
 from scheduler.sibling_loads import SiblingLoads
-from scheduler.suffix import uncached_suffix_blocks
 from tests.scheduler_helpers import (
     FULL_16,
     SSM_64,
