@@ -41,8 +41,8 @@ from tests.test_worker_parts import make_spec
 from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
 from worker.handshake import HandshakeClient, HandshakeJob
-from worker.lease_checks import SilentSideChannels, asked_again
-from worker.lease_proof import AFTER_READS, BEFORE_READS, LeaseProofs
+from worker.lease_proof import LeaseProofs, SilentSideChannels, asked_again
+from worker.load_lifecycle import AFTER_READS, BEFORE_READS
 
 HOST = "127.0.0.1"
 

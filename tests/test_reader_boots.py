@@ -38,7 +38,7 @@ from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from worker.fake import FakeFabric, FakeNixl
-from worker.lease_checks import SilentSideChannels, side_channel_batch_check
+from worker.lease_proof import SilentSideChannels, side_channel_batch_check
 from worker.loads import checked_source
 
 OLD, NEW = ReaderId("decode-0", "a" * 32), ReaderId("decode-0", "b" * 32)

@@ -37,7 +37,8 @@ from tests.test_worker_parts import BASE, FP8, Clock, make_spec
 from worker import lease_proof
 from worker.compat import fingerprint
 from worker.connector import WorkerConnector
-from worker.lease_checks import Staging, answers
+from worker.lease_proof import answers
+from worker.load_lifecycle import Staging
 from worker.nixl_api import TransferState
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 

@@ -45,8 +45,9 @@ from connector.observability.metrics import (
 )
 from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
-from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
+from worker.lease_proof import LeaseProofs
 from worker.load_lifecycle import (
+    BEFORE_READS,
     Load,
     OnMove,
     RankLoadState,
@@ -54,6 +55,7 @@ from worker.load_lifecycle import (
     handshake_failure,
     notify_rest,
     record_outcome,
+    unprovable_reason,
     with_handshake_phases,
     with_timeline,
 )

@@ -42,7 +42,7 @@ from connector.vllm.messages import (
 from connector.vllm.staging import CopyBlocksOp, HostBuffer
 from scheduler.requests import FinishedRequests
 from worker.connector import WorkerConnector
-from worker.lease_proof import DIGEST_FAILED
+from worker.load_lifecycle import DIGEST_FAILED
 from worker.nixl_api import NixlAgent
 
 if TYPE_CHECKING:
