@@ -29,8 +29,7 @@ import msgspec
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
-from connector.metadata import ConnectorMetadata, WorkerReport
-from connector.outcomes import LoadFailure
+from connector.metadata import ConnectorMetadata, LoadFailure, WorkerReport
 from connector.params import raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
 from scheduler.chunk_leases import ChunkLeases, eligible

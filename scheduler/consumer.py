@@ -36,7 +36,16 @@ import msgspec
 from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
 from connector.lease_binding import KVSalt
-from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.metadata import (
+    BlockIds,
+    FailureKind,
+    LoadFailure,
+    LoadSpec,
+    ReleaseSpec,
+    RemoteSource,
+    WorkerReport,
+    one_failure,
+)
 from connector.observability.metrics import (
     CHUNK_READS,
     LOADS_FAILED,
@@ -44,7 +53,6 @@ from connector.observability.metrics import (
     MetricsRecorder,
     default_recorder,
 )
-from connector.outcomes import FailureKind, LoadFailure, one_failure
 from connector.protocol import ReaderId, lease_key
 from scheduler.heartbeats import HeartbeatRegistry, HeartbeatSender
 from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState

@@ -20,8 +20,7 @@ from connector.config import ConnectorConfig
 from connector.errors import TransferPlanError
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec
 from connector.lease_binding import KVSalt
-from connector.metadata import BlockIds, RemoteSource
-from connector.outcomes import LoadFailure
+from connector.metadata import BlockIds, LoadFailure, RemoteSource
 from connector.params import AwaitedLease, KVTransferParams, parse_kv_transfer_params
 
 PULLABLE_KINDS = (GroupKind.FULL, GroupKind.MLA)  # groups holding every token's KV
@@ -79,7 +78,7 @@ class FinishedRequests(msgspec.Struct):
     finished_sending: prefill requests whose blocks the engine may free now.
     finished_recving: decode requests whose prompt KV arrived; decoding may start.
     failed_recving: decode requests whose load failed: request id -> why (a kind and a
-    message, connector/outcomes.py). Their blocks may
+    message, connector/metadata.py). Their blocks may
     be freed (no READ is in flight); the engine fails or recomputes them.
     """
 

@@ -13,8 +13,14 @@ from connector.config import ConnectorConfig
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec
 from connector.lease_binding import block_digest, token_digest
 from connector.lifecycle import TransitionTable
-from connector.metadata import LoadSpec, RemoteSource, WorkerReport
-from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
+from connector.metadata import (
+    ABORTED_LOAD,
+    FailureKind,
+    LoadFailure,
+    LoadSpec,
+    RemoteSource,
+    WorkerReport,
+)
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender

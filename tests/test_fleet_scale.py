@@ -26,8 +26,7 @@ from hypothesis import strategies as st
 from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
 from connector.geometry import build_rank_layout
-from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource
-from connector.outcomes import FailureKind, LoadFailure
+from connector.metadata import ConnectorMetadata, FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.protocol import (
     LeaseRef,
     LeaseStatus,

@@ -24,9 +24,17 @@ from connector.config import ConnectorConfig
 from connector.errors import HandshakeError, PeerRestarted
 from connector.geometry import build_rank_layout
 from connector.lease_binding import bound_to_blocks
-from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.metadata import (
+    ABORTED_LOAD,
+    ConnectorMetadata,
+    FailureKind,
+    LoadFailure,
+    LoadSpec,
+    ReleaseSpec,
+    RemoteSource,
+    WorkerReport,
+)
 from connector.net.side_channel_client import check_leases, send_release
-from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
 from connector.params import parse_kv_transfer_params
 from connector.protocol import LeaseRef, LeaseStatus, encode_free_notif, lease_key
 from scheduler.connector import Role, SchedulerConnector

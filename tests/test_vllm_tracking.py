@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
-from connector.metadata import WorkerReport
-from connector.outcomes import FailureKind, LoadFailure
+from connector.metadata import FailureKind, LoadFailure, WorkerReport
 from connector.vllm.messages import NixlPDWorkerMeta
 from connector.vllm.scheduler import SchedulerSide
 from scheduler.connector import Role, SchedulerConnector

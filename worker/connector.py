@@ -37,10 +37,10 @@ from connector.metadata import (
     ConnectorMetadata,
     DigestSpec,
     GroupDigests,
+    LoadFailure,
     LoadSpec,
     WorkerReport,
 )
-from connector.outcomes import LoadFailure
 from connector.protocol import (
     PROTOCOL_VERSION,
     DigestClaim,

@@ -46,8 +46,7 @@ from connector.errors import (
     SideChannelTimeout,
     TokensMismatch,
 )
-from connector.metadata import RemoteSource, SideChannelBoot
-from connector.outcomes import LoadFailure
+from connector.metadata import LoadFailure, RemoteSource, SideChannelBoot
 from connector.protocol import (
     DIGEST_OK,
     DIGEST_PENDING,

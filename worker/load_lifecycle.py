@@ -45,10 +45,9 @@ from connector.errors import (
     TokensMismatch,
 )
 from connector.lifecycle import TransitionTable
-from connector.metadata import LoadSpec, RemoteSource
+from connector.metadata import ABORTED_LOAD, FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.observability.metrics import MetricsRecorder
 from connector.observability.trace import LoadTimeline, load_ended
-from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
 from connector.protocol import DIGEST_PENDING, encode_free_notif, lease_key
 from worker.nixl_api import NixlAgent
 

@@ -35,7 +35,7 @@ import msgspec
 from connector.errors import ConnectorError
 from connector.lease_binding import bound_to_blocks, token_digest
 from connector.memory import HOST_MEMORY, Memory
-from connector.metadata import LoadSpec, RemoteSource
+from connector.metadata import FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.observability.metrics import (
     QUARANTINED_BLOCKS,
     QUARANTINED_LOADS,
@@ -43,7 +43,6 @@ from connector.observability.metrics import (
     MetricsRecorder,
     default_recorder,
 )
-from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
 from worker.lease_proof import LeaseProofs
 from worker.load_lifecycle import (

@@ -5,7 +5,7 @@ Everything here is plain data (no prometheus_client): the connector records into
 ``/metrics``, ``connector.vllm.metrics`` for vLLM's own endpoint). Names follow Prometheus
 conventions: the ``nixl_pd_`` prefix, the unit as a suffix, counters ending in ``_total``.
 
-Labels are bounded: a failed load's label is its kind (connector/outcomes.py FailureKind);
+Labels are bounded: a failed load's label is its kind (connector/metadata.py FailureKind);
 a handshake's free-text reason is mapped to a small set of kinds (``handshake_failure_kind``).
 Full messages stay in the logs.
 """
@@ -18,7 +18,7 @@ from collections import deque
 
 import msgspec
 
-from connector.outcomes import FailureKind
+from connector.metadata import FailureKind
 
 COUNTER = "counter"
 HISTOGRAM = "histogram"
