@@ -30,8 +30,8 @@ when it reuses the engine id and port. ``Hello`` is harmless to replay: it chang
 Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
 reading engine's id and its process's boot id, so the holder can tell a reader that
 restarted under its engine id (scheduler/readers.py). A LeaseRef carries the digest of the
-tokens the reader expects the lease's blocks to hold (connector/lease_binding.py) and of the
-blocks and token count it reads (connector/lease_binding.py); the holder refuses a held lease
+tokens the reader expects the lease's blocks to hold and of the blocks and token count it
+reads (connector/lease_binding.py); the holder refuses a held lease
 to a reader whose ref says other tokens or other blocks, or says neither
 (``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
 decode, but an older reader's refs are refused.

@@ -18,8 +18,8 @@ Each lease also has a lease id, drawn at random when it starts and returned in t
 ``held`` answers decode's LeaseCheck for that very lease, so a later lease of a repeated
 request id never vouches for an earlier one's blocks.
 
-A lease is bound to the blocks it holds and the token ids they hold (connector/lease_binding.py,
-connector/lease_binding.py): a LeaseCheck ref gets "held" only when its reader reads exactly
+A lease is bound to the blocks it holds and the token ids they hold
+(connector/lease_binding.py): a LeaseCheck ref gets "held" only when its reader reads exactly
 those blocks (per cache group, in order) for exactly the lease's token count, and expects
 tokens that are a prefix of the lease's ids: all of them for a lease with an SSM or
 sliding-window group (``HeldBlocks.exact``: its state is the one after the last token).
