@@ -1,11 +1,8 @@
 """Bind a lease to what its blocks hold: digests of their token ids and of the block ids.
 
-Params name blocks and travel through routers and clients, which may pair them with another
-prompt or edit them: a connector trusting them would load KV of other tokens, or another
-request's blocks under a "held" proof, and answer with wrong text. So the holder keeps the
-token ids and block ids it leased, a reader sends the digests of the ids it expects (its own
-prompt's first N) and of the blocks it reads with the token count it assumes they hold, and
-the holder refuses a reader whose digests differ (scheduler/leases.py), before any READ.
+Why (params paired with another prompt, or their block ids edited on the way): docs/integrity.md,
+"Leases bound to tokens" and "Leases bound to their blocks". A reader sends both digests in
+every lease check; the holder (scheduler/leases.py) refuses one that differs from its own.
 
 Token digest: blake2b with an 8-byte output over the count (uint64 little-endian) and the
 ids as int32 little-endian: ``digest([5, 7], 2) = blake2b(pack("<Q", 2) + pack("<2i", 5, 7))``.

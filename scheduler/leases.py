@@ -18,16 +18,12 @@ Each lease also has a lease id, drawn at random when it starts and returned in t
 ``held`` answers decode's LeaseCheck for that very lease, so a later lease of a repeated
 request id never vouches for an earlier one's blocks.
 
-A lease is bound to the blocks it holds and the token ids they hold
-(connector/lease_binding.py): a LeaseCheck ref gets "held" only when its reader reads exactly
-those blocks (per cache group, in order) for exactly the lease's token count, and expects
-tokens that are a prefix of the lease's ids: all of them for a lease with an SSM or
-sliding-window group (``HeldBlocks.exact``: its state is the one after the last token).
-A lease re-bound under the same id to blocks that extend its earlier ones (chunked pulls)
-still answers readers of the earlier blocks (``HeldBlocks.grown_from``).
-Otherwise, or when the ref does not say (an older reader), it is refused for that reader,
-with the reason (``Refusal``). Producer binds every lease it takes; a lease taken without
-a binding (this table's own tests) answers for its id alone.
+A lease is bound to its blocks and their token ids (connector/lease_binding.py; why:
+docs/integrity.md): a ref gets "held" only for exactly those blocks and token count, and
+tokens that are a prefix of the lease's ids (all of them with an SSM or sliding-window group:
+``HeldBlocks.exact``; a chunked pull's earlier blocks too: ``HeldBlocks.grown_from``); else it
+is refused, with the reason (``Refusal``). A lease taken without a binding (this table's own
+tests) answers for its id alone.
 
 With host staging a lease may start not readable (a decode engine's hold: its blocks' latest
 KV is on the device until the ranks copy it to the host buffer NIXL reads, a step after the

@@ -222,7 +222,6 @@ METRICS: tuple[MetricSpec, ...] = (
     QUARANTINED_BLOCKS,
     UNQUARANTINED_BLOCKS,
 )
-METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
 
 # (text in the reason, kind) for handshakes: the first match wins. The texts are ours
 # (worker/peers.py, connector/net/side_channel_client.py), so the mapping is tested against them.
