@@ -29,6 +29,7 @@ import msgspec
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
+from connector.lifecycle import OnMove
 from connector.metadata import ConnectorMetadata, LoadFailure, WorkerReport
 from connector.params import raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
@@ -36,7 +37,6 @@ from scheduler.chunk_leases import ChunkLeases, eligible
 from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer, RequestLoad
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
-from scheduler.lifecycles import OnMove
 from scheduler.overlap import OverlappedLoads
 from scheduler.producer import Producer
 from scheduler.requests import (

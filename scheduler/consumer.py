@@ -2,23 +2,20 @@
 
 Each decode request has one record here, from the engine's first ask to request_finished
 (the vLLM adapter only translates). It moves only along REQUEST_LOAD_LIFECYCLE
-(scheduler/lifecycles.py) and holds the parsed params (``parsed``, reused while the request
-carries the same params object). Params bind at allocation (scheduler/connector.py): the first
-ask only claims the tokens (CLAIMED, unread); refused ones (REFUSING, then REFUSED) are
-announced as a failed load if the engine parked the request, and never offered a load again.
-
-Read params: get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
-(ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
-rank) -> every rank reports -> REPORTED once, in finished_recving or failed_recving. An abort
-before the LoadSpec went out sends a ReleaseSpec instead so the prefill engine frees its blocks
-at once. Only the engine thread calls this class.
+(scheduler/requests.py: the states, one line each) and holds the parsed params (``parsed``,
+reused while the request carries the same params object). Params bind at allocation
+(scheduler/connector.py): the first ask only claims the tokens (CLAIMED, unread); refused ones
+are announced as a failed load if the engine parked the request, and never loaded. The path
+of read params, ask to report: docs/architecture.md, "The request's journey through the code".
+Only the engine thread calls this class.
 
 The record lives until request_finished: once prefill was told to free (RELEASING, RELEASED)
 or the load was reported, an engine that asks again (preemption, a prefix-cache reset, a
 failed allocation) gets (0, False) and computes locally, so no load starts on freed blocks.
 Prefill is told to free only once the engine decided: at allocation with nothing to load (a
-full local prefix hit), as vLLM's own connector does, or at request_finished; never at an ask,
-which the engine may repeat with a smaller hit.
+full local prefix hit), as vLLM's own connector does, at request_finished, or (an abort
+before the LoadSpec went out) by a ReleaseSpec; never at an ask, which the engine may repeat
+with a smaller hit.
 
 Multi-turn: a prefill engine pulls an earlier turn from decode through this class too
 (``RemoteSource.remote_num_tokens`` set; counted in ``nixl_pd_pulled_tokens_total``).
@@ -36,6 +33,7 @@ import msgspec
 from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
 from connector.lease_binding import KVSalt
+from connector.lifecycle import Book, OnMove
 from connector.metadata import (
     BlockIds,
     FailureKind,
@@ -55,8 +53,12 @@ from connector.observability.metrics import (
 )
 from connector.protocol import ReaderId, lease_key
 from scheduler.heartbeats import HeartbeatRegistry, HeartbeatSender
-from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
-from scheduler.requests import ParsedParams, uncached_suffix_blocks
+from scheduler.requests import (
+    REQUEST_LOAD_LIFECYCLE,
+    ParsedParams,
+    RequestLoadState,
+    uncached_suffix_blocks,
+)
 from scheduler.sibling_loads import SiblingLoads, params_key
 
 logger = logging.getLogger(__name__)

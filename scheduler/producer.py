@@ -1,7 +1,7 @@
 """Prefill-side request state: lease finished requests' blocks until every decode reader is done.
 
 Each do_remote_decode request's lease is one record in a Book, moved only along
-LEASE_LIFECYCLE (scheduler/lifecycles.py): request_finished (LEASED: blocks held) -> the next
+LEASE_LIFECYCLE (below): request_finished (LEASED: blocks held) -> the next
 metadata's ``sends`` (ANNOUNCED) -> every rank reports it in finished_sending (COMPLETED), or
 its lease expires (EXPIRED), or decode releases it over the side channel (RELEASED) -> reported
 once in ``finished_sending``. Ended early once announced, its id also goes into ``forgotten`` so
@@ -34,12 +34,14 @@ does not pin blocks forever).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from connector.lease_binding import HeldBlocks, HeldTokens, KVSalt
+from connector.lifecycle import Book, LifecycleState, OnMove, TransitionTable
 from connector.metadata import BlockIds, DigestSpec, StageSpec, WorkerReport
 from connector.observability.metrics import (
     LEASES_COMPLETED,
@@ -55,13 +57,38 @@ from connector.observability.ratelimit import RateLimitedLog
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
 from scheduler.leases import LeaseTable
-from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
 logger = logging.getLogger(__name__)
 
 # A side channel whose serving thread has been in one turn this long (a turn is a 50 ms poll
 # and an answer) may have heartbeats waiting unread: no lease expires meanwhile.
 DEAF_AFTER_S = 1.0
+
+
+class LeaseState(LifecycleState):
+    """Where one prefill lease stands: its blocks stay held until it ends."""
+
+    NEW = enum.auto()
+    LEASED = enum.auto()  # blocks held; the ranks hear of it in the next metadata's sends
+    ANNOUNCED = enum.auto()  # in a sends: the ranks count its decode readers' free notifications
+    COMPLETED = enum.auto()  # every rank saw its free notifications
+    EXPIRED = enum.auto()  # no heartbeat kept it alive
+    RELEASED = enum.auto()  # decode said over the side channel it will never read
+
+
+_P = LeaseState
+LEASE_LIFECYCLE = TransitionTable(
+    "prefill lease",
+    {
+        _P.NEW: {_P.LEASED},
+        _P.LEASED: {_P.ANNOUNCED, _P.COMPLETED, _P.EXPIRED, _P.RELEASED},
+        _P.ANNOUNCED: {_P.COMPLETED, _P.EXPIRED, _P.RELEASED},
+        _P.COMPLETED: (),
+        _P.EXPIRED: (),
+        _P.RELEASED: (),
+    },
+)
+
 
 # The states as module names: shorter to read, and cheaper than Enum class attributes per call.
 LEASED, ANNOUNCED, COMPLETED = LeaseState.LEASED, LeaseState.ANNOUNCED, LeaseState.COMPLETED

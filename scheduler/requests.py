@@ -20,6 +20,7 @@ from connector.config import ConnectorConfig
 from connector.errors import TransferPlanError
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec
 from connector.lease_binding import KVSalt
+from connector.lifecycle import LifecycleState, TransitionTable
 from connector.metadata import BlockIds, LoadFailure, RemoteSource
 from connector.params import AwaitedLease, KVTransferParams, parse_kv_transfer_params
 
@@ -97,6 +98,51 @@ class ParsedParams(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers t
     source: RemoteSource | None
     pulls: bool = False
     awaits: AwaitedLease | None = None
+
+
+class RequestLoadState(LifecycleState):
+    """Where one request's load stands in the scheduler: the request's only record there,
+    from the engine's first ask to request_finished (scheduler/consumer.py)."""
+
+    NEW = enum.auto()  # record made; moved on before the call that made it returns
+    CLAIMED = enum.auto()  # tokens claimed on the params' word; params unread (bind at alloc)
+    REFUSING = enum.auto()  # params refused; tokens claimed so the engine parks the request
+    REFUSED = enum.auto()  # params refused (announced as a failed load if parked): never loads
+    MATCHED = enum.auto()  # params read; get_num_new_matched_tokens claimed its tokens
+    ALLOCATED = enum.auto()  # decode's blocks known; its LoadSpec goes out at the next step
+    LOADING = enum.auto()  # LoadSpec sent; the engine waits for every rank's report
+    DRAINING = enum.auto()  # request finished while ranks hold its blocks; report, then forget
+    REPORTED = enum.auto()  # reported to the engine; forgotten at request_finished
+    REPORTED_RELEASING = enum.auto()  # reported failed (unplannable); ranks still ack a release
+    RELEASING = enum.auto()  # release only: ranks ack a ReleaseSpec; the engine waits for nothing
+    RELEASED = enum.auto()  # prefill told to free, the request lives on: it never loads again
+    ENDED = enum.auto()
+
+
+_L = RequestLoadState
+# No way leads from RELEASING, RELEASED or REFUSED back to LOADING: once prefill was told
+# to free (or the params were refused) the request never reads a block again.
+REQUEST_LOAD_LIFECYCLE = TransitionTable(
+    "request load",
+    {
+        _L.NEW: {_L.CLAIMED, _L.REFUSING, _L.REFUSED, _L.MATCHED},
+        # read at allocation (or at an ask with nothing left to load): valid, refused, or
+        # asking for no load with nothing parked (ENDED; also finished while unread)
+        _L.CLAIMED: {_L.MATCHED, _L.REFUSED, _L.ENDED},
+        _L.REFUSING: {_L.REFUSED, _L.ENDED},  # REFUSED at allocation (announced if parked)
+        _L.REFUSED: {_L.ENDED},  # at request_finished
+        # asked again before allocation: no move; nothing to load at allocation: release only
+        _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},
+        _L.ALLOCATED: {_L.LOADING, _L.DRAINING, _L.REPORTED_RELEASING},
+        _L.LOADING: {_L.DRAINING, _L.REPORTED},
+        _L.DRAINING: {_L.ENDED},
+        _L.REPORTED: {_L.ENDED},
+        _L.REPORTED_RELEASING: {_L.REPORTED, _L.RELEASING},
+        _L.RELEASING: {_L.ENDED, _L.RELEASED},  # RELEASED: acked while the request lives
+        _L.RELEASED: {_L.ENDED},  # at request_finished
+        _L.ENDED: (),
+    },
+)
 
 
 def final_tokens(request: RequestInfo) -> int | None:

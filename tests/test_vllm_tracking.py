@@ -16,7 +16,7 @@ from connector.vllm.messages import NixlPDWorkerMeta
 from connector.vllm.scheduler import SchedulerSide
 from scheduler.connector import Role, SchedulerConnector
 from scheduler.consumer import UNREAD_OR_REFUSED
-from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, RequestLoadState
+from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState
 from tests import vllm_harness as h
 from tests.scheduler_helpers import (
     CONFIG,
