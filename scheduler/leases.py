@@ -25,13 +25,10 @@ tokens that are a prefix of the lease's ids (all of them with an SSM or sliding-
 is refused, with the reason (``Refusal``). A lease taken without a binding (this table's own
 tests) answers for its id alone.
 
-With host staging a lease may start not readable (a decode engine's hold: its blocks' latest
-KV is on the device until the ranks copy it to the host buffer NIXL reads, a step after the
-params left). ``await_copy`` marks it so; ``copy_done`` makes it readable once every rank
-copied. Until then a LeaseCheck answers it as ``pending`` (not held; ask again), and always
-after as ``staged``: such a lease goes from not held to held once, so "held after the READs"
-no longer implies "held during them", and the reader must also have seen it held before its
-first READ (worker/lease_proof.py).
+With host staging a decode engine's hold starts not readable (docs/architecture.md, Threads,
+"Host staging"): ``await_copy`` marks it so, ``copy_done`` makes it readable once every rank
+copied; a LeaseCheck answers it ``pending`` until then and ``staged`` after (worker/lease_proof.py
+says why a reader must then have seen it held before its first READ).
 
 Readers that name themselves claim the held leases their messages name (scheduler/readers.py);
 a message from a new boot of a reader engine ends the leases only its earlier boot claimed,

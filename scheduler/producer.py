@@ -17,12 +17,10 @@ A decode engine in multi-turn mode holds its finished requests through this same
 (``request_finished(..., hold_s=...)``): a lease of its own duration, whose reader is the
 next turn's prefill; it returns the params that prefill needs instead of decode's.
 
-With host staging (``stage_holds``) such a hold starts not readable: its answer's KV is on the
-device only. The next metadata's ``stage_out`` tells the ranks to copy its blocks to the host
-buffer NIXL reads; once every rank reported it in ``WorkerReport.staged``, the lease table
-makes it readable and (verify_kv) the ranks digest it: the digests are of the copy, so they
-wait for it. Prefill's own leases need none of this: their copy ran in the step prefill
-completed, before request_finished.
+With host staging (``stage_holds``) such a hold starts not readable until every rank copied
+it to the host buffer (``stage_out``, then ``WorkerReport.staged``; docs/architecture.md,
+Threads, "Host staging"); its digests (verify_kv) wait for the copy. Prefill's own leases are
+copied in the step prefill completed, before request_finished.
 
 A lease expires on decode's silence, never on this engine's own deafness: while the side
 channel's serving thread has been in one turn for more than DEAF_AFTER_S (stuck answering, or
