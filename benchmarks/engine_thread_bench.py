@@ -46,7 +46,7 @@ from worker.compat import fingerprint  # noqa: E402
 from worker.connector import WorkerConnector  # noqa: E402
 from worker.nixl_api import TransferState  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
-from worker.plan.byte_runs import ByteRuns  # noqa: E402
+from worker.plan.exact_runs import ByteRuns  # noqa: E402
 from worker.plan.recipe import TransferRequest, peer_plan, plan_request  # noqa: E402
 
 NUM_TOKENS = 8192

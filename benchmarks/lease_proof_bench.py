@@ -19,10 +19,9 @@ import argparse
 import statistics
 import time
 
-from connector.block_digest import HeldBlocks, block_digest
+from connector.lease_binding import HeldBlocks, HeldTokens, block_digest, token_digest
 from connector.net.side_channel_client import check_leases, fetch_boot_id
 from connector.protocol import LeaseRef
-from connector.token_digest import HeldTokens, token_digest
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake

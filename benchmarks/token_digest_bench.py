@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from connector.token_digest import pack_tokens, token_digest, tokens_verdict
+from connector.lease_binding import pack_tokens, token_digest, tokens_verdict
 
 SIZES = (1_024, 8_192, 32_768)
 

@@ -64,7 +64,7 @@ from connector.layout import (
 )
 from worker.nixl_api import Descriptors, TransferState
 from worker.nixl_real import RealNixlAgent
-from worker.plan.byte_runs import ByteRuns
+from worker.plan.exact_runs import ByteRuns
 from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 from worker.reads import build_descriptors
 

@@ -41,7 +41,7 @@ from benchmarks.transfer_bench import (
 from benchmarks.transfer_peer import PeerChild
 from connector.config import DEFAULT_NIXL_THREADS
 from connector.layout import RankLayout
-from worker.plan.byte_runs import ByteRuns
+from worker.plan.exact_runs import ByteRuns
 from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 
 Case = tuple[int, bool]  # (num_tokens, fragmented)

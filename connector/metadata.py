@@ -3,24 +3,79 @@
 The scheduler builds one ConnectorMetadata per engine step and hands the same value to every
 worker rank; each rank returns a WorkerReport from get_finished(). Both are plain msgspec
 Structs so an engine may ship them between processes as bytes.
+
+A failed load's outcome (``LoadFailure``) is a kind from one enum and a message for people.
+The kind travels with the message from where the failure is decided (a worker rank, the
+scheduler's params check) to the engine: metrics label by it, code branches on it, and no code
+reads the message's text. The message says what went wrong and what to do.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgspec
 
-from connector.outcomes import LoadFailure
+from connector.lease_binding import KVSalt
 from connector.protocol import BlockDigest, ReaderId, TokenDigest
-from connector.token_digest import KVSalt
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 # The largest block id anywhere on the path: vLLM's block tables are int32 tensors and the
 # prepared-list planner indexes NIXL descriptors in int32 (worker/plan/prepared_rows.py), so an
 # id above this could never name a real block; params refuse it at the door.
 MAX_BLOCK_ID = 2**31 - 1
+
+
+class FailureKind(enum.StrEnum):
+    """Why a load failed, bounded (a metrics label); each value is its label."""
+
+    ABORTED = "aborted"  # the request ended first: no failure of the load itself
+    HANDSHAKE = "handshake"  # prefill's side channel or agent could not be reached or paired
+    HANDSHAKE_TIMEOUT = "handshake_timeout"
+    PARAMS = "params"  # the kv_transfer_params were refused, or changed under the load
+    PLAN = "plan"  # decode's blocks or the pairing cannot take this load
+    TRANSFER = "transfer"  # a READ failed
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    INTERNAL = "internal"  # a connector bug, contained to this request
+    LEASE_EXPIRED = "lease_expired"  # prefill no longer held the lease when the READs landed
+    PREFILL_RESTARTED = "prefill_restarted"  # the boot that leased is gone, its lease with it
+    LEASE_UNPROVEN = "lease_unproven"  # prefill could not be asked, or the params name no lease
+    DIGEST = "digest"  # verify_kv: the bytes read are not the bytes prefill saved
+    TOKENS_MISMATCH = "tokens_mismatch"  # the lease holds other tokens than this prompt
+    BLOCKS_MISMATCH = "blocks_mismatch"  # the load reads other blocks than the lease holds
+    ENGINE = "engine"  # the engine reported the load failed before this rank did
+    # Overlapped dispatch (docs/overlap.md): decode waited for prefill's lease announcement
+    PREFILL_FAILED = "prefill_failed"  # prefill ended the request without a lease
+    PREFILL_TIMEOUT = "prefill_timeout"  # no announcement within the wait (dead, never sent)
+
+
+class LoadFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One load's failure: its ``kind`` and a ``message`` saying what happened."""
+
+    kind: FailureKind
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+ABORTED_LOAD = LoadFailure(FailureKind.ABORTED, "aborted")  # the request ended first
+
+
+def one_failure(failures: dict[int, LoadFailure]) -> LoadFailure:
+    """One failure for a request its ranks failed (tp_rank -> why): the ranks' shared one, or
+    the lowest failing rank's kind with a message naming it."""
+    reasons = set(failures.values())
+    if len(reasons) == 1:
+        return reasons.pop()
+    rank = min(failures)
+    first = failures[rank]
+    return LoadFailure(
+        first.kind,
+        f"tp_rank {rank}: {first.message} ({len(failures) - 1} other rank(s) failed too)",
+    )
 
 
 class SideChannelBoot(NamedTuple):
@@ -57,11 +112,11 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     # Set by the reader, never taken from params: the tokens this load expects the blocks to
     # hold (its prompt's first ones; digested by its ranks from the LoadSpec's ids on their
     # transfer thread), and who reads (this engine and boot; set by its scheduler). Lease
-    # checks send both (connector/token_digest.py, scheduler/readers.py).
+    # checks send both (connector/lease_binding.py, scheduler/readers.py).
     tokens: TokenDigest | None = None
     reader: ReaderId | None = None
     # Set by the reader's ranks (transfer thread) from the above: the digest of the blocks
-    # its READs come from and the tokens it assumes they hold (connector/block_digest.py).
+    # its READs come from and the tokens it assumes they hold (connector/lease_binding.py).
     blocks: BlockDigest | None = None
 
     @property

@@ -83,31 +83,19 @@ _NumTokens = Annotated[int, msgspec.Meta(ge=0, le=2**40, description="an integer
 _Mode = Annotated[
     str, msgspec.Meta(description=f"{TRANSFER_MODE!r} (decode reads the KV from prefill)")
 ]
+# The shape of a boot id, lease id and transfer key; each type adds its own description.
+_ID_SHAPE = msgspec.Meta(min_length=1, max_length=64, pattern="^[0-9A-Za-z_.-]+$")
 _BootId = Annotated[
-    str,
-    msgspec.Meta(
-        min_length=1,
-        max_length=64,
-        pattern="^[0-9A-Za-z_.-]+$",
-        description="the boot id string the prefill engine returned",
-    ),
+    str, _ID_SHAPE, msgspec.Meta(description="the boot id string the prefill engine returned")
 ]
 _LeaseId = Annotated[
-    str,
-    msgspec.Meta(
-        min_length=1,
-        max_length=64,
-        pattern="^[0-9A-Za-z_.-]+$",
-        description="the lease id string the prefill engine returned",
-    ),
+    str, _ID_SHAPE, msgspec.Meta(description="the lease id string the prefill engine returned")
 ]
 _TransferKey = Annotated[
     str,
+    _ID_SHAPE,
     msgspec.Meta(
-        min_length=1,
-        max_length=64,
-        pattern="^[0-9A-Za-z_.-]+$",
-        description="1..64 characters of [0-9A-Za-z_.-], e.g. a uuid4 hex the router drew",
+        description="1..64 characters of [0-9A-Za-z_.-], e.g. a uuid4 hex the router drew"
     ),
 ]
 _Expiry = Annotated[float, msgspec.Meta(description="a number: when decode frees the held blocks")]

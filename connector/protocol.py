@@ -30,8 +30,8 @@ when it reuses the engine id and port. ``Hello`` is harmless to replay: it chang
 Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
 reading engine's id and its process's boot id, so the holder can tell a reader that
 restarted under its engine id (scheduler/readers.py). A LeaseRef carries the digest of the
-tokens the reader expects the lease's blocks to hold (connector/token_digest.py) and of the
-blocks and token count it reads (connector/block_digest.py); the holder refuses a held lease
+tokens the reader expects the lease's blocks to hold and of the blocks and token count it
+reads (connector/lease_binding.py); the holder refuses a held lease
 to a reader whose ref says other tokens or other blocks, or says neither
 (``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
 decode, but an older reader's refs are refused.
@@ -140,7 +140,7 @@ class DigestClaim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
 
 class TokenDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """The token ids a reader expects a lease's blocks to hold: their first ``num_tokens``,
-    digested (connector/token_digest.py: blake2b-64 over the count and the int32 ids)."""
+    digested (connector/lease_binding.py: blake2b-64 over the count and the int32 ids)."""
 
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**31)]
     value: Annotated[int, msgspec.Meta(ge=0)]  # uint64 (msgspec bounds stop at int64)
@@ -148,7 +148,7 @@ class TokenDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
 
 class BlockDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """What a reader's READs come from: the remote block ids it was given, per cache group in
-    order, and the tokens it assumes they hold, digested (connector/block_digest.py:
+    order, and the tokens it assumes they hold, digested (connector/lease_binding.py:
     blake2b-64). The holder compares it with the blocks it leased (``Refusal``)."""
 
     num_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31)]

@@ -30,8 +30,7 @@ import msgspec
 
 from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, InvalidTransferParams, UnsupportedConfiguration
-from connector.metadata import WorkerReport
-from connector.outcomes import FailureKind
+from connector.metadata import FailureKind, WorkerReport
 from examples.engine_api import EngineConfig, EngineRequest, RequestOutput, parse_engine_config
 from examples.kv_cache import BlockManager, PagedRequestCache, RankBuffers, build_spec
 from examples.metering import MeteredAgent, TransferStats

@@ -44,7 +44,7 @@ class RequestOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_id: str
     token_ids: list[int]
     error: str | None = None
-    error_kind: str | None = None  # a failed KV load's kind (connector/outcomes.py FailureKind)
+    error_kind: str | None = None  # a failed KV load's kind (connector/metadata.py FailureKind)
     kv_transfer_params: dict[str, Any] | None = None
     kv_digest: str | None = None  # hash of the prompt KV when the first token was produced
     num_cached_tokens: int = 0  # local prefix-cache hit

@@ -24,13 +24,12 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from connector.block_digest import HeldBlocks
 from connector.layout import GroupSpec
+from connector.lease_binding import HeldBlocks, HeldTokens, KVSalt
 from connector.metadata import WorkerReport
 from connector.params import params_for_decode
 from connector.protocol import lease_key
 from connector.staging import ScheduledRow
-from connector.token_digest import HeldTokens, KVSalt
 from scheduler.chunk_pull import CHUNKABLE_KINDS
 from scheduler.chunk_tracker import ChunkAnnouncement, ChunkTracker
 from scheduler.leases import LeaseTable

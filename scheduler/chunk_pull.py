@@ -32,8 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from connector.layout import GroupKind
-from connector.metadata import BlockIds, RemoteSource
-from connector.outcomes import FailureKind, LoadFailure
+from connector.metadata import BlockIds, FailureKind, LoadFailure, RemoteSource
 
 # Groups whose blocks can be read chunk by chunk (a sliding window frees early blocks during
 # prefill, an SSM group holds only the state after the last token).

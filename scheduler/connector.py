@@ -29,28 +29,28 @@ import msgspec
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams, UnsupportedConfiguration
 from connector.layout import KVCacheSpec
-from connector.metadata import ConnectorMetadata, WorkerReport
-from connector.outcomes import LoadFailure
+from connector.lifecycle import OnMove
+from connector.metadata import ConnectorMetadata, LoadFailure, WorkerReport
 from connector.params import raw_flag, validate_block_groups
 from connector.protocol import BOOT_ID_CHARS, ReaderId, WorkerHandshake
 from scheduler.chunk_leases import ChunkLeases, eligible
 from scheduler.consumer import CLAIMED, REFUSED, REFUSING, UNREAD_OR_REFUSED, Consumer, RequestLoad
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
-from scheduler.lifecycles import OnMove
 from scheduler.overlap import OverlappedLoads
 from scheduler.producer import Producer
 from scheduler.requests import (
+    PULLABLE_KINDS,
     FinishedRequests,
     ParamsReader,
     ParsedParams,
     RequestInfo,
     Role,
     final_tokens,
+    held_blocks,
 )
 from scheduler.sibling_loads import SiblingLoads
 from scheduler.side_channel import SideChannelServer
-from scheduler.suffix import PULLABLE_KINDS, held_blocks
 from scheduler.transfer_board import TransferBoard, lease_under_key
 
 __all__ = ["FinishedRequests", "RequestInfo", "Role", "SchedulerConnector"]

@@ -2,23 +2,20 @@
 
 Each decode request has one record here, from the engine's first ask to request_finished
 (the vLLM adapter only translates). It moves only along REQUEST_LOAD_LIFECYCLE
-(scheduler/lifecycles.py) and holds the parsed params (``parsed``, reused while the request
-carries the same params object). Params bind at allocation (scheduler/connector.py): the first
-ask only claims the tokens (CLAIMED, unread); refused ones (REFUSING, then REFUSED) are
-announced as a failed load if the engine parked the request, and never offered a load again.
-
-Read params: get_num_new_matched_tokens (MATCHED) -> update_state_after_alloc
-(ALLOCATED: decode's blocks known) -> build_connector_meta (LOADING: LoadSpec emitted to every
-rank) -> every rank reports -> REPORTED once, in finished_recving or failed_recving. An abort
-before the LoadSpec went out sends a ReleaseSpec instead so the prefill engine frees its blocks
-at once. Only the engine thread calls this class.
+(scheduler/requests.py: the states, one line each) and holds the parsed params (``parsed``,
+reused while the request carries the same params object). Params bind at allocation
+(scheduler/connector.py): the first ask only claims the tokens (CLAIMED, unread); refused ones
+are announced as a failed load if the engine parked the request, and never loaded. The path
+of read params, ask to report: docs/architecture.md, "The request's journey through the code".
+Only the engine thread calls this class.
 
 The record lives until request_finished: once prefill was told to free (RELEASING, RELEASED)
 or the load was reported, an engine that asks again (preemption, a prefix-cache reset, a
 failed allocation) gets (0, False) and computes locally, so no load starts on freed blocks.
 Prefill is told to free only once the engine decided: at allocation with nothing to load (a
-full local prefix hit), as vLLM's own connector does, or at request_finished; never at an ask,
-which the engine may repeat with a smaller hit.
+full local prefix hit), as vLLM's own connector does, at request_finished, or (an abort
+before the LoadSpec went out) by a ReleaseSpec; never at an ask, which the engine may repeat
+with a smaller hit.
 
 Multi-turn: a prefill engine pulls an earlier turn from decode through this class too
 (``RemoteSource.remote_num_tokens`` set; counted in ``nixl_pd_pulled_tokens_total``).
@@ -35,7 +32,18 @@ import msgspec
 
 from connector.errors import IllegalTransition, TransferPlanError
 from connector.layout import GroupSpec
-from connector.metadata import BlockIds, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.lease_binding import KVSalt
+from connector.lifecycle import Book, OnMove
+from connector.metadata import (
+    BlockIds,
+    FailureKind,
+    LoadFailure,
+    LoadSpec,
+    ReleaseSpec,
+    RemoteSource,
+    WorkerReport,
+    one_failure,
+)
 from connector.observability.metrics import (
     CHUNK_READS,
     LOADS_FAILED,
@@ -43,14 +51,15 @@ from connector.observability.metrics import (
     MetricsRecorder,
     default_recorder,
 )
-from connector.outcomes import FailureKind, LoadFailure, one_failure
 from connector.protocol import ReaderId, lease_key
-from connector.token_digest import KVSalt
 from scheduler.heartbeats import HeartbeatRegistry, HeartbeatSender
-from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, Book, OnMove, RequestLoadState
-from scheduler.requests import ParsedParams
+from scheduler.requests import (
+    REQUEST_LOAD_LIFECYCLE,
+    ParsedParams,
+    RequestLoadState,
+    uncached_suffix_blocks,
+)
 from scheduler.sibling_loads import SiblingLoads, params_key
-from scheduler.suffix import uncached_suffix_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +166,7 @@ class Consumer:
         num_cached_tokens: int,
         parsed: ParsedParams | None = None,
         token_ids: Sequence[int] | None = None,  # the request's; its first num_tokens are loaded
-        kv_salt: KVSalt = (),  # what else their KV depends on (connector/token_digest.py)
+        kv_salt: KVSalt = (),  # what else their KV depends on (connector/lease_binding.py)
     ) -> tuple[int, bool]:
         """The read params' answer: ``source`` holds tokens [0, num_tokens) of the prompt."""
         load = self._loads.get(request_id)

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import msgspec
 
 from connector.errors import HandshakeError, PeerRestarted
+from connector.metadata import FailureKind, LoadFailure
 from connector.net import side_channel_client
-from connector.outcomes import FailureKind, LoadFailure
 from connector.params import AwaitedLease
 from connector.protocol import ANNOUNCED_FAILED, ANNOUNCED_LEASED, ANNOUNCED_PARTIAL, ReaderId
 

@@ -18,24 +18,17 @@ Each lease also has a lease id, drawn at random when it starts and returned in t
 ``held`` answers decode's LeaseCheck for that very lease, so a later lease of a repeated
 request id never vouches for an earlier one's blocks.
 
-A lease is bound to the blocks it holds and the token ids they hold (connector/block_digest.py,
-connector/token_digest.py): a LeaseCheck ref gets "held" only when its reader reads exactly
-those blocks (per cache group, in order) for exactly the lease's token count, and expects
-tokens that are a prefix of the lease's ids: all of them for a lease with an SSM or
-sliding-window group (``HeldBlocks.exact``: its state is the one after the last token).
-A lease re-bound under the same id to blocks that extend its earlier ones (chunked pulls)
-still answers readers of the earlier blocks (``HeldBlocks.grown_from``).
-Otherwise, or when the ref does not say (an older reader), it is refused for that reader,
-with the reason (``Refusal``). Producer binds every lease it takes; a lease taken without
-a binding (this table's own tests) answers for its id alone.
+A lease is bound to its blocks and their token ids (connector/lease_binding.py; why:
+docs/integrity.md): a ref gets "held" only for exactly those blocks and token count, and
+tokens that are a prefix of the lease's ids (all of them with an SSM or sliding-window group:
+``HeldBlocks.exact``; a chunked pull's earlier blocks too: ``HeldBlocks.grown_from``); else it
+is refused, with the reason (``Refusal``). A lease taken without a binding (this table's own
+tests) answers for its id alone.
 
-With host staging a lease may start not readable (a decode engine's hold: its blocks' latest
-KV is on the device until the ranks copy it to the host buffer NIXL reads, a step after the
-params left). ``await_copy`` marks it so; ``copy_done`` makes it readable once every rank
-copied. Until then a LeaseCheck answers it as ``pending`` (not held; ask again), and always
-after as ``staged``: such a lease goes from not held to held once, so "held after the READs"
-no longer implies "held during them", and the reader must also have seen it held before its
-first READ (worker/lease_proof.py).
+With host staging a decode engine's hold starts not readable (docs/architecture.md, Threads,
+"Host staging"): ``await_copy`` marks it so, ``copy_done`` makes it readable once every rank
+copied; a LeaseCheck answers it ``pending`` until then and ``staged`` after (worker/lease_proof.py
+says why a reader must then have seen it held before its first READ).
 
 Readers that name themselves claim the held leases their messages name (scheduler/readers.py);
 a message from a new boot of a reader engine ends the leases only its earlier boot claimed,
@@ -50,7 +43,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from connector.block_digest import HeldBlocks
+from connector.lease_binding import HeldBlocks, HeldTokens
 from connector.metadata import GroupDigests
 from connector.protocol import (
     REFUSED_BLOCKS,
@@ -61,7 +54,6 @@ from connector.protocol import (
     Refusal,
     lease_key,
 )
-from connector.token_digest import HeldTokens
 from scheduler.digests import verify_claims
 from scheduler.readers import ReaderBoots
 

@@ -31,8 +31,7 @@ import msgspec
 from connector.config import ConnectorConfig
 from connector.errors import InvalidTransferParams
 from connector.layout import GroupSpec
-from connector.metadata import LoadSpec, RemoteSource
-from connector.outcomes import FailureKind, LoadFailure
+from connector.metadata import FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.params import AwaitedLease
 from connector.protocol import ReaderId
 from scheduler.chunk_pull import CHUNKABLE_KINDS, ChunkedPull, ChunkRefused, Increment

@@ -1,7 +1,7 @@
 """Prefill-side request state: lease finished requests' blocks until every decode reader is done.
 
 Each do_remote_decode request's lease is one record in a Book, moved only along
-LEASE_LIFECYCLE (scheduler/lifecycles.py): request_finished (LEASED: blocks held) -> the next
+LEASE_LIFECYCLE (below): request_finished (LEASED: blocks held) -> the next
 metadata's ``sends`` (ANNOUNCED) -> every rank reports it in finished_sending (COMPLETED), or
 its lease expires (EXPIRED), or decode releases it over the side channel (RELEASED) -> reported
 once in ``finished_sending``. Ended early once announced, its id also goes into ``forgotten`` so
@@ -17,12 +17,10 @@ A decode engine in multi-turn mode holds its finished requests through this same
 (``request_finished(..., hold_s=...)``): a lease of its own duration, whose reader is the
 next turn's prefill; it returns the params that prefill needs instead of decode's.
 
-With host staging (``stage_holds``) such a hold starts not readable: its answer's KV is on the
-device only. The next metadata's ``stage_out`` tells the ranks to copy its blocks to the host
-buffer NIXL reads; once every rank reported it in ``WorkerReport.staged``, the lease table
-makes it readable and (verify_kv) the ranks digest it: the digests are of the copy, so they
-wait for it. Prefill's own leases need none of this: their copy ran in the step prefill
-completed, before request_finished.
+With host staging (``stage_holds``) such a hold starts not readable until every rank copied
+it to the host buffer (``stage_out``, then ``WorkerReport.staged``; docs/architecture.md,
+Threads, "Host staging"); its digests (verify_kv) wait for the copy. Prefill's own leases are
+copied in the step prefill completed, before request_finished.
 
 A lease expires on decode's silence, never on this engine's own deafness: while the side
 channel's serving thread has been in one turn for more than DEAF_AFTER_S (stuck answering, or
@@ -34,12 +32,14 @@ does not pin blocks forever).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from connector.block_digest import HeldBlocks
+from connector.lease_binding import HeldBlocks, HeldTokens, KVSalt
+from connector.lifecycle import Book, LifecycleState, OnMove, TransitionTable
 from connector.metadata import BlockIds, DigestSpec, StageSpec, WorkerReport
 from connector.observability.metrics import (
     LEASES_COMPLETED,
@@ -54,15 +54,39 @@ from connector.observability.metrics import (
 from connector.observability.ratelimit import RateLimitedLog
 from connector.params import params_for_decode, params_for_prefill
 from connector.protocol import lease_key
-from connector.token_digest import HeldTokens, KVSalt
 from scheduler.leases import LeaseTable
-from scheduler.lifecycles import LEASE_LIFECYCLE, Book, LeaseState, OnMove
 
 logger = logging.getLogger(__name__)
 
 # A side channel whose serving thread has been in one turn this long (a turn is a 50 ms poll
 # and an answer) may have heartbeats waiting unread: no lease expires meanwhile.
 DEAF_AFTER_S = 1.0
+
+
+class LeaseState(LifecycleState):
+    """Where one prefill lease stands: its blocks stay held until it ends."""
+
+    NEW = enum.auto()
+    LEASED = enum.auto()  # blocks held; the ranks hear of it in the next metadata's sends
+    ANNOUNCED = enum.auto()  # in a sends: the ranks count its decode readers' free notifications
+    COMPLETED = enum.auto()  # every rank saw its free notifications
+    EXPIRED = enum.auto()  # no heartbeat kept it alive
+    RELEASED = enum.auto()  # decode said over the side channel it will never read
+
+
+_P = LeaseState
+LEASE_LIFECYCLE = TransitionTable(
+    "prefill lease",
+    {
+        _P.NEW: {_P.LEASED},
+        _P.LEASED: {_P.ANNOUNCED, _P.COMPLETED, _P.EXPIRED, _P.RELEASED},
+        _P.ANNOUNCED: {_P.COMPLETED, _P.EXPIRED, _P.RELEASED},
+        _P.COMPLETED: (),
+        _P.EXPIRED: (),
+        _P.RELEASED: (),
+    },
+)
+
 
 # The states as module names: shorter to read, and cheaper than Enum class attributes per call.
 LEASED, ANNOUNCED, COMPLETED = LeaseState.LEASED, LeaseState.ANNOUNCED, LeaseState.COMPLETED
@@ -163,7 +187,7 @@ class Producer:
         bound to them and to ``block_ids`` (a reader expecting other tokens, or reading other
         blocks, is refused). Without them (None, or fewer ids) nothing is offered: a lease
         that could not say what its blocks hold would vouch for any reader. ``kv_salt``:
-        what else their KV depends on, bound with them (connector/token_digest.py).
+        what else their KV depends on, bound with them (connector/lease_binding.py).
         ``lease_id``: the id of the lease chunked pulls drew while the request ran
         (scheduler/chunk_leases.py), bound here to the whole prompt; None draws one.
         ``hold_s`` (a decode engine in bidirectional mode): hold the finished request's
@@ -181,7 +205,7 @@ class Producer:
             )
             return False, None
         # Bound to the engine's ids as they are: the side-channel thread packs them when a
-        # check needs them, not the engine thread now (connector/token_digest.py HeldTokens).
+        # check needs them, not the engine thread now (connector/lease_binding.py HeldTokens).
         tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0, kv_salt)
         if tokens is None:
             logger.warning(

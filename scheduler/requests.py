@@ -1,5 +1,6 @@
 """A request as the scheduler half sees it: the plain records it exchanges with the engine, and
-its kv_transfer_params read for this engine (``ParamsReader``).
+its kv_transfer_params read for this engine (``ParamsReader``), and which of its blocks a load
+fills or a multi-turn hold keeps (``uncached_suffix_blocks``, ``held_blocks``).
 
 Parsing is connector.params' job; the reader adds what the engine knows: its role (advisory:
 an engine serves either direction when the params ask), whether it pulls earlier turns from
@@ -16,12 +17,15 @@ from typing import Any
 import msgspec
 
 from connector.config import ConnectorConfig
-from connector.layout import KVCacheSpec
-from connector.metadata import RemoteSource
-from connector.outcomes import LoadFailure
+from connector.errors import TransferPlanError
+from connector.layout import GroupKind, GroupSpec, KVCacheSpec
+from connector.lease_binding import KVSalt
+from connector.lifecycle import LifecycleState, TransitionTable
+from connector.metadata import BlockIds, LoadFailure, RemoteSource
 from connector.params import AwaitedLease, KVTransferParams, parse_kv_transfer_params
-from connector.token_digest import KVSalt
-from scheduler.suffix import PULLABLE_KINDS
+
+PULLABLE_KINDS = (GroupKind.FULL, GroupKind.MLA)  # groups holding every token's KV
+_SSM = GroupKind.SSM  # an Enum member read off its class costs ~0.5 µs on Python 3.11
 
 
 class Role(enum.Enum):
@@ -56,14 +60,14 @@ class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cyc
     # The request's token ids, prompt first (vLLM: ``all_token_ids``; kept by a load until its
     # LoadSpec goes out, and by a holder's lease, unpacked, until a check first needs them:
     # the engine may append to the list, never change the ids a lease covers). They bind
-    # leases to tokens (connector/token_digest.py): a reader's load expects its first tokens,
+    # leases to tokens (connector/lease_binding.py): a reader's load expects its first tokens,
     # a holder's lease holds its first ``num_prompt_tokens`` (a multi-turn hold: its final
     # tokens, ``final_tokens`` below). None: unknown (prompt embeddings, an
     # engine that does not pass them): nothing is offered, since no lease is unbound.
     token_ids: Sequence[int] | None = None
     # What the KV of those ids depends on besides them (a LoRA adapter, a cache salt,
     # multimodal inputs), as parts (first token position affected, bytes): bound with the ids,
-    # so a reader whose request differs in any is refused (connector/token_digest.py KVSalt).
+    # so a reader whose request differs in any is refused (connector/lease_binding.py KVSalt).
     # Both sides of a transfer must derive the parts alike from their requests. (): the ids'
     # KV depends on nothing else.
     kv_salt: KVSalt = ()
@@ -75,7 +79,7 @@ class FinishedRequests(msgspec.Struct):
     finished_sending: prefill requests whose blocks the engine may free now.
     finished_recving: decode requests whose prompt KV arrived; decoding may start.
     failed_recving: decode requests whose load failed: request id -> why (a kind and a
-    message, connector/outcomes.py). Their blocks may
+    message, connector/metadata.py). Their blocks may
     be freed (no READ is in flight); the engine fails or recomputes them.
     """
 
@@ -94,6 +98,51 @@ class ParsedParams(msgspec.Struct, frozen=True, gc=False):  # gc=False: refers t
     source: RemoteSource | None
     pulls: bool = False
     awaits: AwaitedLease | None = None
+
+
+class RequestLoadState(LifecycleState):
+    """Where one request's load stands in the scheduler: the request's only record there,
+    from the engine's first ask to request_finished (scheduler/consumer.py)."""
+
+    NEW = enum.auto()  # record made; moved on before the call that made it returns
+    CLAIMED = enum.auto()  # tokens claimed on the params' word; params unread (bind at alloc)
+    REFUSING = enum.auto()  # params refused; tokens claimed so the engine parks the request
+    REFUSED = enum.auto()  # params refused (announced as a failed load if parked): never loads
+    MATCHED = enum.auto()  # params read; get_num_new_matched_tokens claimed its tokens
+    ALLOCATED = enum.auto()  # decode's blocks known; its LoadSpec goes out at the next step
+    LOADING = enum.auto()  # LoadSpec sent; the engine waits for every rank's report
+    DRAINING = enum.auto()  # request finished while ranks hold its blocks; report, then forget
+    REPORTED = enum.auto()  # reported to the engine; forgotten at request_finished
+    REPORTED_RELEASING = enum.auto()  # reported failed (unplannable); ranks still ack a release
+    RELEASING = enum.auto()  # release only: ranks ack a ReleaseSpec; the engine waits for nothing
+    RELEASED = enum.auto()  # prefill told to free, the request lives on: it never loads again
+    ENDED = enum.auto()
+
+
+_L = RequestLoadState
+# No way leads from RELEASING, RELEASED or REFUSED back to LOADING: once prefill was told
+# to free (or the params were refused) the request never reads a block again.
+REQUEST_LOAD_LIFECYCLE = TransitionTable(
+    "request load",
+    {
+        _L.NEW: {_L.CLAIMED, _L.REFUSING, _L.REFUSED, _L.MATCHED},
+        # read at allocation (or at an ask with nothing left to load): valid, refused, or
+        # asking for no load with nothing parked (ENDED; also finished while unread)
+        _L.CLAIMED: {_L.MATCHED, _L.REFUSED, _L.ENDED},
+        _L.REFUSING: {_L.REFUSED, _L.ENDED},  # REFUSED at allocation (announced if parked)
+        _L.REFUSED: {_L.ENDED},  # at request_finished
+        # asked again before allocation: no move; nothing to load at allocation: release only
+        _L.MATCHED: {_L.ALLOCATED, _L.RELEASING},
+        _L.ALLOCATED: {_L.LOADING, _L.DRAINING, _L.REPORTED_RELEASING},
+        _L.LOADING: {_L.DRAINING, _L.REPORTED},
+        _L.DRAINING: {_L.ENDED},
+        _L.REPORTED: {_L.ENDED},
+        _L.REPORTED_RELEASING: {_L.REPORTED, _L.RELEASING},
+        _L.RELEASING: {_L.ENDED, _L.RELEASED},  # RELEASED: acked while the request lives
+        _L.RELEASED: {_L.ENDED},  # at request_finished
+        _L.ENDED: (),
+    },
+)
 
 
 def final_tokens(request: RequestInfo) -> int | None:
@@ -183,3 +232,77 @@ class ParamsReader:
             "do_remote_decode" if params.do_remote_decode else "do_remote_prefill",
             self._role.value,
         )
+
+
+def uncached_suffix_blocks(
+    block_ids: Sequence[Sequence[int]],
+    groups: tuple[GroupSpec, ...],
+    *,
+    num_cached_tokens: int,
+    num_tokens: int,
+) -> BlockIds:
+    """Decode's blocks covering tokens [num_cached_tokens, num_tokens), per group.
+
+    An attention group's block i holds tokens [i * block_size, (i + 1) * block_size), so the
+    suffix is blocks [num_cached_tokens // block_size, ceil(num_tokens / block_size)).
+    Example: block_size 16, 40 tokens, 16 cached -> blocks [1, 3) of the request's list.
+    An SSM group holds one state per request, in its last block: that block, or none when
+    nothing is left to load. Raises TransferPlanError if a group holds too few blocks.
+    """
+    if len(block_ids) != len(groups):
+        raise TransferPlanError(
+            f"the engine allocated {len(block_ids)} block group(s), the KV cache spec has "
+            f"{len(groups)}"
+        )
+    if not 0 <= num_cached_tokens <= num_tokens:
+        raise TransferPlanError(
+            f"num_cached_tokens={num_cached_tokens} is outside [0, num_tokens={num_tokens}]"
+        )
+    if num_cached_tokens == num_tokens:
+        return tuple(() for _ in groups)
+    if len(groups) == 1:  # the usual model; this runs once per load in a step's metadata
+        return (_group_suffix(0, block_ids[0], groups[0], num_cached_tokens, num_tokens),)
+    return tuple(
+        [
+            _group_suffix(index, group_ids, group, num_cached_tokens, num_tokens)
+            for index, (group_ids, group) in enumerate(zip(block_ids, groups, strict=True))
+        ]
+    )
+
+
+def _group_suffix(
+    index: int,
+    group_ids: Sequence[int],
+    group: GroupSpec,
+    num_cached_tokens: int,
+    num_tokens: int,
+) -> tuple[int, ...]:
+    if group.kind is _SSM:
+        if not group_ids:
+            raise TransferPlanError(f"cache group {index} (SSM) has no block for the state")
+        return (group_ids[len(group_ids) - 1],)
+    first_block = num_cached_tokens // group.block_size
+    end_block = -(-num_tokens // group.block_size)
+    if len(group_ids) < end_block:
+        raise TransferPlanError(
+            f"cache group {index}: {len(group_ids)} block(s) of {group.block_size} tokens "
+            f"cannot hold {num_tokens} tokens (need {end_block})"
+        )
+    return tuple(group_ids[first_block:end_block])  # a copy: the engine keeps its lists
+
+
+def held_blocks(
+    block_ids: Sequence[Sequence[int]], groups: tuple[GroupSpec, ...], num_tokens: int
+) -> BlockIds | None:
+    """Decode (bidirectional mode): the blocks to hold so a later turn can pull tokens
+    [0, num_tokens); None when there is nothing a pull could use.
+
+    Only full-attention and MLA groups hold every token's KV; a sliding window or an SSM
+    state holds the sequence's end only, which a longer next prompt cannot start from.
+    """
+    if num_tokens <= 0 or any(group.kind not in PULLABLE_KINDS for group in groups):
+        return None
+    try:
+        return uncached_suffix_blocks(block_ids, groups, num_cached_tokens=0, num_tokens=num_tokens)
+    except TransferPlanError:
+        return None

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from connector.geometry import build_rank_layout
 from connector.layout import GroupGeometry, GroupKind, KVCacheSpec, PlaneGeometry, RankLayout
-from worker.plan.byte_runs import ByteRuns
+from worker.plan.exact_runs import ByteRuns
 from worker.plan.recipe import RequestPlan, TransferRequest, peer_plan, plan_request
 
 SENTINEL = 0xEE

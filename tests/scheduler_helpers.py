@@ -9,14 +9,19 @@ from typing import Any
 
 import msgspec
 
-from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec
+from connector.lease_binding import block_digest, token_digest
 from connector.lifecycle import TransitionTable
-from connector.metadata import LoadSpec, RemoteSource, WorkerReport
-from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
+from connector.metadata import (
+    ABORTED_LOAD,
+    FailureKind,
+    LoadFailure,
+    LoadSpec,
+    RemoteSource,
+    WorkerReport,
+)
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
-from connector.token_digest import token_digest
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from tests.test_protocol import make_handshake

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.block_digest import HeldBlocks, block_digest
+from connector.lease_binding import HeldBlocks, HeldTokens, block_digest, token_digest
 from connector.protocol import (
     REFUSED_BLOCKS,
     REFUSED_TOKENS,
@@ -29,7 +29,6 @@ from connector.protocol import (
     LeaseStatus,
     TokenDigest,
 )
-from connector.token_digest import HeldTokens, token_digest
 from examples.engine import Engine, EngineRequest, RequestOutput
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.leases import LeaseTable

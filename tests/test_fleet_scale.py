@@ -26,8 +26,7 @@ from hypothesis import strategies as st
 from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, HandshakeError, PeerRestarted, SideChannelTimeout
 from connector.geometry import build_rank_layout
-from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource
-from connector.outcomes import FailureKind, LoadFailure
+from connector.metadata import ConnectorMetadata, FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.protocol import (
     LeaseRef,
     LeaseStatus,
@@ -41,8 +40,8 @@ from tests.test_worker_parts import make_spec
 from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
 from worker.handshake import HandshakeClient, HandshakeJob
-from worker.lease_checks import SilentSideChannels, asked_again
-from worker.lease_proof import AFTER_READS, BEFORE_READS, LeaseProofs
+from worker.lease_proof import LeaseProofs, SilentSideChannels, asked_again
+from worker.load_lifecycle import AFTER_READS, BEFORE_READS
 
 HOST = "127.0.0.1"
 

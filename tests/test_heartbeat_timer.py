@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from connector.config import ConnectorConfig
+from connector.metadata import FailureKind
 from connector.net.side_channel_client import send_heartbeat
-from connector.outcomes import FailureKind
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from tests.scheduler_helpers import (

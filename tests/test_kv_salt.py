@@ -1,7 +1,7 @@
 """KV that depends on more than token ids: a lease binds the other inputs with the ids.
 
 A LoRA adapter, a cache salt or multimodal inputs change a prompt's KV and not its ids; the
-engine names them as a KVSalt (connector/token_digest.py), the reader digests them with its
+engine names them as a KVSalt (connector/lease_binding.py), the reader digests them with its
 ids, the holder compares with its own. Unit level here; through vLLM's real Scheduler in
 tests/test_vllm_token_binding.py.
 """
@@ -13,8 +13,8 @@ import struct
 
 import pytest
 
+from connector.lease_binding import HeldTokens, KVSalt, token_digest
 from connector.protocol import REFUSED_TOKENS, LeaseRef, TokenDigest
-from connector.token_digest import HeldTokens, KVSalt, token_digest
 from scheduler.leases import LeaseTable
 
 IDS = list(range(500, 540))  # 40 tokens

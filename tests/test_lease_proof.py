@@ -20,13 +20,21 @@ from typing import Any
 
 import pytest
 
-from connector.block_digest import bound_to_blocks
 from connector.config import ConnectorConfig
 from connector.errors import HandshakeError, PeerRestarted
 from connector.geometry import build_rank_layout
-from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
+from connector.lease_binding import bound_to_blocks
+from connector.metadata import (
+    ABORTED_LOAD,
+    ConnectorMetadata,
+    FailureKind,
+    LoadFailure,
+    LoadSpec,
+    ReleaseSpec,
+    RemoteSource,
+    WorkerReport,
+)
 from connector.net.side_channel_client import check_leases, send_release
-from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
 from connector.params import parse_kv_transfer_params
 from connector.protocol import LeaseRef, LeaseStatus, encode_free_notif, lease_key
 from scheduler.connector import Role, SchedulerConnector
@@ -52,11 +60,11 @@ from tests.test_lifecycle import (
     run_until,
 )
 from tests.test_worker_connector import Rig
-from worker import lease_checks
+from worker import lease_proof
 from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
-from worker.lease_checks import SilentSideChannels, Staging, asked_again, side_channel_checks
-from worker.lease_proof import AFTER_READS, BEFORE_READS, lease_failure
+from worker.lease_proof import SilentSideChannels, asked_again, side_channel_checks
+from worker.load_lifecycle import AFTER_READS, BEFORE_READS, Staging, lease_failure
 from worker.nixl_api import TransferState
 
 DURATION_S = 30.0
@@ -737,7 +745,7 @@ STAGED_CASES = [
 
 @pytest.mark.parametrize(("status", "expected"), STAGED_CASES)
 def test_a_staged_leases_answer_per_ref(status: LeaseStatus, expected: list[Any]) -> None:
-    assert lease_checks.answers(status) == expected
+    assert lease_proof.answers(status) == expected
 
 
 PROOF_CASES = [

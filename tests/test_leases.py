@@ -13,15 +13,9 @@ from connector.metadata import RemoteSource, WorkerReport
 from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseStats, LeaseTable
-from scheduler.lifecycles import (
-    LEASE_LIFECYCLE,
-    REQUEST_LOAD_LIFECYCLE,
-    LeaseState,
-    RequestLoadState,
-)
-from scheduler.producer import Producer
+from scheduler.producer import LEASE_LIFECYCLE, LeaseState, Producer
+from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState, uncached_suffix_blocks
 from scheduler.sibling_loads import SiblingLoads
-from scheduler.suffix import uncached_suffix_blocks
 from tests.scheduler_helpers import (
     FULL_16,
     SSM_64,

@@ -31,7 +31,7 @@ from connector.observability.metrics import (
 from connector.protocol import WorkerHandshake, lease_key
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
-from scheduler.suffix import uncached_suffix_blocks
+from scheduler.requests import uncached_suffix_blocks
 from tests import oracle
 from tests.scheduler_helpers import prompt_ids
 from worker.connector import WorkerConnector, side_channel_fetcher

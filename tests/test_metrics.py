@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from connector.metadata import WorkerReport
+from connector.metadata import FailureKind, LoadFailure, WorkerReport
 from connector.observability.metrics import (
     COUNTER,
     HANDSHAKE_FAILURES,
@@ -39,7 +39,6 @@ from connector.observability.metrics import (
     handshake_failure_kind,
 )
 from connector.observability.trace import LoadTimeline, load_ended
-from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import encode_free_notif
 from scheduler.leases import LeaseTable
 from scheduler.producer import Producer

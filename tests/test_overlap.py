@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from connector.errors import InvalidTransferParams
+from connector.metadata import FailureKind
 from connector.net import side_channel_client as client
-from connector.outcomes import FailureKind
 from connector.params import AwaitedLease, parse_kv_transfer_params
 from connector.protocol import (
     ANNOUNCED_FAILED,

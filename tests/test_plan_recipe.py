@@ -23,7 +23,6 @@ STAGES = (  # the recipe's stage modules, handshake then request, as worker/plan
     "plan.segments",
     "plan.whole_blocks",
     "plan.exact_runs",
-    "plan.byte_runs",
 )
 RECIPE = "plan.recipe"
 ABOVE_THE_STAGES = ("worker.plan.recipe", "worker.loads", "worker.peers", "worker.reads")

@@ -27,8 +27,7 @@ from tests import oracle
 from tests.test_planner_properties import Case, cases, padded
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import NixlAgent, TransferState
-from worker.plan.byte_runs import ByteRuns
-from worker.plan.exact_runs import exact_runs
+from worker.plan.exact_runs import ByteRuns, exact_runs
 from worker.plan.prepared_rows import prepared_rows
 from worker.plan.recipe import ReadPath, TransferRequest, peer_plan, plan_request
 from worker.plan.segments import cut_segments

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
+from connector.lease_binding import block_digest, token_digest
 from connector.net.side_channel_client import check_leases
 from connector.observability.metrics import LEASES_READER_RESTARTED, default_recorder
 from connector.protocol import (
@@ -32,14 +32,13 @@ from connector.protocol import (
     encode_request,
     lease_key,
 )
-from connector.token_digest import token_digest
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
 from worker.fake import FakeFabric, FakeNixl
-from worker.lease_checks import SilentSideChannels, side_channel_batch_check
+from worker.lease_proof import SilentSideChannels, side_channel_batch_check
 from worker.loads import checked_source
 
 OLD, NEW = ReaderId("decode-0", "a" * 32), ReaderId("decode-0", "b" * 32)

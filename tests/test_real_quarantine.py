@@ -23,9 +23,8 @@ import pytest
 
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
-from connector.metadata import LoadSpec
+from connector.metadata import FailureKind, LoadSpec
 from connector.observability.metrics import QUARANTINED_LOADS, MetricsRecorder
-from connector.outcomes import FailureKind
 from tests.nixl_peer_proc import PeerProcess, pattern
 from tests.test_worker_connector import remote_handshake, source
 from tests.test_worker_lifecycles import ScriptedProofs

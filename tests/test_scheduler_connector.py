@@ -12,9 +12,8 @@ import pytest
 
 from connector.config import ConnectorConfig
 from connector.errors import UnsupportedConfiguration
-from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec
+from connector.metadata import ConnectorMetadata, FailureKind, LoadSpec, ReleaseSpec
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
-from connector.outcomes import FailureKind
 from connector.protocol import WorkerHandshake, lease_key
 from scheduler.connector import FinishedRequests, RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (

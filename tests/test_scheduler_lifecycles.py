@@ -17,13 +17,8 @@ from connector.metadata import RemoteSource, WorkerReport
 from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseTable
-from scheduler.lifecycles import (
-    LEASE_LIFECYCLE,
-    REQUEST_LOAD_LIFECYCLE,
-    LeaseState,
-    RequestLoadState,
-)
-from scheduler.producer import Producer
+from scheduler.producer import LEASE_LIFECYCLE, LeaseState, Producer
+from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState
 from scheduler.sibling_loads import SiblingLoads
 from tests.scheduler_helpers import (
     FULL_16,

@@ -13,11 +13,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from connector.block_digest import block_digest
+from connector.lease_binding import block_digest, token_digest
 from connector.metadata import StageSpec, WorkerReport
 from connector.net.side_channel_client import check_leases, check_leases_status
 from connector.protocol import LeaseRef, LeaseStatus, lease_key
-from connector.token_digest import token_digest
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
     CONFIG,

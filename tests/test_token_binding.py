@@ -17,8 +17,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.block_digest import block_digest
 from connector.config import ConnectorConfig
+from connector.lease_binding import (
+    HeldTokens,
+    block_digest,
+    pack_tokens,
+    token_digest,
+    tokens_verdict,
+)
 from connector.net.side_channel_client import check_leases_status
 from connector.protocol import (
     REFUSED_TOKENS,
@@ -30,7 +36,6 @@ from connector.protocol import (
     TokenDigest,
     decode_request_payload,
 )
-from connector.token_digest import HeldTokens, pack_tokens, token_digest, tokens_verdict
 from examples.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.leases import LeaseTable

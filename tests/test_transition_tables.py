@@ -10,14 +10,9 @@ from typing import Any
 import pytest
 
 from connector.errors import IllegalTransition
-from connector.lifecycle import TransitionTable
-from scheduler.lifecycles import (
-    LEASE_LIFECYCLE,
-    REQUEST_LOAD_LIFECYCLE,
-    Book,
-    LeaseState,
-    RequestLoadState,
-)
+from connector.lifecycle import Book, TransitionTable
+from scheduler.producer import LEASE_LIFECYCLE, LeaseState
+from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState
 from tests.scheduler_helpers import MoveLog
 
 

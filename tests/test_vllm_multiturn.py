@@ -25,12 +25,14 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from connector.block_digest import block_digest  # noqa: E402
+from connector.lease_binding import (
+    block_digest,  # noqa: E402
+    token_digest,  # noqa: E402
+)
 from connector.metadata import LoadSpec  # noqa: E402
 from connector.net.side_channel_client import check_leases_status  # noqa: E402
 from connector.observability.metrics import PULLED_TOKENS, default_recorder  # noqa: E402
 from connector.protocol import LeaseRef, LeaseStatus  # noqa: E402
-from connector.token_digest import token_digest  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm

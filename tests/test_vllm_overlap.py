@@ -26,8 +26,8 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("NIXL_PD_REQU
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from connector.metadata import LoadFailure  # noqa: E402
 from connector.observability.metrics import LOADS_FAILED, default_recorder  # noqa: E402
-from connector.outcomes import LoadFailure  # noqa: E402
 from scheduler.connector import SchedulerConnector  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 

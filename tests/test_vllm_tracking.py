@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
-from connector.metadata import WorkerReport
-from connector.outcomes import FailureKind, LoadFailure
+from connector.metadata import FailureKind, LoadFailure, WorkerReport
 from connector.vllm.messages import NixlPDWorkerMeta
 from connector.vllm.scheduler import SchedulerSide
 from scheduler.connector import Role, SchedulerConnector
 from scheduler.consumer import UNREAD_OR_REFUSED
-from scheduler.lifecycles import REQUEST_LOAD_LIFECYCLE, RequestLoadState
+from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState
 from tests import vllm_harness as h
 from tests.scheduler_helpers import (
     CONFIG,

@@ -29,15 +29,22 @@ from connector.errors import (
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
-from connector.metadata import ConnectorMetadata, LoadSpec, ReleaseSpec, RemoteSource, WorkerReport
-from connector.outcomes import FailureKind
+from connector.metadata import (
+    ConnectorMetadata,
+    FailureKind,
+    LoadSpec,
+    ReleaseSpec,
+    RemoteSource,
+    WorkerReport,
+)
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from scheduler.leases import LeaseTable
 from tests.test_worker_parts import BASE, FP8, Clock, make_spec
 from worker import lease_proof
 from worker.compat import fingerprint
 from worker.connector import WorkerConnector
-from worker.lease_checks import Staging, answers
+from worker.lease_proof import answers
+from worker.load_lifecycle import Staging
 from worker.nixl_api import TransferState
 from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 

@@ -17,12 +17,10 @@ from hypothesis import strategies as st
 
 from connector.errors import ConnectorError, IllegalTransition
 from connector.geometry import build_rank_layout
-from connector.metadata import LoadSpec, RemoteSource
-from connector.outcomes import FailureKind
+from connector.metadata import FailureKind, LoadSpec, RemoteSource
 from tests.test_worker_connector import RecordingAgent, remote_handshake, source
 from tests.test_worker_parts import BASE, Clock
-from worker.lease_proof import AFTER_READS, lease_failure
-from worker.load_lifecycle import RANK_LOAD_LIFECYCLE, RankLoadState
+from worker.load_lifecycle import AFTER_READS, RANK_LOAD_LIFECYCLE, RankLoadState, lease_failure
 from worker.loads import LoadTable
 from worker.nixl_api import TransferState
 from worker.peers import PEER_LIFECYCLE, Peer, PeerLink, PeerState

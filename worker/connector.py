@@ -37,10 +37,10 @@ from connector.metadata import (
     ConnectorMetadata,
     DigestSpec,
     GroupDigests,
+    LoadFailure,
     LoadSpec,
     WorkerReport,
 )
-from connector.outcomes import LoadFailure
 from connector.protocol import (
     PROTOCOL_VERSION,
     DigestClaim,
@@ -49,14 +49,14 @@ from connector.protocol import (
 from worker.compat import fingerprint
 from worker.handshake import BootFetcher, Fetcher, HandshakeClient, any_boot
 from worker.kv_digest import check_digestible, host_regions, lease_digests, read_claims
-from worker.lease_checks import (
+from worker.lease_proof import (
     LeaseCheck,
+    LeaseProofs,
     SilentSideChannels,
     one_by_one,
     side_channel_batch_check,
     side_channel_checks,
 )
-from worker.lease_proof import LeaseProofs
 from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats

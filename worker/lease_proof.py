@@ -1,25 +1,23 @@
 """Prove a load's lease: after its READs landed, ask prefill whether that very lease still holds.
 
 Why a held lease proves the bytes, what each check costs and how a failure reads:
-docs/integrity.md, "Lease-proven loads". Here: the proof after the READs alone makes a load
-successful, and names what the load reads (connector/block_digest.py: its blocks and the
-tokens it assumes they hold), so prefill answers "held" only for that lease's very blocks
-(``BLOCKS_MISMATCH`` otherwise). A first check runs when the load arrives, alongside the
-handshake, unless that prefill boot's side channel answered a lease check in the last
-``lease_precheck_skip`` seconds: a lease already gone then fails the load before any READ.
-Skipping it changes when a dead lease is noticed, never what is reported.
+docs/integrity.md, "Lease-proven loads"; what an answer means for the load:
+worker/load_lifecycle.py (``lease_failure``). Only the proof after the READs makes a load
+successful, and its ref names the blocks read and the tokens they should hold
+(connector/lease_binding.py). A first check runs when the load arrives, unless that prefill
+boot's side channel answered one in the last ``lease_precheck_skip`` seconds: skipping it
+changes when a dead lease is noticed, never what is reported.
 
-A host-staged lease (a decode engine's hold, scheduler/leases.py) starts not readable and
-becomes readable once its holder's copy is done, so for it "held after the READs" does not
-imply "held during them": the holder says which leases started so
-(``Staging.HELD_AFTER_COPY``), and such a load succeeds only if a check before its first READ
-saw the lease held. That check waits (bounded) while the answer is pending; a load that
-skipped it fails ("staged copy not proven ready before the READs"). A side channel that
-answered for a staged lease is never a reason to skip the check before the READs again.
+A host-staged lease (a decode engine's hold) becomes readable only once its holder's copy is
+done, so "held after the READs" does not imply "held during them": such a load succeeds only
+if a check before its first READ saw it held (``Staging.HELD_AFTER_COPY``). That check waits
+(bounded) while the copy is pending, and a side channel that answered for a staged lease is
+never a reason to skip it again.
 
-Checks are batched: the transfer thread collects the checks one pass submits and
-``dispatch`` sends them as one LeaseCheck per prefill engine boot (worker/lease_checks.py);
-each load still gets prefill's answer for its own lease, asked after its own READs landed.
+Batched: ``dispatch`` sends a pass's checks as one LeaseCheck per prefill engine boot (split
+past MAX_REFS_PER_MESSAGE), asked again while unanswered; a side channel silent through every
+retry fails the next checks at once for a while (``SilentSideChannels``). Each ref gets
+prefill's answer for its own lease: batching never lends one lease's answer to another.
 
 Threading contract: check threads only talk to side channels (through the injected checks)
 and put answers on a queue; the transfer thread submits, dispatches and collects. Each check
@@ -28,28 +26,50 @@ is bounded by its own timeout, and every submitted check ends in exactly one ans
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
+from connector.config import ConnectorConfig
 from connector.errors import (
     BlocksMismatch,
     ConnectorError,
+    HandshakeError,
     LeaseRefused,
     PeerRestarted,
+    SideChannelTimeout,
     TokensMismatch,
 )
-from connector.metadata import RemoteSource, SideChannelBoot
-from connector.outcomes import FailureKind, LoadFailure
-from connector.protocol import DIGEST_OK, DIGEST_PENDING, DigestClaim
-from worker.lease_checks import Answer, BatchCheck, DigestCheck, Staging, is_held
+from connector.metadata import LoadFailure, RemoteSource, SideChannelBoot
+from connector.protocol import (
+    DIGEST_OK,
+    DIGEST_PENDING,
+    REFUSED_BLOCKS,
+    DigestClaim,
+    LeaseRef,
+    LeaseStatus,
+    Refusal,
+)
+from worker.load_lifecycle import (
+    AFTER_READS,
+    BEFORE_READS,
+    STAGED_WAIT_S,
+    Answer,
+    Staging,
+    digest_failure,
+    is_held,
+    lease_failure,
+)
 
 logger = logging.getLogger(__name__)
+_Answer = TypeVar("_Answer")
+
 
 # One side channel, the boot it is asked about, and whether the checks come after the READs
 # (asked again while silent) or before (not): the checks one LeaseCheck carries.
@@ -59,111 +79,20 @@ MAX_HEARD = 4096  # side channels remembered as recently heard; the oldest is fo
 DIGEST_RETRY_S = 0.01  # prefill's ranks report digests a step or two after the lease
 DIGEST_WAIT_S = 10.0  # give up on digests that never come (a prefill without verify_kv)
 STAGED_RETRY_S = 0.01  # a staged lease's copy runs in the holder's next step or two
-STAGED_WAIT_S = 10.0  # give up on a staged copy that never ends (the holder stopped stepping)
 
-# Failure messages start with these words, for people reading logs; code reads the kind.
-LEASE_EXPIRED = "lease expired"
-LEASE_UNPROVEN = "lease not proven"
-PREFILL_RESTARTED = "the prefill engine restarted since it leased"
-DIGEST_FAILED = "digest"
-TOKENS_MISMATCH = "tokens mismatch"  # the holder's blocks hold other tokens than the prompt
-BLOCKS_MISMATCH = "blocks mismatch"  # the READs came from other blocks than the lease holds
+# Is the lease ``remote`` names held by its prefill engine right now? Raises ConnectorError
+# when prefill cannot be asked (PeerRestarted: it is another boot, so the lease is gone).
+LeaseCheck = Callable[[RemoteSource], bool | Staging]
+# The same question for many leases of one prefill engine boot (one side channel): one answer
+# per remote, in order. The flag says whether a silent side channel is asked again (after the
+# READs: a paused prefill may still prove the lease) or not (before: the load fails after one
+# timeout).
+BatchCheck = Callable[[Sequence[RemoteSource], bool], list[Answer]]
+# verify_kv: the same question with the reader's digest claims: (held?, DIGEST_OK, DIGEST_PENDING
+# or why the claims do not match).
+DigestCheck = Callable[[RemoteSource, tuple[DigestClaim, ...]], tuple[bool | Staging, str]]
 
-
-def unprovable_reason(remote: RemoteSource) -> LoadFailure | None:
-    """Why a load from ``remote`` can never be proven (its params name no lease), or None."""
-    if remote.lease_id and remote.boot_id:
-        return None
-    return LoadFailure(
-        FailureKind.LEASE_UNPROVEN,
-        f"{LEASE_UNPROVEN}: the kv_transfer_params of prefill request "
-        f"{remote.remote_request_id!r} carry no remote_lease_id/remote_boot_id, so decode "
-        "cannot show prefill held the blocks while it read them; pass through every key the "
-        "prefill engine returned, and run the same nixl-pd-connector on both engines",
-    )
-
-
-BEFORE_READS = "before any READ was posted"
-AFTER_READS = "when this rank's READs completed"
-
-
-def lease_failure(
-    remote: RemoteSource, held: Answer, when: str = AFTER_READS, *, seen_held: bool = False
-) -> LoadFailure | None:
-    """The load's failure for a check's answer, or None when the lease held.
-
-    ``seen_held``: a check before the load's first READ said the lease was held (needed, after
-    the READs, for a lease that was not readable at first)."""
-    if held is True:
-        return None
-    if held is Staging.HELD_AFTER_COPY and (when == BEFORE_READS or seen_held):
-        return None
-    what = (
-        f"prefill engine {remote.engine_id!r} request {remote.remote_request_id!r} "
-        f"(lease {remote.lease_id})"
-    )
-    if isinstance(held, Staging):
-        return _staged_failure(what, held, when)
-    if held is False:
-        return LoadFailure(
-            FailureKind.LEASE_EXPIRED,
-            f"{LEASE_EXPIRED}: {what} was no longer held {when} (expired, released, or "
-            "ended by another reader); its blocks may hold another request's KV, so nothing "
-            "read from them is used",
-        )
-    if isinstance(held, PeerRestarted):
-        return LoadFailure(
-            FailureKind.PREFILL_RESTARTED, f"{LEASE_EXPIRED}: {what}: {PREFILL_RESTARTED} ({held})"
-        )
-    if isinstance(held, TokensMismatch):
-        return LoadFailure(
-            FailureKind.TOKENS_MISMATCH,
-            f"{TOKENS_MISMATCH}: {what} is held for other tokens than this request's prompt "
-            f"({held}): the kv_transfer_params were paired with another prompt (a router "
-            "bug, a retried request with an edited prompt, an edited history), so nothing "
-            "is read from those blocks",
-        )
-    if isinstance(held, BlocksMismatch):
-        return LoadFailure(
-            FailureKind.BLOCKS_MISMATCH,
-            f"{BLOCKS_MISMATCH}: {what} does not hold the blocks this load reads ({held}): "
-            "the kv_transfer_params' remote_block_ids or remote_num_tokens were edited on "
-            "the way (a router, a client, another connector), so nothing read from those "
-            "blocks is used; pass the params on exactly as the engine returned them",
-        )
-    return LoadFailure(
-        FailureKind.LEASE_UNPROVEN,
-        f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}",
-    )
-
-
-def _staged_failure(what: str, held: Staging, when: str) -> LoadFailure:
-    if held is Staging.PENDING and when == BEFORE_READS:
-        return LoadFailure(
-            FailureKind.LEASE_UNPROVEN,
-            f"{LEASE_UNPROVEN}: {what} stages its KV through host memory, and its copy was "
-            f"not done within {STAGED_WAIT_S} s {when}; nothing is read from its blocks",
-        )
-    return LoadFailure(
-        FailureKind.LEASE_UNPROVEN,
-        f"{LEASE_UNPROVEN}: {what} was not readable when leased (its KV was still being "
-        "copied to the host memory NIXL reads) and this load did not see it held before its "
-        "first READ: staged copy not proven ready before the READs, so nothing read is used",
-    )
-
-
-def digest_failure(remote: RemoteSource, verdict: str) -> LoadFailure:
-    """The load's failure when verify_kv's claims were not confirmed."""
-    if verdict == DIGEST_PENDING:
-        verdict = (
-            "prefill reported no digests for this lease (is verify_kv on for the prefill "
-            "engine too?)"
-        )
-    return LoadFailure(
-        FailureKind.DIGEST,
-        f"{DIGEST_FAILED}: prefill engine {remote.engine_id!r} request "
-        f"{remote.remote_request_id!r}: {verdict}",
-    )
+MAX_REFS_PER_MESSAGE = 4096  # ~100 bytes per ref: well under max_message_bytes' 64 KiB floor x 8
 
 
 class LeaseProofs:
@@ -322,7 +251,9 @@ class LeaseProofs:
         return answers
 
     def _put(self, item: _Item, held: Answer, verdict: str = DIGEST_OK) -> None:
-        reason = lease_failure(item.remote, held, item.when, seen_held=item.seen_held)
+        reason = lease_failure(
+            item.remote, held, item.when, seen_held=item.seen_held, staged_wait_s=STAGED_WAIT_S
+        )
         if reason is None and verdict != DIGEST_OK:
             reason = digest_failure(item.remote, verdict)
         staged = isinstance(held, Staging)
@@ -378,3 +309,191 @@ def _answered_by(remote: RemoteSource, held: Answer) -> SideChannelBoot | None:
     if isinstance(held, bool | LeaseRefused | Staging):
         return remote.side_channel
     return None
+
+
+class SilentSideChannels:
+    """Side channels whose lease checks went unanswered through every retry, for a while.
+
+    Without it, every load to a dead prefill would wait out all its retries, each holding one
+    of the few check threads that loads to healthy prefills share. Thread-safe (check threads).
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _until
+        self._until: dict[SideChannelBoot, tuple[float, str]] = {}  # -> (until, why)
+
+    def check(self, remote: RemoteSource) -> None:
+        """Raise HandshakeError at once for a side channel that was just found silent."""
+        key = remote.side_channel
+        with self._lock:
+            until_s, why = self._until.get(key, (0.0, ""))
+            if self._clock() >= until_s:
+                self._until.pop(key, None)
+                return
+        raise HandshakeError(f"{why} (a lease check less than {self._window_s} s ago)")
+
+    def silent(self, remote: RemoteSource, error: HandshakeError) -> None:
+        with self._lock:
+            self._until[remote.side_channel] = (
+                self._clock() + self._window_s,
+                str(error),
+            )
+
+
+def asked_again(
+    config: ConnectorConfig,
+    ask: Callable[[], _Answer],
+    remote: RemoteSource | None = None,
+    silence: SilentSideChannels | None = None,
+    *,
+    patient: bool = True,
+) -> _Answer:
+    """``ask()``, asked up to ``handshake_retries`` more times while prefill's side channel
+    does not answer (HandshakeError): a prefill paused for less than that (SIGSTOP, a long GC,
+    a busy host) still proves its lease. PeerRestarted is final at once: another boot
+    answered, and the lease died with the one that issued it. Not ``patient`` (the check
+    before any READ), a side channel silent through one timeout is not asked again: a dead
+    prefill fails the load after one timeout. With ``silence``, a side channel that stayed
+    silent through every retry fails the next checks at once for a while."""
+    if silence is not None and remote is not None:
+        silence.check(remote)
+    for attempt in range(config.handshake_retries + 1):
+        try:
+            return ask()
+        except PeerRestarted:
+            raise
+        except HandshakeError as error:
+            silent_once = not patient and isinstance(error, SideChannelTimeout)
+            if silent_once or attempt == config.handshake_retries:
+                if silence is not None and remote is not None:
+                    silence.silent(remote, error)
+                raise
+            logger.info("lease check failed (attempt %d), asking again: %s", attempt + 1, error)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def side_channel_checks(
+    config: ConnectorConfig, silence: SilentSideChannels | None = None
+) -> tuple[LeaseCheck, DigestCheck]:
+    """The lease check and verify_kv's digest check over the side channel the params name
+    (naming their boot: no Hello), retried while unanswered (``asked_again``), sharing what
+    they learn of silent side channels."""
+    from connector.net.side_channel_client import check_leases_status
+
+    silence = silence or SilentSideChannels(config.handshake_timeout_s)
+
+    def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool | Staging, str]:
+        status = check_leases_status(
+            remote.host,
+            remote.port,
+            [lease_ref(remote, claims)],
+            engine_id=remote.engine_id,
+            boot_id=remote.boot_id,
+            secret=config.side_channel_secret,
+            timeout_s=config.handshake_timeout_s,
+            max_message_bytes=config.max_message_bytes,
+            reader=remote.reader,
+        )
+        held = answers(status)[0]
+        if isinstance(held, ConnectorError):  # LeaseRefused: fails the load, never retried
+            raise held
+        return held, status.digests[0] if claims else DIGEST_OK
+
+    def check_digests(
+        remote: RemoteSource, claims: tuple[DigestClaim, ...]
+    ) -> tuple[bool | Staging, str]:
+        return asked_again(config, lambda: ask(remote, claims), remote, silence)
+
+    def check(remote: RemoteSource) -> bool | Staging:
+        return check_digests(remote, ())[0]
+
+    return check, check_digests
+
+
+def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannels) -> BatchCheck:
+    """Check many leases of one prefill engine boot in one LeaseCheck (per
+    MAX_REFS_PER_MESSAGE), asked again while unanswered, as ``side_channel_checks`` does."""
+    from connector.net.side_channel_client import check_leases_status
+
+    def ask(remotes: Sequence[RemoteSource]) -> list[Answer]:
+        first = remotes[0]
+        return answers(
+            check_leases_status(
+                first.host,
+                first.port,
+                [lease_ref(remote) for remote in remotes],
+                engine_id=first.engine_id,
+                boot_id=first.boot_id,
+                secret=config.side_channel_secret,
+                timeout_s=config.handshake_timeout_s,
+                max_message_bytes=config.max_message_bytes,
+                reader=first.reader,
+            )
+        )
+
+    def check(remotes: Sequence[RemoteSource], patient: bool) -> list[Answer]:
+        results: list[Answer] = []
+        for start in range(0, len(remotes), MAX_REFS_PER_MESSAGE):
+            part = remotes[start : start + MAX_REFS_PER_MESSAGE]
+            asking = functools.partial(ask, part)
+            try:
+                results.extend(asked_again(config, asking, part[0], silence, patient=patient))
+            except ConnectorError as error:
+                results.extend([error] * len(part))
+        return results
+
+    return check
+
+
+def lease_ref(remote: RemoteSource, claims: tuple[DigestClaim, ...] = ()) -> LeaseRef:
+    """The LeaseRef a check of ``remote`` sends: the lease, the digest claims, the tokens the
+    load expects the blocks to hold, and the blocks and token count its READs assume."""
+    return LeaseRef(remote.remote_request_id, remote.lease_id, claims, remote.tokens, remote.blocks)
+
+
+def answers(status: LeaseStatus) -> list[Answer]:
+    """Per ref: held, not held, the holder's refusal (a lease held, but not for this reader):
+    BlocksMismatch (it reads other blocks or another token count) or TokensMismatch (the
+    blocks hold other tokens), or a staged lease's Staging answer."""
+    refused = status.refused or (None,) * len(status.held)
+    if not status.staged:
+        return [
+            held if why is None else _refusal_error(why.kind, why.reason)
+            for held, why in zip(status.held, refused, strict=True)
+        ]
+    pending = status.pending or (False,) * len(status.held)
+    return [
+        _staged_answer(held, why, wait, staged)
+        for held, why, wait, staged in zip(
+            status.held, refused, pending, status.staged, strict=True
+        )
+    ]
+
+
+def _staged_answer(held: bool, refused: Refusal | None, pending: bool, staged: bool) -> Answer:
+    if refused is not None:
+        return _refusal_error(refused.kind, refused.reason)
+    if pending:
+        return Staging.PENDING
+    return Staging.HELD_AFTER_COPY if held and staged else held
+
+
+def _refusal_error(kind: str, reason: str) -> ConnectorError:
+    return BlocksMismatch(reason) if kind == REFUSED_BLOCKS else TokensMismatch(reason)
+
+
+def one_by_one(check: LeaseCheck) -> BatchCheck:
+    """A BatchCheck that asks ``check`` once per remote (an injected single check: tests)."""
+
+    def batch(remotes: Sequence[RemoteSource], patient: bool) -> list[Answer]:
+        answers: list[Answer] = []
+        for remote in remotes:
+            try:
+                answers.append(check(remote))
+            except ConnectorError as error:
+                answers.append(error)
+        return answers
+
+    return batch

@@ -25,6 +25,9 @@ A READ past the transfer timeout is not released: NIXL's release of an unfinishe
 UCX returns success without stopping it (a paused peer's bytes still land later). The load
 fails but stays QUARANTINED, not reported and its blocks held, until the backend says every
 READ ended (DONE, or an error such as the peer's disconnect); only then is it FAILED.
+
+What a lease check's answer means for the load is here too (``lease_failure``: held, or the
+failure and its message); the checks themselves are worker/lease_proof.py.
 """
 
 from __future__ import annotations
@@ -35,14 +38,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connector.errors import ConnectorError, PeerRestarted
+from connector.errors import (
+    BlocksMismatch,
+    ConnectorError,
+    PeerRestarted,
+    TokensMismatch,
+)
 from connector.lifecycle import TransitionTable
-from connector.metadata import LoadSpec, RemoteSource
+from connector.metadata import ABORTED_LOAD, FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.observability.metrics import MetricsRecorder
 from connector.observability.trace import LoadTimeline, load_ended
-from connector.outcomes import ABORTED_LOAD, FailureKind, LoadFailure
-from connector.protocol import encode_free_notif, lease_key
-from worker.lease_proof import BEFORE_READS, lease_failure
+from connector.protocol import DIGEST_PENDING, encode_free_notif, lease_key
 from worker.nixl_api import NixlAgent
 
 if TYPE_CHECKING:
@@ -323,3 +329,135 @@ def with_timeline(load: Load, reason: LoadFailure | None, now_s: float) -> LoadF
         f"{name} +{when_s - load.created_s:.1f} s" for name, when_s in stamps if when_s is not None
     )
     return LoadFailure(reason.kind, f"{reason.message} (this rank's load: {steps})")
+
+
+# Why a lease check fails a load (the checks themselves: worker/lease_proof.py).
+
+STAGED_WAIT_S = 10.0  # give up on a staged copy that never ends (the holder stopped stepping)
+
+
+class Staging(enum.Enum):
+    """A holder's answer for a host-staged lease (scheduler/leases.py), besides held or not."""
+
+    PENDING = enum.auto()  # held, but its device->host copy is not done: not readable yet
+    HELD_AFTER_COPY = enum.auto()  # held and readable, but it was not readable at first
+
+
+# Held (True), not held (False), a staged lease's answer, or the error that kept it from being
+# asked (TokensMismatch: held, but for other tokens).
+Answer = bool | Staging | ConnectorError
+
+
+def is_held(answer: Answer) -> bool:
+    """Whether the holder said the lease is held and readable now."""
+    return answer is True or answer is Staging.HELD_AFTER_COPY
+
+
+# Failure messages start with these words, for people reading logs; code reads the kind.
+LEASE_EXPIRED = "lease expired"
+LEASE_UNPROVEN = "lease not proven"
+PREFILL_RESTARTED = "the prefill engine restarted since it leased"
+DIGEST_FAILED = "digest"
+TOKENS_MISMATCH = "tokens mismatch"  # the holder's blocks hold other tokens than the prompt
+BLOCKS_MISMATCH = "blocks mismatch"  # the READs came from other blocks than the lease holds
+
+
+def unprovable_reason(remote: RemoteSource) -> LoadFailure | None:
+    """Why a load from ``remote`` can never be proven (its params name no lease), or None."""
+    if remote.lease_id and remote.boot_id:
+        return None
+    return LoadFailure(
+        FailureKind.LEASE_UNPROVEN,
+        f"{LEASE_UNPROVEN}: the kv_transfer_params of prefill request "
+        f"{remote.remote_request_id!r} carry no remote_lease_id/remote_boot_id, so decode "
+        "cannot show prefill held the blocks while it read them; pass through every key the "
+        "prefill engine returned, and run the same nixl-pd-connector on both engines",
+    )
+
+
+BEFORE_READS = "before any READ was posted"
+AFTER_READS = "when this rank's READs completed"
+
+
+def lease_failure(
+    remote: RemoteSource,
+    held: Answer,
+    when: str = AFTER_READS,
+    *,
+    seen_held: bool = False,
+    staged_wait_s: float = STAGED_WAIT_S,
+) -> LoadFailure | None:
+    """The load's failure for a check's answer, or None when the lease held.
+
+    ``seen_held``: a check before the load's first READ said the lease was held (needed, after
+    the READs, for a lease that was not readable at first)."""
+    if held is True:
+        return None
+    if held is Staging.HELD_AFTER_COPY and (when == BEFORE_READS or seen_held):
+        return None
+    what = (
+        f"prefill engine {remote.engine_id!r} request {remote.remote_request_id!r} "
+        f"(lease {remote.lease_id})"
+    )
+    if isinstance(held, Staging):
+        return _staged_failure(what, held, when, staged_wait_s)
+    if held is False:
+        return LoadFailure(
+            FailureKind.LEASE_EXPIRED,
+            f"{LEASE_EXPIRED}: {what} was no longer held {when} (expired, released, or "
+            "ended by another reader); its blocks may hold another request's KV, so nothing "
+            "read from them is used",
+        )
+    if isinstance(held, PeerRestarted):
+        return LoadFailure(
+            FailureKind.PREFILL_RESTARTED, f"{LEASE_EXPIRED}: {what}: {PREFILL_RESTARTED} ({held})"
+        )
+    if isinstance(held, TokensMismatch):
+        return LoadFailure(
+            FailureKind.TOKENS_MISMATCH,
+            f"{TOKENS_MISMATCH}: {what} is held for other tokens than this request's prompt "
+            f"({held}): the kv_transfer_params were paired with another prompt (a router "
+            "bug, a retried request with an edited prompt, an edited history), so nothing "
+            "is read from those blocks",
+        )
+    if isinstance(held, BlocksMismatch):
+        return LoadFailure(
+            FailureKind.BLOCKS_MISMATCH,
+            f"{BLOCKS_MISMATCH}: {what} does not hold the blocks this load reads ({held}): "
+            "the kv_transfer_params' remote_block_ids or remote_num_tokens were edited on "
+            "the way (a router, a client, another connector), so nothing read from those "
+            "blocks is used; pass the params on exactly as the engine returned them",
+        )
+    return LoadFailure(
+        FailureKind.LEASE_UNPROVEN,
+        f"{LEASE_UNPROVEN}: asking {what} whether the lease holds failed: {held}",
+    )
+
+
+def _staged_failure(what: str, held: Staging, when: str, staged_wait_s: float) -> LoadFailure:
+    if held is Staging.PENDING and when == BEFORE_READS:
+        return LoadFailure(
+            FailureKind.LEASE_UNPROVEN,
+            f"{LEASE_UNPROVEN}: {what} stages its KV through host memory, and its copy was "
+            f"not done within {staged_wait_s} s {when}; nothing is read from its blocks",
+        )
+    return LoadFailure(
+        FailureKind.LEASE_UNPROVEN,
+        f"{LEASE_UNPROVEN}: {what} was not readable when leased (its KV was still being "
+        "copied to the host memory NIXL reads) and this load did not see it held before its "
+        "first READ: staged copy not proven ready before the READs, so nothing read is used",
+    )
+
+
+def digest_failure(remote: RemoteSource, verdict: str) -> LoadFailure:
+    """The load's failure when verify_kv's claims were not confirmed."""
+    if verdict == DIGEST_PENDING:
+        verdict = (
+            "prefill reported no digests for this lease (is verify_kv on for the prefill "
+            "engine too?)"
+        )
+    return LoadFailure(
+        FailureKind.DIGEST,
+        f"{DIGEST_FAILED}: prefill engine {remote.engine_id!r} request "
+        f"{remote.remote_request_id!r}: {verdict}",
+    )

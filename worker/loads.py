@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from connector.block_digest import bound_to_blocks
 from connector.errors import ConnectorError
+from connector.lease_binding import bound_to_blocks, token_digest
 from connector.memory import HOST_MEMORY, Memory
-from connector.metadata import LoadSpec, RemoteSource
+from connector.metadata import FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.observability.metrics import (
     QUARANTINED_BLOCKS,
     QUARANTINED_LOADS,
@@ -43,11 +43,10 @@ from connector.observability.metrics import (
     MetricsRecorder,
     default_recorder,
 )
-from connector.outcomes import FailureKind, LoadFailure
 from connector.protocol import DigestClaim
-from connector.token_digest import token_digest
-from worker.lease_proof import BEFORE_READS, LeaseProofs, unprovable_reason
+from worker.lease_proof import LeaseProofs
 from worker.load_lifecycle import (
+    BEFORE_READS,
     Load,
     OnMove,
     RankLoadState,
@@ -55,6 +54,7 @@ from worker.load_lifecycle import (
     handshake_failure,
     notify_rest,
     record_outcome,
+    unprovable_reason,
     with_handshake_phases,
     with_timeline,
 )

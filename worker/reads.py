@@ -32,7 +32,7 @@ from connector.errors import ConnectorError
 from connector.memory import Memory
 from connector.protocol import WorkerHandshake
 from worker.nixl_api import Descriptors, NixlAgent
-from worker.plan.byte_runs import ByteRuns
+from worker.plan.exact_runs import ByteRuns
 from worker.plan.prepared_rows import PreparedRows
 
 if TYPE_CHECKING:

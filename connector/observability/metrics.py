@@ -5,7 +5,7 @@ Everything here is plain data (no prometheus_client): the connector records into
 ``/metrics``, ``connector.vllm.metrics`` for vLLM's own endpoint). Names follow Prometheus
 conventions: the ``nixl_pd_`` prefix, the unit as a suffix, counters ending in ``_total``.
 
-Labels are bounded: a failed load's label is its kind (connector/outcomes.py FailureKind);
+Labels are bounded: a failed load's label is its kind (connector/metadata.py FailureKind);
 a handshake's free-text reason is mapped to a small set of kinds (``handshake_failure_kind``).
 Full messages stay in the logs.
 """
@@ -18,7 +18,7 @@ from collections import deque
 
 import msgspec
 
-from connector.outcomes import FailureKind
+from connector.metadata import FailureKind
 
 COUNTER = "counter"
 HISTOGRAM = "histogram"
@@ -222,7 +222,6 @@ METRICS: tuple[MetricSpec, ...] = (
     QUARANTINED_BLOCKS,
     UNQUARANTINED_BLOCKS,
 )
-METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
 
 # (text in the reason, kind) for handshakes: the first match wins. The texts are ours
 # (worker/peers.py, connector/net/side_channel_client.py), so the mapping is tested against them.

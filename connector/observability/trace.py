@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from connector.metadata import LoadFailure
 from connector.observability.metrics import (
     LOADS_FAILED,
     LOADS_FINISHED,
@@ -27,7 +28,6 @@ from connector.observability.metrics import (
     TRANSFER_SECONDS,
     MetricsRecorder,
 )
-from connector.outcomes import LoadFailure
 
 trace_logger = logging.getLogger("nixl_pd.trace")
 
@@ -66,7 +66,7 @@ class LoadTrace(
     remote_request_id: str
     remote_engine_id: str
     agent: str  # this rank's NIXL agent name: which rank the line is from
-    outcome: str  # "ok" or the failure kind (connector/outcomes.py FailureKind)
+    outcome: str  # "ok" or the failure kind (connector/metadata.py FailureKind)
     reason: str | None
     handshake_ready_ms: float | None
     planned_ms: float | None

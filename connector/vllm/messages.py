@@ -17,9 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from connector.metadata import ConnectorMetadata, WorkerReport
+from connector.metadata import ConnectorMetadata, FailureKind, WorkerReport
 from connector.observability.metrics import MetricsInterval
-from connector.outcomes import FailureKind
 from connector.staging import StagedBlocks
 from scheduler.requests import FinishedRequests
 

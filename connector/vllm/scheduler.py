@@ -14,7 +14,7 @@ recomputes the last loaded prompt token; both sides count the transfer with one 
 request asks. Speculative decoding's scratch SSM slots are clipped (only the running state is
 transferred). A LoRA adapter, a cache salt and multimodal inputs change a prompt's KV without
 changing its ids: ``kv_salt`` names them for the lease's token binding
-(connector/token_digest.py).
+(connector/lease_binding.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from connector.errors import UnsupportedConfiguration
+from connector.lease_binding import KVSalt
 from connector.params import raw_flag
 from connector.protocol import WorkerHandshake
-from connector.token_digest import KVSalt
 from connector.vllm.messages import (
     NixlPDHandshakeMetadata,
     NixlPDMetadata,

@@ -27,9 +27,8 @@ from connector.errors import UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.memory import HOST_MEMORY
-from connector.metadata import BlockIds, WorkerReport
+from connector.metadata import BlockIds, FailureKind, LoadFailure, WorkerReport
 from connector.observability.metrics import default_recorder
-from connector.outcomes import FailureKind, LoadFailure
 from connector.vllm.devices import memory_of
 from connector.vllm.layout import kernel_block_sizes_of, region_addresses
 from connector.vllm.messages import (
@@ -42,7 +41,7 @@ from connector.vllm.messages import (
 from connector.vllm.staging import CopyBlocksOp, HostBuffer
 from scheduler.requests import FinishedRequests
 from worker.connector import WorkerConnector
-from worker.lease_proof import DIGEST_FAILED
+from worker.load_lifecycle import DIGEST_FAILED
 from worker.nixl_api import NixlAgent
 
 if TYPE_CHECKING:

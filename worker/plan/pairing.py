@@ -38,12 +38,14 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from connector.errors import UnsupportedConfiguration
 from connector.geometry import heads_per_rank
 from connector.layout import GroupGeometry, GroupKind, MemoryLayout, PlaneGeometry, RankLayout
-from worker.plan.byte_runs import Int64Array
 from worker.topology import ReadSource, read_sources, tp_ratio
+
+Int64Array = npt.NDArray[np.int64]  # the planner's offsets, lengths and block ids
 
 
 class CopyMode(enum.Enum):

@@ -30,12 +30,11 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.layout import GroupKind
-from worker.plan.byte_runs import Int64Array
 from worker.plan.exact_runs import class_runs
 from worker.plan.segments import Segments
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.plan.pairing import GroupPairing, PlaneClass
+    from worker.plan.pairing import GroupPairing, Int64Array, PlaneClass
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
 

@@ -31,8 +31,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from connector.layout import RankLayout
-from worker.plan.byte_runs import ByteRuns, concatenate
-from worker.plan.exact_runs import exact_runs
+from worker.plan.exact_runs import ByteRuns, concatenate, exact_runs
 from worker.plan.pairing import GroupPairing, pair_groups, validate_pair
 from worker.plan.prepared_rows import PreparedRows, prepared_rows
 from worker.plan.segments import RequestSegments, cut_segments, leading_remote_blocks

@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from connector.errors import TransferPlanError
 from connector.layout import GroupKind
-from worker.plan.byte_runs import Int64Array
+from worker.plan.pairing import Int64Array
 
 if TYPE_CHECKING:  # annotations only: no import at run time
     from worker.plan.pairing import GroupPairing, SideBlocks

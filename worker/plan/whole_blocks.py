@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from worker.plan.byte_runs import ByteRuns, Int64Array
+from worker.plan.exact_runs import ByteRuns
+from worker.plan.pairing import Int64Array
 
 if TYPE_CHECKING:  # annotations only: no import at run time
     from worker.plan.prepared_rows import IndexArray, PreparedGroup, PreparedRows, SideRows
