@@ -350,28 +350,44 @@ class SchedulerConnector:
         params = parsed.params
         if params is None or not params.do_remote_decode:
             return False, None
-        lease = functools.partial(
-            self._producer.request_finished, request.request_id,
-            self._prompt_blocks(request, block_ids), request.num_prompt_tokens,
-            token_ids=request.token_ids, kv_salt=request.kv_salt, lease_id=chunk_lease,
-        )  # fmt: skip
+        prompt_blocks = self._prompt_blocks(request, block_ids)
+        lease: Callable[[], tuple[bool, dict[str, Any] | None]] = _no_lease
+        if prompt_blocks is not None:  # None: no block holds the prompt's KV any more
+            lease = functools.partial(
+                self._producer.request_finished, request.request_id, prompt_blocks,
+                request.num_prompt_tokens, token_ids=request.token_ids, kv_salt=request.kv_salt,
+                lease_id=chunk_lease,
+            )  # fmt: skip
         if params.transfer_key is not None:  # overlapped dispatch: announced under the key
             return lease_under_key(self._transfers, params.transfer_key, request.aborted, lease)
         return (False, None) if request.aborted else lease()
 
     def _prompt_blocks(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
-    ) -> Sequence[Sequence[int]]:
-        """The blocks that hold the prompt's KV, for prefill's lease. All of them, unless the
-        request computed past its prompt (a client asked prefill for more than one token) on
-        an attention-only model: then each group's first blocks, those holding the prompt.
-        (A model with an SSM state or a sliding window keeps all: what it should offer then
-        is not settled, docs/vllm.md.)"""
+    ) -> Sequence[Sequence[int]] | None:
+        """The blocks that hold the prompt's KV, for prefill's lease, or None when none do.
+
+        All of them, unless the request computed past its prompt (a client asked prefill for
+        more than one token): then each attention group's first blocks, those holding the
+        prompt's tokens, whose KV the later tokens do not touch. A model with an SSM group or
+        a sliding window gets None: its state is the one after the answer's tokens too, and a
+        window's blocks the engine freed as the answer went on are gone from the list (vLLM
+        puts its null block in their place), though decode's first step still attends to
+        them. Offering those blocks under the prompt's token count would load the wrong KV and
+        pass every check, since both the blocks and the tokens are the lease's; decode
+        computes the prompt itself instead (tests/test_vllm_semantics.py shows both)."""
         computed = request.num_computed_tokens
         if computed is None or computed <= request.num_prompt_tokens:
             return block_ids
         held = held_blocks(block_ids, self._spec.groups, request.num_prompt_tokens)
-        return block_ids if held is None else held
+        if held is None:
+            logger.warning(
+                "request %s computed %d tokens past its %d-token prompt, and this model's SSM "
+                "state or sliding window now holds their end, not the prompt's: its KV is not "
+                "offered to a decode engine (send prefill requests with max_tokens=1)",
+                request.request_id, computed - request.num_prompt_tokens, request.num_prompt_tokens,
+            )  # fmt: skip
+        return held
 
     def _hold_for_next_turn(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
@@ -512,3 +528,7 @@ def _params_summary(raw: object) -> str:
     if not isinstance(raw, dict):
         return f"params are now {type(raw).__name__}"
     return f"do_remote_prefill is now {raw.get('do_remote_prefill')!r}"
+
+
+def _no_lease() -> tuple[bool, None]:
+    return False, None

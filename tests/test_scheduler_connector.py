@@ -241,6 +241,29 @@ def test_a_prefill_that_computed_past_its_prompt_leases_only_the_prompts_blocks(
     assert params is not None and params["remote_block_ids"] == [[1, 2, 3]]
 
 
+def test_a_hybrid_prefill_that_computed_past_its_prompt_offers_nothing(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its SSM state is the one after the answer's tokens, not the prompt's: a load of it
+    would decode from the wrong state, so nothing is offered. One that stopped at its prompt
+    is offered, as before."""
+    config = ConnectorConfig(side_channel_port=0, kv_lease_duration_s=LEASE_S)
+    connector = SchedulerConnector(
+        config, engine_id="prefill-0", role=Role.PRODUCER, spec=HYBRID, tp_size=2, clock=clock
+    )
+    connector.start_side_channel(handshakes())
+    try:
+        past = msgspec.structs.replace(prefill_request(), num_computed_tokens=41)
+        with caplog.at_level(logging.WARNING):
+            assert connector.request_finished(past, ((1, 2, 3, 4), (9,))) == (False, None)
+        assert "past its 40-token prompt" in caplog.text
+        at_prompt = msgspec.structs.replace(prefill_request("p2"), num_computed_tokens=40)
+        _, params = connector.request_finished(at_prompt, ((1, 2, 3), (9,)))
+        assert params is not None and params["remote_block_ids"] == [[1, 2, 3], [9]]
+    finally:
+        connector.shutdown()
+
+
 def test_params_carry_the_side_channels_boot_and_a_fresh_lease_id_per_lease(
     served_prefill: SchedulerConnector, clock: FakeClock
 ) -> None:

@@ -1,14 +1,15 @@
 """vLLM's decode semantics in the adapter: SSM prefill backoff, scratch-slot clipping, refusals.
 
 Driven through vLLM 0.33's real Scheduler with a hybrid model (a full-attention group and a
-Mamba state group), FakeNixl moving the bytes.
+Mamba state group; at the end, one with a sliding-window group instead), FakeNixl moving the
+bytes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +103,9 @@ def hybrid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def _prefill(
-    prefill: h.Engine, num_tokens: int, prompt_logprobs: int | None = None
+    prefill: h.Engine, num_tokens: int, prompt_logprobs: int | None = None, max_tokens: int = 4
 ) -> tuple[Any, dict[str, Any]]:
-    request = h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=4,
+    request = h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=max_tokens,
                              kv_transfer_params={"do_remote_decode": True},
                              prompt_logprobs=prompt_logprobs)  # fmt: skip
     prefill.add(request)
@@ -178,9 +179,11 @@ def test_decode_loads_exactly_the_state_prefill_leased(
 
 def test_a_prompt_no_longer_than_the_backoff_is_computed_by_decode(hybrid: Any) -> None:
     """One token with a Mamba back-off of one: no state could be loaded that decode would not
-    then apply the token to again, so decode loads nothing and prefill's lease is released."""
+    then apply the token to again, so decode loads nothing and prefill's lease is released.
+    (Prefill is asked for one token, as routers ask: asked for more, it computes past the
+    prompt and offers nothing, test_a_hybrid_prefill_past_its_prompt_never_lends_a_later_state.)"""
     prefill, decode = hybrid()
-    request, params = _prefill(prefill, 1)
+    request, params = _prefill(prefill, 1, max_tokens=1)
     assert request.num_prompt_tokens == 1
     num_free_before = prefill.num_free_blocks()
     decode.add(h.make_request("r", 1, block_size=BLOCK_SIZE, kv_transfer_params=params))
@@ -248,3 +251,101 @@ def test_decode_context_parallel_is_refused_at_start(tmp_path: Path) -> None:
 
     with pytest.raises(UnsupportedConfiguration, match="decode_context_parallel_size=2: .* use decode_context_parallel_size 1"):  # fmt: skip
         NixlPDConnector(config, KVConnectorRole.SCHEDULER, cache)
+
+
+WINDOW = 16  # tokens a sliding-window layer attends to
+
+
+@pytest.fixture
+def windowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """(prefill, decode) of a model with a full-attention layer and a sliding-window one."""
+    model = h.model_config(h.write_tiny_model(tmp_path))
+    built: list[h.Engine] = []
+    for role in ("kv_producer", "kv_consumer"):
+        config = h.vllm_config(model, kv_role=role, block_size=BLOCK_SIZE)
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        cache = h.kv_cache_config(block_size=BLOCK_SIZE, num_blocks=32, window=WINDOW)
+        built.append(h.build_engine(role, config, cache, port=h.free_port(), env=monkeypatch))
+    yield built
+    for engine in built:
+        engine.shutdown()
+
+
+def _token_bytes(
+    engine: h.Engine, group: int, block_ids: Sequence[int], tokens: range
+) -> list[bytes]:
+    """Each token's K|V bytes in every layer of an attention group ([block, head, token, C])."""
+    layers = engine.scheduler.kv_cache_config.kv_cache_groups[group].layer_names
+    return [
+        engine.kv_caches[0][name][block_ids[token // BLOCK_SIZE]][:, token % BLOCK_SIZE].numpy().tobytes()
+        for name in layers
+        for token in tokens
+    ]  # fmt: skip
+
+
+def _start_prefill(prefill: h.Engine, num_tokens: int, max_tokens: int) -> list[list[int]]:
+    """Prefill's first step of a do_remote_decode request (its whole prompt), whose blocks
+    then get seeded bytes: the prompt's KV. Returns the request's blocks per group."""
+    prefill.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=max_tokens,
+                               kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+    prefill.step()
+    assert prefill.scheduler.requests["r"].num_computed_tokens == num_tokens
+    blocks = [list(group) for group in prefill.scheduler.kv_cache_manager.get_block_ids("r")]
+    h.fill_blocks(prefill, blocks, seed=11)
+    return blocks
+
+
+def _write_state(engine: h.Engine, block: int, num_tokens: int) -> None:
+    """Every byte of the Mamba group's ``block``: ``num_tokens``, standing for the state after
+    that many tokens (h.fill_blocks writes floats in [0, 1), which this group's int8 view
+    keeps as zeros)."""
+    for name in engine.scheduler.kv_cache_config.kv_cache_groups[1].layer_names:
+        engine.kv_caches[0][name][block].fill_(num_tokens)
+
+
+def test_a_hybrid_prefill_past_its_prompt_never_lends_a_later_state(hybrid: Any) -> None:
+    """A one-token prompt is not backed off (test above), so prefill computes the answer's
+    tokens too when asked for four, and its Mamba state moves on with each. Decode, sent the
+    prompt and prefill's first token (as `nixl-pd route` does), would load the state of the
+    one-token prompt: what it loads must be that state, not the later one. Prefill offers
+    nothing, frees its blocks, and decode computes the prompt itself."""
+    prefill, decode = hybrid()
+    num_free_before = prefill.num_free_blocks()
+    (state,) = _start_prefill(prefill, 1, max_tokens=4)[1]
+    _write_state(prefill, state, 1)
+    prompt_state = h.block_bytes(prefill, 0, 1, [state])
+    for num_tokens in range(2, 6):  # each later step moves the state on by its token
+        prefill.step()
+        _write_state(prefill, state, num_tokens)
+        if prefill.finished("r") is not None:
+            break
+    params = prefill.finished("r").kv_transfer_params
+    decode.add(h.make_request("r", 2, block_size=BLOCK_SIZE, token_ids=[1, h.SAMPLED_TOKEN],
+                              kv_transfer_params=params and dict(params)))  # fmt: skip
+    loaded = h.run_until_loaded(decode, "r", timeout_s=30)
+    if decode.stats.get("loads_finished", 0):  # never wrong: a load holds the prompt's state
+        assert h.block_bytes(decode, 0, 1, loaded[1][-1:]) == prompt_state, "a later state loaded"
+    assert params is None and decode.load_specs == []
+    assert prefill.num_free_blocks() == num_free_before
+
+
+def test_a_windowed_prefill_past_its_prompt_never_lends_a_freed_block(windowed: Any) -> None:
+    """46 tokens, a 16-token window, three tokens asked of prefill: by its last step vLLM has
+    freed the window's block of tokens [16, 32) (its null block stands in the list), yet
+    decode's first step attends to tokens [30, 46). A load must hold the prompt's KV there,
+    not the null block's: prefill offers nothing, and decode computes the prompt itself."""
+    prefill, decode = windowed
+    num_tokens = 46
+    num_free_before = prefill.num_free_blocks()
+    window_blocks = _start_prefill(prefill, num_tokens, max_tokens=3)[1]
+    window = range(num_tokens - WINDOW, num_tokens)
+    prompt_window = _token_bytes(prefill, 1, window_blocks, window)
+    prefill.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
+    params = prefill.finished("r").kv_transfer_params
+    decode.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE,
+                              kv_transfer_params=params and dict(params)))  # fmt: skip
+    loaded = h.run_until_loaded(decode, "r", timeout_s=30)
+    if decode.stats.get("loads_finished", 0):  # never wrong: a load holds the prompt's window
+        assert _token_bytes(decode, 1, loaded[1], window) == prompt_window, "a freed block loaded"
+    assert params is None and decode.load_specs == []
+    assert prefill.num_free_blocks() == num_free_before
