@@ -294,8 +294,9 @@ def _group_suffix(
 def held_blocks(
     block_ids: Sequence[Sequence[int]], groups: tuple[GroupSpec, ...], num_tokens: int
 ) -> BlockIds | None:
-    """Decode (bidirectional mode): the blocks to hold so a later turn can pull tokens
-    [0, num_tokens); None when there is nothing a pull could use.
+    """The blocks to hold so a reader can pull tokens [0, num_tokens) (decode in
+    bidirectional mode, for a later turn; prefill, for a prompt it computed past); None when
+    there is nothing a pull could use.
 
     Only full-attention and MLA groups hold every token's KV; a sliding window or an SSM
     state holds the sequence's end only, which a longer next prompt cannot start from.
