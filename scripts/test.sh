@@ -27,8 +27,10 @@ sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 8))"; then
 fi
 # The whole suite, laid out for two cores (docs/testing.md, "CI and its time"): .venv-vllm,
 # which only the real-vLLM tier needs, is built in the background while .venv is built and
-# lint, mypy, every other tier (two xdist workers) and vLLM's upstream tests run; then the
-# real-vLLM tier, on two xdist workers too: one per stream of modules (tests/conftest.py).
+# linted; then two lanes run side by side: every other tier in one pytest process followed by
+# vLLM's upstream tests, and the real-vLLM tier as two pytest processes, one per stream of
+# modules (tests/conftest.py). Each lane alone leaves about a third of the two cores idle
+# (tests waiting on leases, timeouts and peers), so together they fill them.
 # A step's end: wall seconds since the start and the CPU time (user, system) of the children
 # waited for so far. On a shared machine the wall time says little; the CPU time does.
 stamp() {
@@ -49,39 +51,36 @@ export NIXL_PD_REQUIRE_NETNS=1
 .venv/bin/ruff check connector worker scheduler examples benchmarks tests
 .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
 stamp "lint done"
-# mypy (about 60 s of one core on a fresh clone, no cache) beside the tiers below: their two
-# workers left about a quarter of the two cores idle (475 CPU-s in 310 s, fresh clone).
-.venv/bin/mypy connector worker scheduler >"$LOGS/mypy.log" 2>&1 &
+# mypy (about 60 s of one core on a fresh clone, no cache), niced: it has no timing window.
+nice -n 10 .venv/bin/mypy connector worker scheduler >"$LOGS/mypy.log" 2>&1 &
 mypy_pid=$!
-# Every tier but real vLLM, two pytest-xdist workers with whole modules each, the slowest
-# modules first (tests/conftest.py, SLOW_MODULES_FIRST; --no-loadscope-reorder keeps that
-# order instead of xdist's most-tests-first), so that no long module starts last. Not beside
-# the real-vLLM tier: on two cores the two together starved engines of the CPU (a fresh-clone
-# run that did so took as long, 30 min, and failed good requests `lease expired`).
-# The real-vLLM modules are not even collected: some check at import that .venv-vllm is
-# complete, and it is still being built beside this.
+# Lane one: every tier but real vLLM in one pytest process (two xdist workers beside the
+# real-vLLM tier only added CPU: each collects every module); then vLLM 0.33's own connector
+# unit tests with NixlPDConnector substituted (about 30 s; fails on any failure not listed,
+# with its reason, in tests/vllm_upstream/EXPECTED_FAILURES). The real-vLLM modules are not
+# even collected: some check at import that .venv-vllm is complete, and it may still be
+# being built.
 real_vllm_ignored=$(.venv/bin/python -c "from tests.conftest import REAL_VLLM_MODULES as m
 print(' '.join(f'--ignore=tests/{name}.py' for name in sorted(m)))")
-status=0
 # shellcheck disable=SC2086  # one word per module
-.venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile --no-loadscope-reorder \
-    --durations=25 $real_vllm_ignored "$@" || status=1
-stamp "other tiers done"
-mypy_status=0
-wait "$mypy_pid" || mypy_status=1
-cat "$LOGS/mypy.log"
-[ "$mypy_status" = 0 ] || status=1
-stamp "mypy done"
-# vLLM 0.33's own connector unit tests with NixlPDConnector substituted (about 30 s; fails on
-# any failure not listed, with its reason, in tests/vllm_upstream/EXPECTED_FAILURES).
-bash scripts/vllm_upstream_tests.sh -p no:warnings || status=1
-stamp "vLLM upstream tests done"
-wait "$setup_vllm_pid" || { cat "$LOGS/setup_vllm_cpu.log" >&2; exit 1; }
+(
+    rc=0
+    .venv/bin/python -m pytest -q -m "not real_vllm" -p no:xdist --durations=25 \
+        $real_vllm_ignored "$@" || rc=1
+    echo "== other tiers done at $SECONDS s"
+    bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
+    echo "== vLLM upstream tests done at $SECONDS s"
+    exit "$rc"
+) >"$LOGS/other_tiers.log" 2>&1 &
+other_tiers_pid=$!
+status=0
+# .venv-vllm failed: the lane beside it ends first (nothing is left running), then the exit.
+wait "$setup_vllm_pid" || { cat "$LOGS/setup_vllm_cpu.log" >&2; wait; exit 1; }
 stamp ".venv-vllm ready"
-# The real-vLLM tier as two pytest processes side by side, one per stream of modules
-# (tests/conftest.py, real_vllm_streams), each with its own slice of ports; their output
-# follows, one stream after the other. Only the tier's modules are collected. They start
-# their engine sets one at a time (NIXL_PD_START_LOCK, tests/real_vllm_harness.py).
+# Lane two: the real-vLLM tier as two pytest processes side by side, one per stream of
+# modules (tests/conftest.py, real_vllm_streams), each with its own slice of ports. Only the
+# tier's modules are collected. They start their engine sets one at a time
+# (NIXL_PD_START_LOCK, tests/real_vllm_harness.py).
 export NIXL_PD_START_LOCK="$LOGS/engine-starts.lock"
 streams=$(.venv/bin/python -c "from tests.conftest import real_vllm_streams
 print(' '.join(real_vllm_streams()))")
@@ -102,9 +101,19 @@ for pid in "${stream_pids[@]}"; do
     # 5: no test of this stream selected (arguments that narrow the tier to the other one)
     if [ "$rc" != 0 ] && { [ "$rc" != 5 ] || [ $# = 0 ]; }; then status=1; fi
 done
+stamp "real-vLLM tier done"
+wait "$other_tiers_pid" || status=1
+stamp "other tiers and vLLM's upstream tests done"
+mypy_status=0
+wait "$mypy_pid" || mypy_status=1
+[ "$mypy_status" = 0 ] || status=1
+echo "== mypy" >&2
+cat "$LOGS/mypy.log"
+echo "== other tiers, then vLLM's upstream tests" >&2
+cat "$LOGS/other_tiers.log"
 for stream in $streams; do
     echo "== real-vLLM stream $stream" >&2
     cat "$LOGS/real_vllm_$stream.log"
 done
-stamp "real-vLLM tier done"
+stamp "all done"
 exit "$status"

@@ -61,7 +61,6 @@ OWN_ENGINES_STREAM = {
     "test_real_vllm_drills",
     "test_real_vllm_fp8",
     "test_real_vllm_hybrid",
-    "test_real_vllm_mla",
     "test_real_vllm_multiturn",  # its single engine is this stream's own start of the shared one
 }
 
