@@ -90,6 +90,12 @@ ENGINE_ENV = {
     # cache lives in the per-engine TMPDIR and rebuilds its precompiled header anyway).
     # Eager runs the same op; the model itself is eager already.
     "TORCH_COMPILE_DISABLE": "1",
+    # vLLM caches what it learns of a model class in VLLM_CACHE_ROOT (default ~/.cache/vllm),
+    # keyed by the class's file name and checked against its hash: .venv's vLLM 0.33 and this
+    # vLLM 0.32 share the file names, so each rewrote the other's entry, and the next engine
+    # start learned it again in a subprocess that imports vLLM (about 10 CPU-s; ten times in
+    # one tier run beside .venv's tests). Each venv gets its own cache.
+    "VLLM_CACHE_ROOT": str(VLLM_VENV / "vllm-cache"),
     # vLLM's CPU platform gives a TP 1 engine's worker a process of its own (the `mp`
     # executor); with this the worker runs in the engine-core process (`uni`), the layout
     # vLLM uses for TP 1 on GPUs: an engine holds one torch process fewer (about 0.6 GB) and
