@@ -54,19 +54,20 @@ stamp "lint done"
 # mypy (about 60 s of one core on a fresh clone, no cache), niced: it has no timing window.
 nice -n 10 .venv/bin/mypy connector worker scheduler >"$LOGS/mypy.log" 2>&1 &
 mypy_pid=$!
-# Lane one: every tier but real vLLM in one pytest process (two xdist workers beside the
-# real-vLLM tier only added CPU: each collects every module); then vLLM 0.33's own connector
-# unit tests with NixlPDConnector substituted (about 30 s; fails on any failure not listed,
-# with its reason, in tests/vllm_upstream/EXPECTED_FAILURES). The real-vLLM modules are not
-# even collected: some check at import that .venv-vllm is complete, and it may still be
-# being built.
+# Lane one: every tier but real vLLM, two pytest-xdist workers with whole modules each, the
+# slowest modules first (tests/conftest.py, SLOW_MODULES_FIRST; --no-loadscope-reorder keeps
+# that order instead of xdist's most-tests-first), so that no long module starts last; then
+# vLLM 0.33's own connector unit tests with NixlPDConnector substituted (about 30 s; fails on
+# any failure not listed, with its reason, in tests/vllm_upstream/EXPECTED_FAILURES). The
+# real-vLLM modules are not even collected: some check at import that .venv-vllm is
+# complete, and it may still be being built.
 real_vllm_ignored=$(.venv/bin/python -c "from tests.conftest import REAL_VLLM_MODULES as m
 print(' '.join(f'--ignore=tests/{name}.py' for name in sorted(m)))")
 # shellcheck disable=SC2086  # one word per module
 (
     rc=0
-    .venv/bin/python -m pytest -q -m "not real_vllm" -p no:xdist --durations=25 \
-        $real_vllm_ignored "$@" || rc=1
+    .venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile \
+        --no-loadscope-reorder --durations=25 $real_vllm_ignored "$@" || rc=1
     echo "== other tiers done at $SECONDS s"
     bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
     echo "== vLLM upstream tests done at $SECONDS s"
