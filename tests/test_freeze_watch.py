@@ -18,6 +18,8 @@ import pytest
 
 from connector.observability import freeze_watch
 from connector.observability.freeze_watch import (
+    DUMP_AFTER_S,
+    TICK_S,
     FreezeWatch,
     judge_freeze,
     read_pressure,
@@ -171,3 +173,25 @@ def test_the_environment_switch_turns_the_watch_off(monkeypatch: pytest.MonkeyPa
 def test_stall_reports_show_the_main_thread_stack() -> None:
     assert "--- thread MainThread:" in connector_thread_stacks()
     assert "test_stall_reports_show_the_main_thread_stack" in connector_thread_stacks()
+
+
+def test_no_stack_dump_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """faulthandler's dump reads other threads' frames without the GIL: an engine core died
+    in the middle of one, so by default the watch reports freezes without arming it."""
+    clock, armed = FakeClock(), []
+    quiet = FreezeWatch(clock=clock, read_cpu=dict, read_host=lambda: NO_PSI)
+    clock.now_s += 21.0
+    freeze = quiet.tick()
+    assert freeze is not None and not freeze.dumped
+    assert "faulthandler" not in freeze.describe()
+
+    monkeypatch.setattr(freeze_watch, "_arm_faulthandler", armed.append)
+    for switch, arms in (("1", []), ("stacks", [TICK_S + DUMP_AFTER_S])):
+        monkeypatch.setenv(freeze_watch.ENV_SWITCH, switch)
+        monkeypatch.setattr(freeze_watch, "_started", None)
+        watch = start_freeze_watch("decode: ")
+        try:
+            assert watch is not None and armed == arms, switch
+        finally:
+            if watch is not None:
+                watch.stop()

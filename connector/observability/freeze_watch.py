@@ -15,14 +15,18 @@ fail "lease expired". Logs after the fact could not tell the two possible causes
 So a thread of our own ticks every ``tick_s``; a tick ``report_after_s`` late is logged with
 the process's CPU use and major page faults during the gap per thread (Linux
 ``/proc/self/task``), the busiest threads named, and the host's CPU, memory and I/O pressure
-(PSI) over the gap. Each tick also
-arms ``faulthandler.dump_traceback_later``: if the next tick is ``dump_after_s`` late,
-faulthandler's own C thread, which needs no GIL, prints every Python thread's stack to stderr
-(the engine's log) while the process is still stopped: the frame that holds the GIL.
+(PSI) over the gap.
 
-faulthandler has one such timer per process, and this watch re-arms it every tick: start it
+With ``NIXL_PD_FREEZE_WATCH=stacks`` each tick also arms ``faulthandler.dump_traceback_later``:
+if the next tick is ``dump_after_s`` late, faulthandler's own C thread, which needs no GIL,
+prints every Python thread's stack to stderr (the engine's log) while the process is still
+stopped: the frame that holds the GIL. Off by default: that thread walks the other threads'
+frames without the GIL, which CPython does not promise is safe, and in one real-vLLM tier run
+(2026-11-29) a decode engine core died in the middle of such a dump, just as it resumed from a
+drill's SIGSTOP. A diagnostic must not take an engine down; turn it on to chase a freeze.
+faulthandler has one such timer per process, and this watch re-arms it every tick: arm it
 only in processes that do not use ``dump_traceback_later`` otherwise (the vLLM adapter
-starts it once per engine process; ``NIXL_PD_FREEZE_WATCH=0`` turns it off).
+starts the watch once per engine process; ``NIXL_PD_FREEZE_WATCH=0`` turns it off).
 
 ``judge_freeze`` is the decision (pure); ``FreezeWatch`` the thread that reads and logs.
 """
@@ -47,7 +51,7 @@ REPORT_AFTER_S = 5.0  # a tick this late is logged
 DUMP_AFTER_S = 10.0  # a tick this late has faulthandler print every thread's stack
 GIL_HOLDER_SHARE = 0.5  # one thread used at least this share of the gap: it held the GIL
 MANY_MAJOR_FAULTS = 100  # the process's major faults in a gap that say it waited on paging
-ENV_SWITCH = "NIXL_PD_FREEZE_WATCH"  # "0": do not start the watch
+ENV_SWITCH = "NIXL_PD_FREEZE_WATCH"  # "0": no watch; "stacks": faulthandler dumps too
 
 # thread id -> (its name, CPU seconds it used so far, major page faults so far)
 ThreadCpu = Mapping[int, tuple[str, float, int]]
@@ -199,7 +203,7 @@ class FreezeWatch:
     """Ticks on its own daemon thread; ``tick`` is its body (tests call it with a fake clock).
 
     ``clock`` is monotonic seconds; ``read_cpu``, ``read_host`` and ``arm_dump`` replace the
-    /proc reads and faulthandler (tests).
+    /proc reads and faulthandler (tests); ``arm_dump`` None: no stack dump.
     """
 
     def __init__(
@@ -212,7 +216,7 @@ class FreezeWatch:
         dump_after_s: float = DUMP_AFTER_S,
         read_cpu: Callable[[], ThreadCpu] = read_thread_cpu,
         read_host: Callable[[], Pressure] = read_pressure,
-        arm_dump: Callable[[float], None] = _arm_faulthandler,
+        arm_dump: Callable[[float], None] | None = None,
     ) -> None:
         self._context = context
         self._clock = clock
@@ -230,7 +234,7 @@ class FreezeWatch:
         self._host: Pressure = read_host()
 
     def start(self) -> None:
-        self._arm_dump(self._tick_s + self._dump_after_s)
+        self._arm()
         self._thread.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
@@ -245,13 +249,17 @@ class FreezeWatch:
         cpu, host = self._read_cpu(), self._read_host()
         freeze = None
         if late_s >= self._report_after_s:
-            dumped = late_s >= self._dump_after_s
+            dumped = self._arm_dump is not None and late_s >= self._dump_after_s
             freeze = judge_freeze(late_s, self._cpu, cpu, self._host, host, dumped=dumped)
             logger.warning("%sfroze: %s", self._context, freeze.describe())
         self._cpu, self._host = cpu, host
         self._due_s = self._clock() + self._tick_s
-        self._arm_dump(self._tick_s + self._dump_after_s)
+        self._arm()
         return freeze
+
+    def _arm(self) -> None:
+        if self._arm_dump is not None:
+            self._arm_dump(self._tick_s + self._dump_after_s)
 
     def _run(self) -> None:
         while not self._stopping.wait(max(0.0, self._due_s - self._clock())):
@@ -267,13 +275,15 @@ _start_lock = threading.Lock()  # guards _started: one watch per process
 
 def start_freeze_watch(context: str = "") -> FreezeWatch | None:
     """Start this process's one freeze watch (later calls return it); None if
-    ``NIXL_PD_FREEZE_WATCH=0``."""
+    ``NIXL_PD_FREEZE_WATCH=0``; with ``=stacks`` it arms faulthandler's dump too."""
     global _started
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    switch = os.environ.get(ENV_SWITCH, "1")
+    if switch == "0":
         return None
     with _start_lock:
         if _started is None:
-            _started = FreezeWatch(context=context)
+            arm_dump = _arm_faulthandler if switch == "stacks" else None
+            _started = FreezeWatch(context=context, arm_dump=arm_dump)
             _started.start()
             atexit.register(faulthandler.cancel_dump_traceback_later)  # no dump while exiting
         return _started
