@@ -27,10 +27,9 @@ sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 8))"; then
 fi
 # The whole suite, laid out for two cores (docs/testing.md, "CI and its time"): .venv-vllm,
 # which only the real-vLLM tier needs, is built in the background while .venv is built and
-# linted; then two lanes run side by side: every other tier in one pytest process followed by
-# vLLM's upstream tests, and the real-vLLM tier as two pytest processes, one per stream of
-# modules (tests/conftest.py). Each lane alone leaves about a third of the two cores idle
-# (tests waiting on leases, timeouts and peers), so together they fill them.
+# linted and every other tier runs (two xdist workers); then the real-vLLM tier as two pytest
+# processes, one per stream of modules (tests/conftest.py), with mypy and vLLM's upstream
+# tests beside it, niced, in the part of the two cores its engines leave idle.
 # A step's end: wall seconds since the start and the CPU time (user, system) of the children
 # waited for so far. On a shared machine the wall time says little; the CPU time does.
 stamp() {
@@ -51,37 +50,37 @@ export NIXL_PD_REQUIRE_NETNS=1
 .venv/bin/ruff check connector worker scheduler examples benchmarks tests
 .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
 stamp "lint done"
-# mypy (about 60 s of one core on a fresh clone, no cache), niced: it has no timing window.
-nice -n 10 .venv/bin/mypy connector worker scheduler >"$LOGS/mypy.log" 2>&1 &
-mypy_pid=$!
-# Lane one: every tier but real vLLM, two pytest-xdist workers with whole modules each, the
-# slowest modules first (tests/conftest.py, SLOW_MODULES_FIRST; --no-loadscope-reorder keeps
-# that order instead of xdist's most-tests-first), so that no long module starts last; then
-# vLLM 0.33's own connector unit tests with NixlPDConnector substituted (about 30 s; fails on
-# any failure not listed, with its reason, in tests/vllm_upstream/EXPECTED_FAILURES). The
-# real-vLLM modules are not even collected: some check at import that .venv-vllm is
-# complete, and it may still be being built.
+# Every tier but real vLLM, two pytest-xdist workers with whole modules each, the slowest
+# modules first (tests/conftest.py, SLOW_MODULES_FIRST; --no-loadscope-reorder keeps that
+# order instead of xdist's most-tests-first), so that no long module starts last. Not beside
+# the real-vLLM tier: each alone uses about 1.4 of the two cores, and side by side (three
+# layouts tried, docs/testing.md) the run took as long or longer, or starved tests' timing.
+# The real-vLLM modules are not even collected: some check at import that .venv-vllm is
+# complete, and it is still being built beside this.
 real_vllm_ignored=$(.venv/bin/python -c "from tests.conftest import REAL_VLLM_MODULES as m
 print(' '.join(f'--ignore=tests/{name}.py' for name in sorted(m)))")
+status=0
 # shellcheck disable=SC2086  # one word per module
+.venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile --no-loadscope-reorder \
+    --durations=25 $real_vllm_ignored "$@" || status=1
+stamp "other tiers done"
+wait "$setup_vllm_pid" || { cat "$LOGS/setup_vllm_cpu.log" >&2; exit 1; }
+stamp ".venv-vllm ready"
+# Beside the real-vLLM tier, niced (no timing window of their own): mypy (about 60 s of one
+# core on a fresh clone, no cache), then vLLM 0.33's own connector unit tests with
+# NixlPDConnector substituted (about 30 s; fails on any failure not listed, with its reason,
+# in tests/vllm_upstream/EXPECTED_FAILURES).
 (
     rc=0
-    .venv/bin/python -m pytest -q -m "not real_vllm" -n 2 --dist loadfile \
-        --no-loadscope-reorder --durations=25 $real_vllm_ignored "$@" || rc=1
-    echo "== other tiers done at $SECONDS s"
-    bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
-    echo "== vLLM upstream tests done at $SECONDS s"
+    nice -n 10 .venv/bin/mypy connector worker scheduler || rc=1
+    nice -n 10 bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
     exit "$rc"
-) >"$LOGS/other_tiers.log" 2>&1 &
-other_tiers_pid=$!
-status=0
-# .venv-vllm failed: the lane beside it ends first (nothing is left running), then the exit.
-wait "$setup_vllm_pid" || { cat "$LOGS/setup_vllm_cpu.log" >&2; wait; exit 1; }
-stamp ".venv-vllm ready"
-# Lane two: the real-vLLM tier as two pytest processes side by side, one per stream of
-# modules (tests/conftest.py, real_vllm_streams), each with its own slice of ports. Only the
-# tier's modules are collected. They start their engine sets one at a time
-# (NIXL_PD_START_LOCK, tests/real_vllm_harness.py).
+) >"$LOGS/mypy_and_upstream.log" 2>&1 &
+beside_pid=$!
+# The real-vLLM tier as two pytest processes side by side, one per stream of modules
+# (tests/conftest.py, real_vllm_streams), each with its own slice of ports. Only the tier's
+# modules are collected. They start their engine sets one at a time (NIXL_PD_START_LOCK,
+# tests/real_vllm_harness.py).
 export NIXL_PD_START_LOCK="$LOGS/engine-starts.lock"
 streams=$(.venv/bin/python -c "from tests.conftest import real_vllm_streams
 print(' '.join(real_vllm_streams()))")
@@ -103,15 +102,10 @@ for pid in "${stream_pids[@]}"; do
     if [ "$rc" != 0 ] && { [ "$rc" != 5 ] || [ $# = 0 ]; }; then status=1; fi
 done
 stamp "real-vLLM tier done"
-wait "$other_tiers_pid" || status=1
-stamp "other tiers and vLLM's upstream tests done"
-mypy_status=0
-wait "$mypy_pid" || mypy_status=1
-[ "$mypy_status" = 0 ] || status=1
-echo "== mypy" >&2
-cat "$LOGS/mypy.log"
-echo "== other tiers, then vLLM's upstream tests" >&2
-cat "$LOGS/other_tiers.log"
+wait "$beside_pid" || status=1
+stamp "mypy and vLLM's upstream tests done"
+echo "== mypy, then vLLM's upstream tests" >&2
+cat "$LOGS/mypy_and_upstream.log"
 for stream in $streams; do
     echo "== real-vLLM stream $stream" >&2
     cat "$LOGS/real_vllm_$stream.log"
