@@ -46,6 +46,10 @@ pytestmark = pytest.mark.vllm
 BLOCK_SIZE = 16
 MAMBA_STATE = BlockFormat("MAMBA_STATE", token_addressable=False)
 FORMATS = [TOKEN_ADDRESSABLE, MAMBA_STATE]  # attention group, Mamba group
+# Without prefix caching vLLM runs Mamba in its "none" cache mode, where a Mamba block spans
+# max_model_len tokens (MambaModelConfig): a request's list is [state, scratch...], and the
+# kernel reads the state from column 0 (mamba_get_block_table_tensor).
+MAMBA_BLOCK_SIZE = h.MAX_MODEL_LEN
 
 
 @pytest.mark.parametrize(
@@ -70,7 +74,7 @@ def hybrid_cache(tp_size: int = 1, scratch: int = 0) -> KVCacheConfig:
         dtype=torch.float32,
     )
     mamba = MambaSpec(
-        block_size=BLOCK_SIZE,
+        block_size=MAMBA_BLOCK_SIZE,
         shapes=((3, 4), (5,)),
         dtypes=(torch.float32, torch.float32),
         num_speculative_blocks=scratch,
@@ -113,6 +117,22 @@ def _prefill(
     return request, dict(prefill.finished("r").kv_transfer_params)
 
 
+def _fill_every_block(engine: h.Engine, seed: int) -> None:
+    """Distinct non-zero bytes in every block of every group (the null block, scratch slots
+    and free blocks too): a load from any block but the leased one shows in the bytes."""
+    every_block = range(engine.scheduler.kv_cache_config.num_blocks)
+    h.fill_blocks(engine, [every_block, every_block], seed)
+
+
+def _kernel_state(decode: h.Engine, loaded: Sequence[Sequence[int]], scratch: int = 0) -> bytes:
+    """The Mamba state decode's kernel will start from: in the "none" cache mode vLLM passes
+    the group's list [state, scratch...] as the block table and reads column 0 (vLLM 0.33,
+    mamba_get_block_table_tensor and MambaAttentionMetadataBuilder)."""
+    assert len(loaded[1]) == 1 + scratch, f"decode's Mamba list {loaded[1]}"
+    (state,) = h.block_bytes(decode, 0, 1, loaded[1][:1])
+    return state
+
+
 def test_with_mamba_prefill_stops_one_token_short_and_decode_derives_the_last_state(
     hybrid: Any,
 ) -> None:
@@ -124,14 +144,13 @@ def test_with_mamba_prefill_stops_one_token_short_and_decode_derives_the_last_st
     assert (request.num_prompt_tokens, request.max_tokens) == (2 * BLOCK_SIZE, 1)
     attention_blocks, state_blocks = params["remote_block_ids"]
     assert (len(attention_blocks), len(state_blocks)) == (2, 1)
-    h.fill_blocks(prefill, params["remote_block_ids"], seed=5)
-    expected_state = h.block_bytes(prefill, 0, 1, state_blocks)
+    _fill_every_block(prefill, seed=5)
+    (expected_state,) = h.block_bytes(prefill, 0, 1, state_blocks)
 
     decode.add(h.make_request("r", 2 * BLOCK_SIZE + 1, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
     loaded = h.run_until_loaded(decode, "r", timeout_s=30)
     assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
-    (decode_state,) = loaded[1][-1:]
-    assert h.block_bytes(decode, 0, 1, [decode_state]) == expected_state
+    assert _kernel_state(decode, loaded) == expected_state
     assert h.block_bytes(decode, 0, 0, loaded[0][:2]) == h.block_bytes(prefill, 0, 0, attention_blocks)  # fmt: skip
 
 
@@ -162,8 +181,8 @@ def test_decode_loads_exactly_the_state_prefill_leased(
     prefill, decode = hybrid()
     request, params = _prefill(prefill, NUM_PROMPT_TOKENS, prompt_logprobs=prefill_logprobs)
     assert request.num_prompt_tokens == params["remote_num_tokens"] == NUM_PROMPT_TOKENS - 1
-    h.fill_blocks(prefill, params["remote_block_ids"], seed=3)
-    expected_state = h.block_bytes(prefill, 0, 1, params["remote_block_ids"][1])
+    _fill_every_block(prefill, seed=3)
+    (expected_state,) = h.block_bytes(prefill, 0, 1, params["remote_block_ids"][1])
 
     decode.add(h.make_request("r", NUM_PROMPT_TOKENS, block_size=BLOCK_SIZE, kv_transfer_params=params,
                               prompt_logprobs=decode_logprobs))  # fmt: skip
@@ -174,7 +193,7 @@ def test_decode_loads_exactly_the_state_prefill_leased(
     (load,) = decode.load_specs
     assert load.num_tokens == params["remote_num_tokens"]
     assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
-    assert h.block_bytes(decode, 0, 1, loaded[1][-1:]) == expected_state
+    assert _kernel_state(decode, loaded) == expected_state
 
 
 def test_a_prompt_no_longer_than_the_backoff_is_computed_by_decode(hybrid: Any) -> None:
@@ -197,13 +216,14 @@ def test_speculative_scratch_slots_never_travel(hybrid: Any) -> None:
     _, params = _prefill(prefill, BLOCK_SIZE + 3)
     _, state_blocks = params["remote_block_ids"]
     assert len(state_blocks) == 1, "prefill offered scratch slots as state"
-    h.fill_blocks(prefill, params["remote_block_ids"], seed=9)
-    expected_state = h.block_bytes(prefill, 0, 1, state_blocks)
+    _fill_every_block(prefill, seed=9)  # prefill's scratch slots hold other bytes than its state
+    (expected_state,) = h.block_bytes(prefill, 0, 1, state_blocks)
     decode.add(h.make_request("r", BLOCK_SIZE + 3, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
     loaded = h.run_until_loaded(decode, "r", timeout_s=30)
-    assert decode.stats["loads_failed"] == 0
-    running_state = clip_ssm_groups(tuple(map(tuple, loaded)), (None, 2))[1]
-    assert h.block_bytes(decode, 0, 1, running_state) == expected_state
+    assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
+    assert _kernel_state(decode, loaded, scratch=2) == expected_state
+    scratch_slots = h.block_bytes(decode, 0, 1, loaded[1][1:])
+    assert scratch_slots == [bytes(len(expected_state))] * 2, "a READ wrote a scratch slot"
 
 
 def test_mamba_across_tp_sizes_is_refused_saying_why(
@@ -297,8 +317,7 @@ def _start_prefill(prefill: h.Engine, num_tokens: int, max_tokens: int) -> list[
 
 def _write_state(engine: h.Engine, block: int, num_tokens: int) -> None:
     """Every byte of the Mamba group's ``block``: ``num_tokens``, standing for the state after
-    that many tokens (h.fill_blocks writes floats in [0, 1), which this group's int8 view
-    keeps as zeros)."""
+    that many tokens."""
     for name in engine.scheduler.kv_cache_config.kv_cache_groups[1].layer_names:
         engine.kv_caches[0][name][block].fill_(num_tokens)
 
