@@ -368,3 +368,39 @@ def test_a_windowed_prefill_past_its_prompt_never_lends_a_freed_block(windowed: 
         assert _token_bytes(decode, 1, loaded[1], window) == prompt_window, "a freed block loaded"
     assert params is None and decode.load_specs == []
     assert prefill.num_free_blocks() == num_free_before
+
+
+NULL_BLOCK = 0  # vLLM's null block: the placeholder for freed blocks, shared by every request
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not fixed: vLLM frees the block of token n - window at prefill's finish, yet "
+    "decode's recompute of token n - 1 attends it; neither side's planner knows vLLM's null "
+    "block, so the load reads null into null and reports success",
+)
+def test_a_window_start_vllm_freed_is_never_lent_nor_read_into_the_null_block(
+    windowed: Any,
+) -> None:
+    """47 tokens, a 16-token window, one token asked of prefill: at prefill's finish vLLM
+    frees the window's blocks for its next token (47, window [32, 47]), so the block of
+    tokens [16, 32) becomes its null block in both sides' lists. Yet decode, loading all 47,
+    recomputes token 46 (vLLM does for a full prompt hit), whose window [31, 46] holds token
+    31: its KV exists on neither side, so no load may report success, and no READ may write
+    vLLM's shared null block."""
+    prefill, decode = windowed
+    num_tokens = 47
+    prefill.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=1,
+                               kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+    prefill.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
+    params = prefill.finished("r").kv_transfer_params
+    every_block = range(prefill.scheduler.kv_cache_config.num_blocks)
+    h.fill_blocks(prefill, [every_block, every_block], seed=13)  # prefill's null block too
+    null_bytes = h.block_bytes(decode, 0, 1, [NULL_BLOCK])
+    decode.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE,
+                              kv_transfer_params=params and dict(params)))  # fmt: skip
+    loaded = h.run_until_loaded(decode, "r", timeout_s=30)
+    window_start = num_tokens - 1 - (WINDOW - 1)  # the first token decode's recompute attends
+    assert loaded[1][window_start // BLOCK_SIZE] == NULL_BLOCK  # vLLM's doing, on decode too
+    assert h.block_bytes(decode, 0, 1, [NULL_BLOCK]) == null_bytes, "a READ wrote the null block"
+    assert decode.stats.get("loads_finished", 0) == 0, "a load without token 31's KV succeeded"
