@@ -66,7 +66,8 @@ def test_ssm_groups_clip_to_the_running_state(groups: Any, scratch: Any, expecte
     assert clip_ssm_groups(groups, scratch) == expected
 
 
-def hybrid_cache(tp_size: int = 1, scratch: int = 0) -> KVCacheConfig:
+def hybrid_cache(tp_size: int = 1, scratch: int = 0, align: bool = False) -> KVCacheConfig:
+    """Attention and Mamba; ``align``: vLLM's Mamba prefix caching, a state per block."""
     full = FullAttentionSpec(
         block_size=BLOCK_SIZE,
         num_kv_heads=max(h.MODEL_KV_HEADS // tp_size, 1),
@@ -74,10 +75,11 @@ def hybrid_cache(tp_size: int = 1, scratch: int = 0) -> KVCacheConfig:
         dtype=torch.float32,
     )
     mamba = MambaSpec(
-        block_size=MAMBA_BLOCK_SIZE,
+        block_size=BLOCK_SIZE if align else MAMBA_BLOCK_SIZE,
         shapes=((3, 4), (5,)),
         dtypes=(torch.float32, torch.float32),
         num_speculative_blocks=scratch,
+        mamba_cache_mode="align" if align else "none",
     )
     groups = [KVCacheGroupSpec(["layers.0"], full), KVCacheGroupSpec(["layers.1"], mamba)]
     return KVCacheConfig(
@@ -90,12 +92,16 @@ def hybrid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     model = h.model_config(h.write_tiny_model(tmp_path))
     built: list[h.Engine] = []
 
-    def make(tp_sizes: tuple[int, int] = (1, 1), scratch: int = 0) -> list[h.Engine]:
+    def make(
+        tp_sizes: tuple[int, int] = (1, 1), scratch: int = 0, decode_align: bool = False
+    ) -> list[h.Engine]:
         for role, tp_size in zip(("kv_producer", "kv_consumer"), tp_sizes, strict=True):
+            align = decode_align and role == "kv_consumer"
             config = h.vllm_config(model, kv_role=role, tp_size=tp_size, block_size=BLOCK_SIZE)
             config.scheduler_config.disable_hybrid_kv_cache_manager = False
-            config.cache_config.enable_prefix_caching = False  # Mamba caching needs 'align'
-            cache = hybrid_cache(tp_size, scratch)
+            config.cache_config.enable_prefix_caching = align  # Mamba caching needs 'align'
+            config.cache_config.mamba_cache_mode = "align" if align else "none"
+            cache = hybrid_cache(tp_size, scratch, align)
             built.append(
                 h.build_engine(role, config, cache, port=h.free_port(), env=monkeypatch, block_format=FORMATS)
             )  # fmt: skip
@@ -152,6 +158,29 @@ def test_with_mamba_prefill_stops_one_token_short_and_decode_derives_the_last_st
     assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
     assert _kernel_state(decode, loaded) == expected_state
     assert h.block_bytes(decode, 0, 0, loaded[0][:2]) == h.block_bytes(prefill, 0, 0, attention_blocks)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "scratch"),
+    [(2 * BLOCK_SIZE + 1, 0), (2 * BLOCK_SIZE + 5, 0), (2 * BLOCK_SIZE + 1, 2)],
+    ids=["state-ends-a-block", "state-mid-block", "with-scratch-slots"],
+)
+def test_an_align_mode_decode_gets_the_state_where_its_first_step_takes_it(
+    hybrid: Any, num_tokens: int, scratch: int
+) -> None:
+    """With Mamba prefix caching (the "align" mode) decode keeps a state per 16-token block,
+    and a new request's first step takes its running state from column
+    (num_computed_tokens - 1) // block_size of the list (vLLM 0.33,
+    mamba_utils.preprocess_mamba), copying it on: the loaded state must be there."""
+    prefill, decode = hybrid(scratch=scratch, decode_align=True)
+    _, params = _prefill(prefill, num_tokens)
+    _fill_every_block(prefill, seed=7)
+    (expected_state,) = h.block_bytes(prefill, 0, 1, params["remote_block_ids"][1])
+    decode.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE, kv_transfer_params=params))  # fmt: skip
+    loaded = h.run_until_loaded(decode, "r", timeout_s=30)
+    assert decode.stats["loads_failed"] == 0 and decode.stats["loads_finished"] == 1
+    column = (params["remote_num_tokens"] - 1) // BLOCK_SIZE
+    assert h.block_bytes(decode, 0, 1, loaded[1][column : column + 1]) == [expected_state]
 
 
 @pytest.mark.parametrize(
