@@ -34,7 +34,11 @@ from vllm.config import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -59,6 +63,7 @@ MODEL_KV_HEADS = 2
 HEAD_SIZE = 16
 NUM_LAYERS = 2
 SAMPLED_TOKEN = 7
+MAX_MODEL_LEN = 1024
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -87,7 +92,11 @@ def write_tiny_model(folder: Path) -> Path:
 def model_config(folder: Path) -> ModelConfig:
     """Slow (vLLM inspects the architecture in a subprocess): build once per session."""
     return ModelConfig(
-        model=str(folder), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=1024
+        model=str(folder),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
     )
 
 
@@ -111,7 +120,7 @@ def vllm_config(
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
             max_num_batched_tokens=512,
-            max_model_len=1024,
+            max_model_len=MAX_MODEL_LEN,
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
@@ -313,11 +322,15 @@ def build_engine(
     )
     env.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(port))
     config.cache_config.num_gpu_blocks = cache_config.num_blocks
+    # As vLLM's EngineCore does: with groups of different block sizes (a Mamba group of
+    # max_model_len tokens beside attention), the scheduler steps in their LCM.
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(cache_config, config)
     scheduler = Scheduler(
         vllm_config=config,
         kv_cache_config=cache_config,
         structured_output_manager=StructuredOutputManager(config),
-        block_size=config.cache_config.block_size,
+        block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
     )
     tp_size = config.parallel_config.tensor_parallel_size
     workers, caches, agents = [], [], []
@@ -396,12 +409,22 @@ def allocate_kv_caches(cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
 
 
 def fill_blocks(engine: Engine, block_ids: Sequence[Sequence[int]], seed: int) -> None:
-    """Write seeded random values into the given logical blocks of every layer on every rank."""
+    """Write seeded random values into the given logical blocks of every layer on every rank:
+    floats in [0, 1) into a float view, and non-zero ints into an integer one (a Mamba
+    group's view is vLLM's raw int8 bytes, which would keep [0, 1) as zeros), so no block
+    is left all zeros and blocks differ from each other."""
     generator = torch.Generator().manual_seed(seed)
     for caches in engine.kv_caches:
         for group_index, tensor in _group_tensors(engine, caches):
             for block in block_ids[group_index]:
-                tensor[block] = torch.rand(tensor[block].shape, generator=generator)
+                tensor[block] = _random_values(tensor[block], generator)
+
+
+def _random_values(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if like.dtype.is_floating_point:
+        return torch.rand(like.shape, generator=generator)
+    high = torch.iinfo(like.dtype).max + 1
+    return torch.randint(1, high, like.shape, generator=generator, dtype=like.dtype)
 
 
 def block_bytes(engine: Engine, rank: int, group: int, block_ids: Sequence[int]) -> list[bytes]:
