@@ -29,6 +29,10 @@ way out, on success or not.
 ``--pin`` holds each engine to its own CPUs (sched_setaffinity before its fork, inherited by
 every process and thread): the single engine and prefill on CPU 0, decode on CPU 1, so a P/D
 prefill has exactly the single engine's compute and decode's engine loop cannot take it.
+
+``--chunked-pull N``: every engine prefills in chunks of N tokens (2048 without it) and our
+pair runs with ``chunked_pull`` (docs/overlap.md), so in ``ours-overlap`` decode READs each
+chunk's KV while prefill computes the next one; ``ours`` (sequential) is unchanged by it.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ REQUEST_TIMEOUT_S = 300.0
 VOCAB_IDS = range(4, 512)  # the model's words (0-3 are special)
 # Every engine alike: room for 4k-token prompts; chunked prefill (vLLM's default) in chunks
 # of 2048 tokens, stated so that the run does not depend on the default of a vLLM version.
-ENGINE_ARGS = ("--max-model-len", "8192", "--max-num-batched-tokens", "2048")
+CHUNK_TOKENS = 2048
+ENGINE_ARGS = ("--max-model-len", "8192", "--max-num-batched-tokens", str(CHUNK_TOKENS))
 PAIR_MODES = {"ours": "nixlpd", "ours-overlap": "nixlpd", "vllm": "vllm"}
 # Overlapped dispatch: decode waits for prefill's lease announcement at most this long (the
 # connector's overlap_wait_timeout, 30 s by default); a 4k-token prefill on two cores shared
@@ -84,22 +89,39 @@ def build_model(out_dir: Path) -> Path:
     return out_dir
 
 
+def engine_args(chunk_tokens: int | None) -> tuple[str, ...]:
+    """ENGINE_ARGS, with prefill chunks of ``chunk_tokens`` when given."""
+    if chunk_tokens is None:
+        return ENGINE_ARGS
+    return ("--max-model-len", "8192", "--max-num-batched-tokens", str(chunk_tokens))
+
+
 def pair_engines(
-    model_dir: Path, connector: str, log_dir: Path, *, overlap: bool = False
+    model_dir: Path,
+    connector: str,
+    log_dir: Path,
+    *,
+    overlap: bool = False,
+    chunk_tokens: int | None = None,
 ) -> list[Engine]:
     """Prefill (kv_producer) and decode (kv_consumer) with ``connector``, in its default
     configuration (ours: verify_kv off, as deployed; with ``overlap``, decode's wait for a
-    lease raised to OVERLAP_WAIT_TIMEOUT_S), not started."""
-    extra = {"overlap_wait_timeout": OVERLAP_WAIT_TIMEOUT_S} if overlap else None
+    lease raised to OVERLAP_WAIT_TIMEOUT_S; with ``chunk_tokens``, prefill in chunks of that
+    many tokens and ours with chunked_pull on both), not started."""
+    extra: dict[str, object] = {}
+    if overlap:
+        extra["overlap_wait_timeout"] = OVERLAP_WAIT_TIMEOUT_S
+    if chunk_tokens is not None and connector == "nixlpd":
+        extra["chunked_pull"] = True
     return [
         Engine(
             EngineSpec(
                 f"{name}-{connector}",
                 model_dir,
                 free_port(),
-                kv_transfer_config(connector, role, verify_kv=False, extra_config=extra),
+                kv_transfer_config(connector, role, verify_kv=False, extra_config=extra or None),
                 free_port(),
-                ENGINE_ARGS,
+                engine_args(chunk_tokens),
             ),
             log_dir,
         )
@@ -256,6 +278,7 @@ def run(
     *,
     pause_idle: bool,
     pin: bool = False,
+    chunk_tokens: int | None = None,
 ) -> list[Sample]:
     work_dir = Path(tempfile.mkdtemp(prefix="ttft-bench-"))
     logs = work_dir / "logs"
@@ -269,10 +292,12 @@ def run(
         if not phase_modes:
             continue
         overlap = "ours-overlap" in phase_modes
-        prefill, decode = pair_engines(model_dir, connector, logs, overlap=overlap)
+        prefill, decode = pair_engines(
+            model_dir, connector, logs, overlap=overlap, chunk_tokens=chunk_tokens
+        )
+        args = engine_args(chunk_tokens)
         single = Engine(
-            EngineSpec(f"single-{connector}", model_dir, free_port(), None, None, ENGINE_ARGS),
-            logs,
+            EngineSpec(f"single-{connector}", model_dir, free_port(), None, None, args), logs
         )  # one per phase, started with the pair: a stopped Engine does not start again
         engines = [single, prefill, decode] if "single" in modes else [prefill, decode]
         cpus = pinned_cpus(pin, single, prefill, decode)
@@ -315,6 +340,12 @@ def main() -> None:
         action="store_true",
         help="single engine and prefill on CPU 0, decode on CPU 1 (needs 2 CPUs)",
     )
+    parser.add_argument(
+        "--chunked-pull",
+        type=int,
+        metavar="TOKENS",
+        help="prefill in chunks of TOKENS on every engine; our pair pulls chunk by chunk",
+    )
     args = parser.parse_args()
     if args.report is not None:
         print("\n".join(table([Sample(**row) for row in json.loads(args.report.read_text())])))
@@ -324,7 +355,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.monotonic()
     samples = run(
-        lengths, args.requests, modes, args.seed, pause_idle=args.pause_idle, pin=args.pin
+        lengths,
+        args.requests,
+        modes,
+        args.seed,
+        pause_idle=args.pause_idle,
+        pin=args.pin,
+        chunk_tokens=args.chunked_pull,
     )
     print(f"\n{len(samples)} requests in {time.monotonic() - started:.0f} s", *notes, sep="\n")
     print("\n".join(table(samples)))

@@ -54,7 +54,8 @@ REAL_VLLM_MODULES = {
 # scripts/test.sh runs the real-vLLM tier as two pytest processes side by side, one per
 # stream: the modules that use the session's shared single engine and pair
 # (tests/real_vllm_workspace.py) in one, so that those start once, and modules with engines of
-# their own in the other, about as long (docs/testing.md, "CI and its time"). Two processes,
+# their own in the other, about as long (docs/testing.md, "CI and its time"): MLA, with its
+# own engines, runs in the shared stream, which was the shorter. Two processes,
 # not xdist: pytest-xdist 3.8's `--dist loadgroup` split one group over both workers here.
 OWN_ENGINES_STREAM = {
     "test_cpu_attn_op",
