@@ -34,6 +34,19 @@ class GroupKind(enum.Enum):
     SSM = "ssm"
 
 
+def window_read_start(num_tokens: int, window: int) -> int:
+    """The first token of a sliding-window group a reader loads with ``num_tokens`` tokens.
+
+    The next token, ``num_tokens``, attends to [num_tokens - window + 1, num_tokens] (vLLM
+    0.32/0.33 ``SlidingWindowManager.get_num_skipped_tokens``: after n computed tokens,
+    ``n - window + 1`` are skipped), so its window's KV is [num_tokens - window + 1,
+    num_tokens): ``window - 1`` tokens. vLLM frees the blocks wholly before that start (its
+    null block stands in for them) on both sides, so a read starting earlier could touch one.
+    Example: 46 tokens, window 16 -> 31.
+    """
+    return max(num_tokens - window + 1, 0)
+
+
 class MemoryLayout(enum.Enum):
     NHD = "nhd"  # per layer: (planes, kernel blocks, tokens, heads, head_dim)
     HND = "hnd"  # per layer: (planes, kernel blocks, heads, tokens, head_dim)

@@ -95,14 +95,22 @@ def _slot_address(
     )
 
 
+def vllm_window_start(num_tokens: int, window: int) -> int:
+    """The first token the next token (``num_tokens``) attends to in a sliding window, and the
+    first vLLM keeps: ``SlidingWindowManager.get_num_skipped_tokens(n)`` is
+    ``n - window + 1`` (vLLM 0.33, v1/core/single_type_kv_cache_manager.py); the blocks
+    wholly before it are freed, the null block standing in their place."""
+    return max(0, num_tokens - window + 1)
+
+
 def needed_tokens(layout: RankLayout, g: int, request: Request) -> list[int]:
     """Tokens of group ``g`` decode attends to and lacks (-1: the SSM state, if it has a block)."""
     group = layout.groups[g]
     if group.kind is GroupKind.SSM:
         return [-1] if request.local_block_ids[g] else []
     start = request.num_cached_tokens
-    if group.kind is GroupKind.SLIDING_WINDOW:
-        start = max(start, request.num_tokens - (group.window or 0))
+    if group.kind is GroupKind.SLIDING_WINDOW:  # token n's window: [n - window + 1, n]
+        start = max(start, vllm_window_start(request.num_tokens, group.window or 0))
     if start >= request.num_tokens:
         return []
     return _whole_blocks_if_opaque(group, start, request.num_tokens)
@@ -154,7 +162,7 @@ def fill_prefill(layout: RankLayout, request: Request, seed: int) -> Buffers:
             continue
         start = 0
         if group.kind is GroupKind.SLIDING_WINDOW:
-            start = max(0, request.num_tokens - (group.window or 0))
+            start = vllm_window_start(request.num_tokens, group.window or 0)
         # Opaque blocks: the slots past the prompt hold bytes too (whatever the kernel left).
         tokens.append(_whole_blocks_if_opaque(group, start, request.num_tokens))
     _write_all(layout, buffers, request.remote_block_ids, [0] * len(layout.groups), tokens)

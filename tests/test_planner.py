@@ -444,6 +444,23 @@ def test_swa_placeholders_outside_the_window_are_not_validated():
     assert int(np.sum(reads.lengths)) > 0
 
 
+@pytest.mark.parametrize("block", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 31, 32, 33, 46, 47, 48])
+def test_swa_reads_the_next_tokens_window_and_no_block_vllm_freed(num_tokens, window, block):
+    """With n tokens loaded, decode's next token n attends to [n - window + 1, n]; vLLM frees
+    (null block 0 in both lists) every block wholly before n - window + 1. The plan fills
+    exactly those window - 1 tokens (the oracle), so it never reads block 0 nor writes it.
+    Reading from n - window (one token more) touched a freed block whenever
+    n - window + 1 is a multiple of the block size (47 tokens, window 16, block 16)."""
+    spec = _spec(_group(SWA, block=block, blocks=64, window=window))
+    num_blocks = -(-num_tokens // block)
+    freed = oracle.vllm_window_start(num_tokens, window) // block
+    local = [0] * freed + list(range(1, 1 + num_blocks - freed))
+    remote = [0] * freed + list(range(63, 63 - (num_blocks - freed), -1))
+    oracle.run_all_ranks(spec, spec, 1, 1, _req(num_tokens, 0, [local], [remote]))
+
+
 @pytest.mark.parametrize(
     ("memory_layout", "descriptors"),
     [

@@ -118,7 +118,7 @@ def _group_ids(draw, kind, block_size, window, num_tokens, first_token, pool) ->
         )
     ids = _ids(draw, count, pool)
     if kind is GroupKind.SLIDING_WINDOW:
-        window_start = max(0, num_tokens - window)
+        window_start = oracle.vllm_window_start(num_tokens, window)  # vLLM frees before it
         ids = [
             PLACEHOLDER if (first_logical + i + 1) * block_size <= window_start else b
             for i, b in enumerate(ids)

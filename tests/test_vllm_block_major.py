@@ -154,20 +154,26 @@ def test_tensor_parallel_pairs_move_every_head(
     assert h.heads_bytes(decode, loaded[0][:2]) == expected
 
 
+# One more than a block: with the back-off (1 for a sliding window) decode loads 64 of 65
+# tokens and reads the window of token 64, [48, 64): block 3 whole, blocks 0-2 freed.
+WINDOW = BLOCK_SIZE + 1
+
+
 def test_hybrid_groups_share_block_rows(make_pair: Any) -> None:
     """Full attention and sliding window groups alias one buffer's rows (vLLM's HMA with a
     block-outermost layout): each group's bytes land in its own blocks, nothing else moves."""
-    prefill, decode = make_pair(("BLNHC", "BLNHC"), window=BLOCK_SIZE)
+    prefill, decode = make_pair(("BLNHC", "BLNHC"), window=WINDOW)
     views = decode.kv_caches[0]
     assert views["layers.0"].data_ptr() == views["layers.1"].data_ptr(), "groups share rows"
     assert views["layers.0"].stride(0) * 4 == 2 * BLOCK_SIZE * h.MODEL_KV_HEADS * h.HEAD_SIZE * 4
-    num_tokens = 4 * BLOCK_SIZE
+    num_tokens = 4 * BLOCK_SIZE + 1  # backed off by one: 64 loaded, token 64 sees [48, 64]
     params = _prefill(prefill, "req-h", num_tokens)
     full, sliding = params["remote_block_ids"]
     h.fill_blocks(prefill, [full, sliding[3:]], seed=9)
-    expected = [h.block_bytes(prefill, 0, 0, full), h.block_bytes(prefill, 0, 1, sliding[3:])]
+    assert sliding[:3] == [0, 0, 0], "blocks before the window are vLLM's null"
+    expected = [h.block_bytes(prefill, 0, 0, full[:4]), h.block_bytes(prefill, 0, 1, sliding[3:4])]
     loaded = _load(decode, "req-h", num_tokens, params)
-    got = [h.block_bytes(decode, 0, 0, loaded[0][:4]), h.block_bytes(decode, 0, 1, loaded[1][3:])]
+    got = [h.block_bytes(decode, 0, 0, loaded[0][:4]), h.block_bytes(decode, 0, 1, loaded[1][3:4])]
     assert got == expected
 
 
@@ -175,15 +181,15 @@ def test_hybrid_groups_share_block_rows(make_pair: Any) -> None:
 def test_hybrid_rows_over_real_nixl(make_pair: Any) -> None:
     """The same hybrid engines with real NIXL agents (UCX on loopback): the aliased group
     regions register and the READs land in both groups."""
-    prefill, decode = make_pair(("BLHNC", "BLHNC"), window=BLOCK_SIZE, real_nixl=True)
-    num_tokens = 4 * BLOCK_SIZE
+    prefill, decode = make_pair(("BLHNC", "BLHNC"), window=WINDOW, real_nixl=True)
+    num_tokens = 4 * BLOCK_SIZE + 1
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
     params = _prefill(prefill, "req-r", num_tokens)
     full, sliding = params["remote_block_ids"]
     h.fill_blocks(prefill, [full, sliding[3:]], seed=21)
-    expected = [h.block_bytes(prefill, 0, 0, full[:3]), h.block_bytes(prefill, 0, 1, sliding[3:])]
+    expected = [h.block_bytes(prefill, 0, 0, full[:3]), h.block_bytes(prefill, 0, 1, sliding[3:4])]
     loaded = _load(decode, "req-r", num_tokens, params)
-    got = [h.block_bytes(decode, 0, 0, loaded[0][:3]), h.block_bytes(decode, 0, 1, loaded[1][3:])]
+    got = [h.block_bytes(decode, 0, 0, loaded[0][:3]), h.block_bytes(decode, 0, 1, loaded[1][3:4])]
     assert got == expected
     decode.run_until(lambda e: e.finished("req-r") is not None)
     prefill.run_until(lambda e: e.num_free_blocks() == free_prefill)

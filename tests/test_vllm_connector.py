@@ -382,20 +382,30 @@ def test_prefill_abort_offers_nothing(make_pair: Any) -> None:
 
 
 def test_hybrid_sliding_window_and_full_attention(make_pair: Any) -> None:
-    """HMA: the full group moves every block, the sliding group only its in-window block."""
+    """HMA: the full group moves every transferred token, the sliding group only the window
+    of the first token decode computes. Backed off by one (a sliding window), prefill computes
+    63 of the 64 tokens and frees the blocks before token 63's window [48, 63]; decode loads
+    63 and reads [48, 63) of the sliding group."""
     prefill, decode = make_pair(window=BLOCK_SIZE)
     spec = prefill.connector.kv_cache_spec()
     assert [group.kind for group in spec.groups] == [GroupKind.FULL, GroupKind.SLIDING_WINDOW]
     num_tokens = 4 * BLOCK_SIZE
+    loaded_tokens, window = range(num_tokens - 1), range(num_tokens - BLOCK_SIZE, num_tokens - 1)
     free_prefill, free_decode = prefill.num_free_blocks(), decode.num_free_blocks()
     params = _prefill(prefill, "req-h", num_tokens)
     full, sliding = params["remote_block_ids"]
     assert len(full) == 4 and sliding[:3] == [0, 0, 0], "out-of-window blocks are vLLM's null"
     h.fill_blocks(prefill, [full, sliding[3:]], seed=5)
-    expected = [h.block_bytes(prefill, 0, 0, full), h.block_bytes(prefill, 0, 1, sliding[3:])]
+    expected = [
+        h.token_bytes(prefill, 0, full, loaded_tokens),
+        h.token_bytes(prefill, 1, sliding, window),
+    ]
     decode.add(_decode_request("req-h", num_tokens, params))
     loaded = h.run_until_loaded(decode, "req-h")
-    got = [h.block_bytes(decode, 0, 0, loaded[0][:4]), h.block_bytes(decode, 0, 1, loaded[1][3:4])]
+    got = [
+        h.token_bytes(decode, 0, loaded[0], loaded_tokens),
+        h.token_bytes(decode, 1, loaded[1], window),
+    ]
     assert got == expected
     decode.run_until(lambda e: e.finished("req-h") is not None)
     assert str(decode.finished("req-h").finish_reason) == "length"

@@ -11,6 +11,7 @@ import importlib.util
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,10 +33,11 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from connector.errors import UnsupportedConfiguration  # noqa: E402
-from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
+from connector.layout import TOKEN_ADDRESSABLE, BlockFormat, window_read_start  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
 from connector.vllm.scheduler import (  # noqa: E402
     clip_ssm_groups,
+    prefill_backoff_tokens,
     transferred_prompt_tokens,
     truncate_for_prefill,
 )
@@ -338,7 +340,8 @@ def _start_prefill(prefill: h.Engine, num_tokens: int, max_tokens: int) -> list[
     prefill.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=max_tokens,
                                kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
     prefill.step()
-    assert prefill.scheduler.requests["r"].num_computed_tokens == num_tokens
+    request = prefill.scheduler.requests["r"]  # backed off, its prompt is num_tokens - backoff
+    assert request.num_computed_tokens == request.num_prompt_tokens <= num_tokens
     blocks = [list(group) for group in prefill.scheduler.kv_cache_manager.get_block_ids("r")]
     h.fill_blocks(prefill, blocks, seed=11)
     return blocks
@@ -377,59 +380,108 @@ def test_a_hybrid_prefill_past_its_prompt_never_lends_a_later_state(hybrid: Any)
     assert prefill.num_free_blocks() == num_free_before
 
 
-def test_a_windowed_prefill_past_its_prompt_never_lends_a_freed_block(windowed: Any) -> None:
-    """46 tokens, a 16-token window, three tokens asked of prefill: by its last step vLLM has
-    freed the window's block of tokens [16, 32) (its null block stands in the list), yet
-    decode's first step attends to tokens [30, 46). A load must hold the prompt's KV there,
-    not the null block's: prefill offers nothing, and decode computes the prompt itself."""
+def test_a_windowed_prefill_asked_for_more_tokens_is_backed_off_and_lends_its_window(
+    windowed: Any,
+) -> None:
+    """46 tokens, a 16-token window, three tokens asked of prefill. The back-off (1 with a
+    sliding window) stops prefill at 45 prompt tokens and one answer token, so vLLM frees
+    only what token 45 no longer attends to: decode loads 45 and computes token 45, and the
+    window it attends to, [30, 45), holds prefill's KV (before the back-off, prefill ran on,
+    vLLM freed the block of tokens [16, 32), and the offer had to be withdrawn)."""
     prefill, decode = windowed
     num_tokens = 46
-    num_free_before = prefill.num_free_blocks()
     window_blocks = _start_prefill(prefill, num_tokens, max_tokens=3)[1]
-    window = range(num_tokens - WINDOW, num_tokens)
+    window = range(num_tokens - 1 - (WINDOW - 1), num_tokens - 1)
     prompt_window = _token_bytes(prefill, 1, window_blocks, window)
     prefill.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
     params = prefill.finished("r").kv_transfer_params
+    assert params is not None
     decode.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE,
-                              kv_transfer_params=params and dict(params)))  # fmt: skip
+                              kv_transfer_params=dict(params)))  # fmt: skip
     loaded = h.run_until_loaded(decode, "r", timeout_s=30)
-    if decode.stats.get("loads_finished", 0):  # never wrong: a load holds the prompt's window
-        assert _token_bytes(decode, 1, loaded[1], window) == prompt_window, "a freed block loaded"
+    assert [spec.num_tokens for spec in decode.load_specs] == [num_tokens - 1]
+    assert decode.stats.get("loads_finished", 0) == 1
+    assert _token_bytes(decode, 1, loaded[1], window) == prompt_window, "a freed block loaded"
+
+
+def test_a_windowed_prefill_past_its_prompt_never_lends_a_freed_block(windowed: Any) -> None:
+    """A one-token prompt is not backed off, so prefill computes the answer's tokens too when
+    asked for 40; by its last step (40 tokens computed) vLLM has freed the window's first
+    block (tokens [0, 16)), which a decode sent the prompt and more would attend to. Prefill
+    offers nothing, frees its blocks, and decode computes the prompt itself."""
+    prefill, decode = windowed
+    num_free_before = prefill.num_free_blocks()
+    _start_prefill(prefill, 1, max_tokens=40)
+    prefill.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
+    params = prefill.finished("r").kv_transfer_params
+    decode.add(h.make_request("r", 2, block_size=BLOCK_SIZE, token_ids=[1, h.SAMPLED_TOKEN],
+                              kv_transfer_params=params and dict(params)))  # fmt: skip
+    h.run_until_loaded(decode, "r", timeout_s=30)
     assert params is None and decode.load_specs == []
     assert prefill.num_free_blocks() == num_free_before
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 2, 5, 16, 17, 32])
+def test_decodes_first_token_attends_only_to_loaded_tokens_prefill_kept(
+    block_size: int, window: int
+) -> None:
+    """For every prompt length T: prefill computes the transferred tokens L and frees, at its
+    finish, the blocks wholly before L - window + 1 (vLLM's
+    SlidingWindowManager.get_num_skipped_tokens(L)). Decode loads L; the first token it
+    computes is L, or L - 1 when it loaded the whole prompt (vLLM rewinds a full hit,
+    Scheduler._update_waiting_for_remote_kv). That token's window must lie inside what the
+    reader reads, and what it reads inside the blocks prefill kept."""
+    cache = h.kv_cache_config(block_size=block_size, num_blocks=8, window=window)
+    backoff = prefill_backoff_tokens(SimpleNamespace(), cache)
+    for num_tokens in range(1, 3 * window + 2 * block_size + 2):
+        loaded = transferred_prompt_tokens(num_tokens, backoff)
+        if loaded == 0:
+            continue
+        first_kept = max(0, loaded - window + 1) // block_size * block_size
+        first_computed = loaded - 1 if loaded == num_tokens else loaded
+        attends = range(max(0, first_computed - window + 1), first_computed)
+        reads = range(window_read_start(loaded, window), loaded)
+        assert set(attends) <= set(reads), (num_tokens, "decode attends to a token not loaded")
+        assert reads.start >= first_kept, (num_tokens, "a read of a block prefill freed")
 
 
 NULL_BLOCK = 0  # vLLM's null block: the placeholder for freed blocks, shared by every request
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: vLLM frees the block of token n - window at prefill's finish, yet "
-    "decode's recompute of token n - 1 attends it; neither side's planner knows vLLM's null "
-    "block, so the load reads null into null and reports success",
-)
 def test_a_window_start_vllm_freed_is_never_lent_nor_read_into_the_null_block(
     windowed: Any,
 ) -> None:
-    """47 tokens, a 16-token window, one token asked of prefill: at prefill's finish vLLM
-    frees the window's blocks for its next token (47, window [32, 47]), so the block of
-    tokens [16, 32) becomes its null block in both sides' lists. Yet decode, loading all 47,
-    recomputes token 46 (vLLM does for a full prompt hit), whose window [31, 46] holds token
-    31: its KV exists on neither side, so no load may report success, and no READ may write
-    vLLM's shared null block."""
+    """47 tokens, a 16-token window, one token asked of prefill. Without a back-off, prefill's
+    finish freed the window's blocks for its next token (47, window [32, 47]): the block of
+    tokens [16, 32) became the null block in both sides' lists, yet decode, loading all 47,
+    recomputed token 46, whose window [31, 46] holds token 31, and our READ of [31, 47) copied
+    null into null with the load reporting success. Backed off by one, prefill computes 46
+    tokens and keeps token 46's window [31, 46]; decode loads those 46 and computes token 46
+    itself: the window it attends to, [31, 46), holds prefill's KV, and no READ touches the
+    null block."""
     prefill, decode = windowed
     num_tokens = 47
     prefill.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE, max_tokens=1,
                                kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
     prefill.run_until(lambda e: e.finished("r") is not None, timeout_s=30)
     params = prefill.finished("r").kv_transfer_params
+    assert params is not None
     every_block = range(prefill.scheduler.kv_cache_config.num_blocks)
     h.fill_blocks(prefill, [every_block, every_block], seed=13)  # prefill's null block too
     null_bytes = h.block_bytes(decode, 0, 1, [NULL_BLOCK])
     decode.add(h.make_request("r", num_tokens, block_size=BLOCK_SIZE,
-                              kv_transfer_params=params and dict(params)))  # fmt: skip
+                              kv_transfer_params=dict(params)))  # fmt: skip
     loaded = h.run_until_loaded(decode, "r", timeout_s=30)
-    window_start = num_tokens - 1 - (WINDOW - 1)  # the first token decode's recompute attends
-    assert loaded[1][window_start // BLOCK_SIZE] == NULL_BLOCK  # vLLM's doing, on decode too
+    (spec,) = decode.load_specs
+    first_computed = spec.num_tokens  # the first token decode computes itself
+    assert first_computed == num_tokens - 1
+    window = range(first_computed - (WINDOW - 1), first_computed)  # what it attends to: [31, 46)
+    remote_window_blocks = params["remote_block_ids"][1]
+    assert NULL_BLOCK not in {remote_window_blocks[t // BLOCK_SIZE] for t in window}
+    assert NULL_BLOCK not in {loaded[1][t // BLOCK_SIZE] for t in window}
     assert h.block_bytes(decode, 0, 1, [NULL_BLOCK]) == null_bytes, "a READ wrote the null block"
-    assert decode.stats.get("loads_finished", 0) == 0, "a load without token 31's KV succeeded"
+    assert decode.stats.get("loads_finished", 0) == 1
+    assert _token_bytes(decode, 1, loaded[1], window) == _token_bytes(
+        prefill, 1, remote_window_blocks, window
+    ), "decode's window is not prefill's"

@@ -437,6 +437,20 @@ def block_bytes(engine: Engine, rank: int, group: int, block_ids: Sequence[int])
     ]
 
 
+def token_bytes(engine: Engine, group: int, block_ids: Sequence[int], tokens: range) -> list[bytes]:
+    """Each token's bytes in every layer of an attention group on rank 0 ([block, head, token,
+    C]): for comparing the tokens a load moved when only part of a block is transferred."""
+    layers = engine.scheduler.kv_cache_config.kv_cache_groups[group].layer_names
+    block_size = engine.scheduler.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
+    return [
+        engine.kv_caches[0][name][block_ids[token // block_size]][:, token % block_size]
+        .numpy()
+        .tobytes()
+        for name in layers
+        for token in tokens
+    ]
+
+
 def _group_tensors(engine: Engine, caches: dict[str, torch.Tensor]) -> Iterator[tuple[int, Any]]:
     groups = engine.scheduler.kv_cache_config.kv_cache_groups
     for group_index, group in enumerate(groups):

@@ -32,7 +32,13 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.errors import UnsupportedConfiguration
-from connector.layout import GroupGeometry, GroupKind, PlaneGeometry, RankLayout
+from connector.layout import (
+    GroupGeometry,
+    GroupKind,
+    PlaneGeometry,
+    RankLayout,
+    window_read_start,
+)
 from connector.metadata import GroupDigests
 from connector.protocol import DigestClaim
 
@@ -89,8 +95,8 @@ def read_units(group: GroupGeometry, num_cached_tokens: int, num_tokens: int) ->
     if group.kind is GroupKind.SSM:  # the state, whenever tokens are left to load
         return _STATE_UNIT if num_cached_tokens < num_tokens else range(0)
     start = num_cached_tokens
-    if group.kind is GroupKind.SLIDING_WINDOW:
-        start = max(start, num_tokens - (group.window or 0))
+    if group.kind is GroupKind.SLIDING_WINDOW and group.window is not None:  # as the planner
+        start = max(start, window_read_start(num_tokens, group.window))
     if start >= num_tokens:
         return range(0)
     per_unit = unit_tokens(group)

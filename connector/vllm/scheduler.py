@@ -7,9 +7,10 @@ request's one record, its claim, parse, refusal and load, is SchedulerConnector'
 whose params bind at allocation: see scheduler/connector.py.
 
 vLLM's request semantics, mirrored here (the functions at the end; why, in docs/integrity.md
-"A state is loaded for exactly its tokens"): with SSM (Mamba) groups or multi-token prediction
-prefill stops ``backoff`` tokens short and decode loads ``N - backoff``, since vLLM's decode
-recomputes the last loaded prompt token; both sides count the transfer with one function,
+"A state is loaded for exactly its tokens"): with SSM (Mamba) or sliding-window groups or
+multi-token prediction prefill stops ``backoff`` tokens short and decode loads ``N - backoff``,
+since vLLM's decode recomputes the last loaded prompt token (and a sliding window's blocks
+before the next token's window are freed); both sides count the transfer with one function,
 ``transferred_prompt_tokens``, of the prompt's length and the model's back-off, whatever the
 request asks. Speculative decoding's scratch SSM slots are clipped (only the running state is
 transferred). A LoRA adapter, a cache salt and multimodal inputs change a prompt's KV without
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from connector.errors import UnsupportedConfiguration
@@ -245,9 +246,25 @@ class SchedulerSide:
 
 
 def prefill_backoff_tokens(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
-    """Trailing prompt tokens prefill leaves for decode to compute (0 for plain attention)."""
+    """Trailing prompt tokens prefill leaves for decode to compute (0 for plain attention).
+
+    At least 1 with an SSM state (decode recomputes the last loaded token, and a state holds
+    no earlier one) or a sliding window: on a full-prompt hit vLLM's decode recomputes token
+    N - 1 (``Scheduler._update_waiting_for_remote_kv``), whose window starts at N - window,
+    while prefill's finish freed the blocks wholly before N - window + 1, the window of token
+    N (``SlidingWindowManager.get_num_skipped_tokens``). Backed off, prefill computes N - 1
+    tokens and keeps the window of token N - 1, the first token decode computes.
+    """
     lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 1)
-    return max(1 if kv_cache_config.has_mamba_layers else 0, lookahead - 1)
+    return max(1 if _keeps_only_the_end(kv_cache_config) else 0, lookahead - 1)
+
+
+def _keeps_only_the_end(kv_cache_config: KVCacheConfig) -> bool:
+    """Does a transferred group hold the sequence's end only (SSM state, sliding window)?"""
+    return kv_cache_config.has_mamba_layers or any(
+        isinstance(group.kv_cache_spec, SlidingWindowSpec)
+        for group in kv_cache_config.transfer_groups
+    )
 
 
 def ssm_scratch_blocks(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]:

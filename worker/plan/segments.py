@@ -15,7 +15,9 @@ plane follow from the layout formula (connector/layout.py).
 Which tokens a group reads, given decode's prefix hit ``c`` and the prompt length ``n``:
 
     FULL, MLA        [c, n)
-    SLIDING_WINDOW   [max(c, n - window), n)   (ids of blocks outside it may be placeholders)
+    SLIDING_WINDOW   [max(c, n - window + 1), n)   (the next token's window,
+                     connector.layout.window_read_start; ids of blocks before it may be
+                     vLLM's null block)
     SSM              no tokens: prefill's last block (its state) -> decode's last block
 
 A group whose block format is opaque (connector/layout.py BlockFormat) widens its range to
@@ -38,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.errors import TransferPlanError
-from connector.layout import GroupKind
+from connector.layout import GroupKind, window_read_start
 from worker.plan.pairing import Int64Array
 
 if TYPE_CHECKING:  # annotations only: no import at run time
@@ -135,7 +137,7 @@ def _group_segments(
         return state_segment(int(local_block[0]), int(remote_block[0]))
     start = num_cached
     if g.kind is GroupKind.SLIDING_WINDOW and g.window is not None:
-        start = max(num_cached, num_tokens - g.window)
+        start = max(num_cached, window_read_start(num_tokens, g.window))
     if start >= num_tokens:
         return None
     end = num_tokens
