@@ -70,8 +70,11 @@ MAX_TOKENS = 8
 VOCAB_IDS = range(4, 512)
 CONNECTORS = ("nixlpd", "vllm")
 # A few prompts per case keep the tier's CI time small: lengths around the sliding window
-# (64) and vLLM's CPU block (128), one token, and a long one.
-PROMPT_LENGTHS = (1, 63, 65, 129, 300, 700)
+# (64) and vLLM's CPU block (128), one token, and a long one. 191: the window of its last
+# token, [127, 190], starts at the last token of a block that vLLM frees once 191 tokens are
+# computed (the next token's window is [128, 191]): decode must load 190 and compute that
+# token itself (the sliding-window back-off, docs/vllm.md), or it attends a freed block.
+PROMPT_LENGTHS = (1, 63, 65, 129, 191, 300, 700)
 TP2_PREFILL = ("--tensor-parallel-size", "2")
 NGRAM = (
     "--speculative-config",
