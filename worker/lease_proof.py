@@ -380,22 +380,10 @@ def side_channel_checks(
     """The lease check and verify_kv's digest check over the side channel the params name
     (naming their boot: no Hello), retried while unanswered (``asked_again``), sharing what
     they learn of silent side channels."""
-    from connector.net.side_channel_client import check_leases_status
-
     silence = silence or SilentSideChannels(config.handshake_timeout_s)
 
     def ask(remote: RemoteSource, claims: tuple[DigestClaim, ...]) -> tuple[bool | Staging, str]:
-        status = check_leases_status(
-            remote.host,
-            remote.port,
-            [lease_ref(remote, claims)],
-            engine_id=remote.engine_id,
-            boot_id=remote.boot_id,
-            secret=config.side_channel_secret,
-            timeout_s=config.handshake_timeout_s,
-            max_message_bytes=config.max_message_bytes,
-            reader=remote.reader,
-        )
+        status = _lease_status(config, remote, [lease_ref(remote, claims)])
         held = answers(status)[0]
         if isinstance(held, ConnectorError):  # LeaseRefused: fails the load, never retried
             raise held
@@ -415,23 +403,9 @@ def side_channel_checks(
 def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannels) -> BatchCheck:
     """Check many leases of one prefill engine boot in one LeaseCheck (per
     MAX_REFS_PER_MESSAGE), asked again while unanswered, as ``side_channel_checks`` does."""
-    from connector.net.side_channel_client import check_leases_status
 
     def ask(remotes: Sequence[RemoteSource]) -> list[Answer]:
-        first = remotes[0]
-        return answers(
-            check_leases_status(
-                first.host,
-                first.port,
-                [lease_ref(remote) for remote in remotes],
-                engine_id=first.engine_id,
-                boot_id=first.boot_id,
-                secret=config.side_channel_secret,
-                timeout_s=config.handshake_timeout_s,
-                max_message_bytes=config.max_message_bytes,
-                reader=first.reader,
-            )
-        )
+        return answers(_lease_status(config, remotes[0], [lease_ref(r) for r in remotes]))
 
     def check(remotes: Sequence[RemoteSource], patient: bool) -> list[Answer]:
         results: list[Answer] = []
@@ -445,6 +419,25 @@ def side_channel_batch_check(config: ConnectorConfig, silence: SilentSideChannel
         return results
 
     return check
+
+
+def _lease_status(
+    config: ConnectorConfig, remote: RemoteSource, refs: list[LeaseRef]
+) -> LeaseStatus:
+    """One LeaseCheck of ``refs`` to the prefill boot ``remote`` names, as ``remote.reader``."""
+    from connector.net.side_channel_client import check_leases_status
+
+    return check_leases_status(
+        remote.host,
+        remote.port,
+        refs,
+        engine_id=remote.engine_id,
+        boot_id=remote.boot_id,
+        secret=config.side_channel_secret,
+        timeout_s=config.handshake_timeout_s,
+        max_message_bytes=config.max_message_bytes,
+        reader=remote.reader,
+    )
 
 
 def lease_ref(remote: RemoteSource, claims: tuple[DigestClaim, ...] = ()) -> LeaseRef:
