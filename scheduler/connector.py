@@ -365,17 +365,10 @@ class SchedulerConnector:
     def _prompt_blocks(
         self, request: RequestInfo, block_ids: Sequence[Sequence[int]]
     ) -> Sequence[Sequence[int]] | None:
-        """The blocks that hold the prompt's KV, for prefill's lease, or None when none do.
-
-        All of them, unless the request computed past its prompt (a client asked prefill for
-        more than one token): then each attention group's first blocks, those holding the
-        prompt's tokens, whose KV the later tokens do not touch. A model with an SSM group or
-        a sliding window gets None: its state is the one after the answer's tokens too, and a
-        window's blocks the engine freed as the answer went on are gone from the list (vLLM
-        puts its null block in their place), though decode's first step still attends to
-        them. Offering those blocks under the prompt's token count would load the wrong KV and
-        pass every check, since both the blocks and the tokens are the lease's; decode
-        computes the prompt itself instead (tests/test_vllm_semantics.py shows both)."""
+        """The blocks that hold the prompt's KV, for prefill's lease, or None when none do:
+        all of them, unless the request computed past its prompt; then each attention group's
+        first blocks, and None for an SSM state or a sliding window, which hold the answer's
+        end by then (why offering them would load wrong KV: docs/vllm.md)."""
         computed = request.num_computed_tokens
         if computed is None or computed <= request.num_prompt_tokens:
             return block_ids
