@@ -69,7 +69,6 @@ VOCAB_IDS = range(4, 512)  # the model's words (0-3 are special)
 # Every engine alike: room for 4k-token prompts; chunked prefill (vLLM's default) in chunks
 # of 2048 tokens, stated so that the run does not depend on the default of a vLLM version.
 CHUNK_TOKENS = 2048
-ENGINE_ARGS = ("--max-model-len", "8192", "--max-num-batched-tokens", str(CHUNK_TOKENS))
 PAIR_MODES = {"ours": "nixlpd", "ours-overlap": "nixlpd", "vllm": "vllm"}
 # Overlapped dispatch: decode waits for prefill's lease announcement at most this long (the
 # connector's overlap_wait_timeout, 30 s by default); a 4k-token prefill on two cores shared
@@ -90,10 +89,9 @@ def build_model(out_dir: Path) -> Path:
 
 
 def engine_args(chunk_tokens: int | None) -> tuple[str, ...]:
-    """ENGINE_ARGS, with prefill chunks of ``chunk_tokens`` when given."""
-    if chunk_tokens is None:
-        return ENGINE_ARGS
-    return ("--max-model-len", "8192", "--max-num-batched-tokens", str(chunk_tokens))
+    """Every engine's arguments: prefill chunks of ``chunk_tokens`` (None: CHUNK_TOKENS)."""
+    chunk = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    return ("--max-model-len", "8192", "--max-num-batched-tokens", str(chunk))
 
 
 def pair_engines(
