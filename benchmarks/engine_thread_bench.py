@@ -42,8 +42,8 @@ from benchmarks.transfer_peer import PeerChild  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource  # noqa: E402
 from connector.protocol import PROTOCOL_VERSION, WorkerHandshake  # noqa: E402
-from worker.compat import fingerprint  # noqa: E402
 from worker.connector import WorkerConnector  # noqa: E402
+from worker.handshake import fingerprint  # noqa: E402
 from worker.nixl_api import TransferState  # noqa: E402
 from worker.nixl_real import RealNixlAgent  # noqa: E402
 from worker.plan.exact_runs import ByteRuns  # noqa: E402

@@ -46,9 +46,9 @@ from scheduler.leases import LeaseTable
 from scheduler.requests import RequestInfo, Role
 from scheduler.side_channel import SideChannelServer
 from tests.test_worker_parts import make_spec
-from worker.compat import fingerprint
 from worker.connector import WorkerConnector
 from worker.fake import FakeFabric, FakeNixl
+from worker.handshake import fingerprint
 
 HOST = "127.0.0.1"
 SPEC = make_spec(num_kv_heads=8, num_layers=4, num_blocks=32)

@@ -1,4 +1,4 @@
-"""worker.compat.check_transport: peers need a NIXL backend in common that reads their memory."""
+"""worker.handshake.check_transport: peers need a NIXL backend in common that reads their memory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from connector.errors import UnsupportedConfiguration
 from connector.memory import HOST_MEMORY, Memory, MemoryKind
-from worker.compat import check_transport
+from worker.handshake import check_transport
 
 GPU = Memory(MemoryKind.GPU, 0)
 UCX_GPU = {"UCX": ("DRAM", "VRAM"), "POSIX": ("DRAM", "FILE")}

@@ -27,7 +27,7 @@ from connector.tools.doctor_ucx import (
     slowest_class,
     transport_class,
 )
-from worker.compat import digest_of
+from worker.handshake import digest_of
 
 MIB = 2**20
 

@@ -20,7 +20,7 @@ from connector.tools.doctor import DoctorOptions, probe_side_channel, run_doctor
 from connector.tools.doctor_loopback import PeerProcess, run_loopback
 from scheduler.side_channel import SideChannelServer
 from tests.test_protocol import make_handshake
-from worker.compat import digest_of
+from worker.handshake import digest_of
 
 pytestmark = [pytest.mark.real_nixl, pytest.mark.timeout(300)]
 

@@ -24,8 +24,7 @@ from tests.test_worker_connector import (
     source,
 )
 from tests.test_worker_parts import BASE, Clock
-from worker.compat import fingerprint
-from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult
+from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult, fingerprint
 from worker.peers import PeerState, PeerTable
 
 BAD_PORT = PREFILL_PORT + 50

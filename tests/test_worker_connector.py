@@ -41,8 +41,8 @@ from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from scheduler.leases import LeaseTable
 from tests.test_worker_parts import BASE, FP8, Clock, make_spec
 from worker import lease_proof
-from worker.compat import fingerprint
 from worker.connector import WorkerConnector
+from worker.handshake import fingerprint
 from worker.lease_proof import answers
 from worker.load_lifecycle import Staging
 from worker.nixl_api import TransferState

@@ -12,8 +12,15 @@ import pytest
 from connector.errors import HandshakeError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
-from worker.compat import Fingerprint, check_compatible, digest_of, fingerprint
-from worker.handshake import HandshakeClient, HandshakeJob, any_boot
+from worker.handshake import (
+    Fingerprint,
+    HandshakeClient,
+    HandshakeJob,
+    any_boot,
+    check_compatible,
+    digest_of,
+    fingerprint,
+)
 from worker.notifications import NotificationCounter
 from worker.plan.recipe import TransferRequest, peer_plan, plan_request
 from worker.topology import expected_notifications, head_shapes, notification_duty

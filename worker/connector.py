@@ -46,8 +46,7 @@ from connector.protocol import (
     DigestClaim,
     WorkerHandshake,
 )
-from worker.compat import fingerprint
-from worker.handshake import BootFetcher, Fetcher, HandshakeClient, any_boot
+from worker.handshake import BootFetcher, Fetcher, HandshakeClient, any_boot, fingerprint
 from worker.kv_digest import check_digestible, host_regions, lease_digests, read_claims
 from worker.lease_proof import (
     LeaseCheck,

@@ -53,8 +53,17 @@ from connector.observability.metrics import (
     handshake_failure_kind,
 )
 from connector.protocol import WorkerHandshake
-from worker.compat import Fingerprint, check_compatible, check_transport, validate_handshakes
-from worker.handshake import HandshakeClient, HandshakeJob, HandshakeResult, Phase, describe_phases
+from worker.handshake import (
+    Fingerprint,
+    HandshakeClient,
+    HandshakeJob,
+    HandshakeResult,
+    Phase,
+    check_compatible,
+    check_transport,
+    describe_phases,
+    validate_handshakes,
+)
 from worker.nixl_api import NixlAgent
 from worker.plan.recipe import PeerPlan, peer_plan
 from worker.reads import PreparedLists, PreparedReads

@@ -16,7 +16,7 @@ import msgspec
 from connector.config import ENV_SIDE_CHANNEL_SECRET
 from connector.errors import ConnectorError
 from connector.tools.doctor_ucx import TransportClass
-from worker.compat import Fingerprint, check_compatible
+from worker.handshake import Fingerprint, check_compatible
 from worker.topology import tp_ratio
 
 Status = Literal["ok", "warn", "fail", "info"]

@@ -4,7 +4,7 @@ A cache quantized per tensor (``--kv-cache-dtype fp8``) stores each K element as
 ``k / k_scale`` (V likewise), with one ``k_scale`` and one ``v_scale`` per layer that vLLM
 loads from the checkpoint (1.0 without one) before it allocates the KV cache. The scales are
 not in the pages, so two engines' bytes mean the same values only when their scales are equal:
-the handshake compares them (worker/compat.py).
+the handshake compares them (worker/handshake.py).
 """
 
 from __future__ import annotations
