@@ -23,7 +23,7 @@ from connector.protocol import BlockDigest, ReaderId, TokenDigest
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 # The largest block id anywhere on the path: vLLM's block tables are int32 tensors and the
-# prepared-list planner indexes NIXL descriptors in int32 (worker/plan/prepared_rows.py), so an
+# prepared-list planner indexes NIXL descriptors in int32 (worker/plan/whole_blocks.py), so an
 # id above this could never name a real block; params refuse it at the door.
 MAX_BLOCK_ID = 2**31 - 1
 

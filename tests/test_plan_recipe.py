@@ -19,7 +19,6 @@ WORKER = ROOT / "worker"
 
 STAGES = (  # the recipe's stage modules, handshake then request, as worker/plan/recipe.py lists them
     "plan.pairing",
-    "plan.prepared_rows",
     "plan.segments",
     "plan.whole_blocks",
     "plan.exact_runs",

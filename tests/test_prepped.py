@@ -28,10 +28,9 @@ from tests.test_planner_properties import Case, cases, padded
 from worker.fake import FakeFabric, FakeNixl
 from worker.nixl_api import NixlAgent, TransferState
 from worker.plan.exact_runs import ByteRuns, exact_runs
-from worker.plan.prepared_rows import prepared_rows
 from worker.plan.recipe import ReadPath, TransferRequest, peer_plan, plan_request
 from worker.plan.segments import cut_segments
-from worker.plan.whole_blocks import choose_prepared, indexed_request, split_request
+from worker.plan.whole_blocks import choose_prepared, indexed_request, prepared_rows, split_request
 
 _names = itertools.count()
 

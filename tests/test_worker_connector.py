@@ -873,7 +873,7 @@ def test_plan_memory_stays_mapped_on_glibc() -> None:
     assert keep_plan_memory_mapped()
 
 
-# --- reads by index from prepared lists (worker/plan/prepared_rows.py, worker/reads.py) --------------------------
+# --- reads by index from prepared lists (worker/plan/whole_blocks.py, worker/reads.py) --------------------------
 
 FRAGMENTED = make_spec(num_layers=8, num_blocks=256)  # 16 planes: many ranges when fragmented
 

@@ -4,7 +4,7 @@ Prepared lists (``PreparedLists``, at handshake, freed when the peer retires): l
 (this rank's memory) are shared by every (peer, remote rank) whose rows are the same, so a
 rank serving one model prepares one local list per distinct pairing, once. Remote lists are
 one per (peer, remote rank) and go before the peer's agents do. What a peer costs: one
-strided row per plane read from each remote rank, on each side (worker/plan/prepared_rows.py),
+strided row per plane read from each remote rank, on each side (worker/plan/whole_blocks.py),
 e.g. 64 rows for 32 layers of K and V; NIXL keeps strided rows compressed (measured: a list of
 1M entries prepared in 0.05 ms with no RSS growth, against 45 ms and about 55 MB expanded), so
 the pool size costs nothing per peer.
@@ -33,7 +33,7 @@ from connector.memory import Memory
 from connector.protocol import WorkerHandshake
 from worker.nixl_api import Descriptors, NixlAgent
 from worker.plan.exact_runs import ByteRuns
-from worker.plan.prepared_rows import PreparedRows
+from worker.plan.whole_blocks import PreparedRows
 
 if TYPE_CHECKING:
     from worker.peers import PeerLink

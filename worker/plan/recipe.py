@@ -7,7 +7,7 @@ correct by construction. Who owns each stage:
 
     handshake, once per (local rank, remote engine): ``peer_plan``
       pair the layouts (validate, plane classes)   worker/plan/pairing.py
-      prepared rows per remote rank                worker/plan/prepared_rows.py
+      prepared rows per remote rank                worker/plan/whole_blocks.py prepared_rows
       who notifies, with which count               worker/topology.py notification_duty
     per request: ``plan_request``
       1. cut segments (and check the request)      worker/plan/segments.py
@@ -33,12 +33,13 @@ import msgspec
 from connector.layout import RankLayout
 from worker.plan.exact_runs import ByteRuns, concatenate, exact_runs
 from worker.plan.pairing import GroupPairing, pair_groups, validate_pair
-from worker.plan.prepared_rows import PreparedRows, prepared_rows
 from worker.plan.segments import RequestSegments, cut_segments, leading_remote_blocks
 from worker.plan.whole_blocks import (
     PreparedRequest,
+    PreparedRows,
     RequestSplit,
     indexed_request,
+    prepared_rows,
     reads_by_index,
     split_request,
     whole_ranges,
