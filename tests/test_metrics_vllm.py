@@ -38,7 +38,7 @@ from connector.observability.metrics import (  # noqa: E402
     default_recorder,
 )
 from connector.vllm import NixlPDConnector  # noqa: E402
-from connector.vllm.messages import NixlPDStats  # noqa: E402
+from connector.vllm.metrics import NixlPDStats  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -12,8 +12,7 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
 from connector.metadata import FailureKind, LoadFailure, WorkerReport
-from connector.vllm.messages import NixlPDWorkerMeta
-from connector.vllm.scheduler import SchedulerSide
+from connector.vllm.scheduler import NixlPDWorkerMeta, SchedulerSide
 from scheduler.connector import Role, SchedulerConnector
 from scheduler.consumer import UNREAD_OR_REFUSED
 from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState

@@ -56,7 +56,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from connector.layout import TOKEN_ADDRESSABLE, BlockFormat  # noqa: E402
 from connector.metadata import LoadSpec  # noqa: E402
 from connector.vllm import NixlPDConnector  # noqa: E402
-from connector.vllm.messages import NixlPDMetadata  # noqa: E402
+from connector.vllm.scheduler import NixlPDMetadata  # noqa: E402
 from worker.fake import FakeNixl  # noqa: E402
 
 MODEL_KV_HEADS = 2

@@ -64,9 +64,10 @@ from connector.vllm.layout import (
     kv_cache_spec_from_vllm,
     memory_layout_of,
 )
-from connector.vllm.messages import NixlPDMetadata, NixlPDStats
+from connector.vllm.metrics import NixlPDStats, build_prom_metrics
 from connector.vllm.scales import kv_scales_of
 from connector.vllm.scheduler import (
+    NixlPDMetadata,
     SchedulerSide,
     kv_transfer_params,
     offers_to_decode,
@@ -390,8 +391,6 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         """connector.observability.metrics on vLLM's /metrics (see connector/vllm/metrics.py)."""
-        from connector.vllm.metrics import build_prom_metrics
-
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -4,7 +4,9 @@ It translates and nothing more: vLLM's Request and KVCacheBlocks become RequestI
 ids, the ranks' reports come out of vLLM's worker metadata (with vLLM's own aggregate of them),
 and the outcomes vLLM has not heard of from the ranks go back for them to echo. Each decode
 request's one record, its claim, parse, refusal and load, is SchedulerConnector's (Consumer's),
-whose params bind at allocation: see scheduler/connector.py.
+whose params bind at allocation: see scheduler/connector.py. What crosses vLLM's process
+boundaries is defined here too (``NixlPDMetadata`` to the ranks each step, which this half
+builds; ``NixlPDWorkerMeta`` and ``NixlPDHandshakeMetadata`` from them, which it reads).
 
 vLLM's request semantics, mirrored here (the functions at the end; why, in docs/integrity.md
 "A state is loaded for exactly its tokens"): with SSM (Mamba) or sliding-window groups or
@@ -25,20 +27,20 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from connector.errors import UnsupportedConfiguration
 from connector.lease_binding import KVSalt
+from connector.metadata import ConnectorMetadata, WorkerReport
 from connector.params import raw_flag
 from connector.protocol import WorkerHandshake
-from connector.vllm.messages import (
-    NixlPDHandshakeMetadata,
-    NixlPDMetadata,
-    NixlPDWorkerMeta,
-    merge,
-)
+from connector.staging import StagedBlocks
 from connector.vllm.staging import scheduled_rows
 from scheduler.connector import SchedulerConnector
 from scheduler.requests import FinishedRequests, RequestInfo
@@ -57,6 +59,56 @@ logger = logging.getLogger(__name__)
 # Finished statuses under which a prefill's KV is complete and may be offered to decode.
 _COMPLETE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 _handshake_decoder = msgspec.msgpack.Decoder(WorkerHandshake)
+
+
+# --- what crosses vLLM's process boundaries (all picklable): scheduler -> every worker rank each
+# step, NixlPDMetadata; worker ranks -> scheduler each step, NixlPDWorkerMeta; each worker rank
+# -> scheduler once at start, NixlPDHandshakeMetadata.
+
+
+class NixlPDMetadata(KVConnectorMetadata):
+    """Scheduler -> every worker rank, one per step: our instructions plus what to echo.
+
+    ``saves`` (host staging only): requests whose prefill completes this step; each rank
+    copies their blocks device->host in wait_for_save.
+    """
+
+    def __init__(
+        self,
+        step: ConnectorMetadata,
+        announce: FinishedRequests,
+        saves: tuple[StagedBlocks, ...] = (),
+    ) -> None:
+        self.step = step
+        self.announce = announce
+        self.saves = saves
+
+
+class NixlPDWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker ranks -> scheduler, one per step: the ranks' reports, concatenated."""
+
+    def __init__(self, reports: tuple[WorkerReport, ...]) -> None:
+        self.reports = reports
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, NixlPDWorkerMeta):
+            return self
+        return NixlPDWorkerMeta(self.reports + other.reports)
+
+
+class NixlPDHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """One rank's WorkerHandshake, msgpack-encoded, on its way to the scheduler process."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
+def merge(first: FinishedRequests, second: FinishedRequests) -> FinishedRequests:
+    return FinishedRequests(
+        first.finished_sending + second.finished_sending,
+        first.finished_recving + second.finished_recving,
+        {**first.failed_recving, **second.failed_recving},
+    )
 
 
 def _ids(request: Request) -> Sequence[int] | None:

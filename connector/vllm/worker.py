@@ -31,10 +31,10 @@ from connector.metadata import BlockIds, FailureKind, LoadFailure, WorkerReport
 from connector.observability.metrics import default_recorder
 from connector.vllm.devices import memory_of
 from connector.vllm.layout import kernel_block_sizes_of, region_addresses
-from connector.vllm.messages import (
+from connector.vllm.metrics import NixlPDStats
+from connector.vllm.scheduler import (
     NixlPDHandshakeMetadata,
     NixlPDMetadata,
-    NixlPDStats,
     NixlPDWorkerMeta,
     merge,
 )
