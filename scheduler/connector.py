@@ -46,10 +46,10 @@ from scheduler.requests import (
     ParsedParams,
     RequestInfo,
     Role,
+    SiblingLoads,
     final_tokens,
     held_blocks,
 )
-from scheduler.sibling_loads import SiblingLoads
 from scheduler.side_channel import SideChannelServer
 from scheduler.transfer_board import TransferBoard, lease_under_key
 
@@ -194,8 +194,8 @@ class SchedulerConnector:
         self, request: RequestInfo, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """(tokens that will arrive asynchronously, whether a load is pending), or (None, False):
-        ask again later (another request's load reads its lease: scheduler/sibling_loads.py).
-        Never raises for params: refused ones are announced by ``take_refused``."""
+        ask again later (another request's load reads its lease: ``SiblingLoads``,
+        scheduler/requests.py). Never raises for params: refused ones are announced by ``take_refused``."""
         raw = request.kv_transfer_params
         if raw is None:
             return 0, False

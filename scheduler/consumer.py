@@ -57,9 +57,10 @@ from scheduler.requests import (
     REQUEST_LOAD_LIFECYCLE,
     ParsedParams,
     RequestLoadState,
+    SiblingLoads,
+    params_key,
     uncached_suffix_blocks,
 )
-from scheduler.sibling_loads import SiblingLoads, params_key
 
 logger = logging.getLogger(__name__)
 

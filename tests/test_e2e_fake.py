@@ -357,7 +357,7 @@ def _loads_finished() -> int:
 
 def test_two_requests_with_one_lease_both_answer_and_the_lease_is_read_once() -> None:
     # vLLM's n > 1 children, or resent params: the second waits for the first's load, then
-    # computes what the example engine's prefix cache does not hold (scheduler/sibling_loads.py).
+    # computes what the example engine's prefix cache does not hold (scheduler/requests.py SiblingLoads).
     clock = ManualClock()
     prefill, decode = _pair("dense", "dense", clock)
     try:

@@ -14,8 +14,12 @@ from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseStats, LeaseTable
 from scheduler.producer import LEASE_LIFECYCLE, LeaseState, Producer
-from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState, uncached_suffix_blocks
-from scheduler.sibling_loads import SiblingLoads
+from scheduler.requests import (
+    REQUEST_LOAD_LIFECYCLE,
+    RequestLoadState,
+    SiblingLoads,
+    uncached_suffix_blocks,
+)
 from tests.scheduler_helpers import (
     FULL_16,
     SSM_64,

@@ -18,8 +18,7 @@ from connector.protocol import lease_key
 from scheduler.consumer import Consumer
 from scheduler.leases import LeaseTable
 from scheduler.producer import LEASE_LIFECYCLE, LeaseState, Producer
-from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState
-from scheduler.sibling_loads import SiblingLoads
+from scheduler.requests import REQUEST_LOAD_LIFECYCLE, RequestLoadState, SiblingLoads
 from tests.scheduler_helpers import (
     FULL_16,
     REMOTE_PARAMS,

@@ -1,10 +1,10 @@
-"""scheduler/sibling_loads.py: one load per lease on an engine, the others wait, then compute."""
+"""scheduler/requests.py SiblingLoads: one load per lease on an engine, the others wait, then compute."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from scheduler.sibling_loads import SiblingLoads, params_key
+from scheduler.requests import SiblingLoads, params_key
 from tests.scheduler_helpers import REMOTE_PARAMS, FakeClock
 
 PARAMS = {**REMOTE_PARAMS, "remote_lease_id": "00ff00ff00ff00ff"}

@@ -2,7 +2,7 @@
 
 vLLM fans an ``n > 1`` request out into children with the parent's params, and clients or
 routers may resend params. One load reads a lease; the others wait for it, then compute
-locally what decode's prefix cache does not hold (scheduler/sibling_loads.py). Before, each
+locally what decode's prefix cache does not hold (scheduler/requests.py SiblingLoads). Before, each
 child loaded the same lease, and whichever proof came after the first load's free
 notification failed ``lease``: a good request answered with an error (CI, ``n=2``). Params
 resent after their load are not waited for: they load, and their proof decides.
