@@ -40,9 +40,9 @@ def keep_plan_memory_mapped() -> bool:
     A 32k-token request with fragmented ids plans 131k descriptors: a few MB of numpy arrays
     per request. With glibc's defaults the freed heap top is trimmed (or the arrays are
     mmap'd) each time, so every request page-faults its arrays in again: 1,760 minor faults
-    and 3-20 ms per request instead of 1.7 ms on the 2-core machine (issue 10's build_descriptors
-    anomaly, measured with ru_minflt). Process-wide and bounded: at most 64 MiB of freed heap
-    stays mapped. Returns False where there is no glibc (nothing changes).
+    and 3-20 ms per request instead of 1.7 ms on the 2-core machine (measured with ru_minflt).
+    Process-wide and bounded: at most 64 MiB of freed heap stays mapped. Returns False where
+    there is no glibc (nothing changes).
     """
     name = ctypes.util.find_library("c")
     try:

@@ -1,32 +1,16 @@
 """A process's freeze watch: when its Python threads stop running, say where the CPU went.
 
-Issue 31: on the shared 2-core machine, whole decode engines stopped for 17-30 s at a time
-(the side channel's loop and the worker's stall watchdog both silent, resuming at the same
-instant; NIXL's ``add_remote_agent`` "taking" 30 s across such a stop while it takes 10-30 ms
-alone). A stopped reader sends no heartbeats, so prefill's leases expire and good requests
-fail "lease expired". Logs after the fact could not tell the two possible causes apart:
-
-- one thread of this process ran C code holding the GIL, so no other Python thread ran
-  (the process used about one core of CPU meanwhile, on that thread),
-- its threads waited on page faults: memory pressure had evicted the pages they touch (the
-  host ran without swap at 20 of 24 GiB with many engines up; many major faults meanwhile), or
-- the process got no CPU at all (an overloaded host, a stopped VM; it used next to none).
-
-So a thread of our own ticks every ``tick_s``; a tick ``report_after_s`` late is logged with
-the process's CPU use and major page faults during the gap per thread (Linux
+A stopped process sends no heartbeats, so its leases expire and good requests fail; logs
+after the fact cannot tell a GIL held in C code, page faults under memory pressure and no CPU
+at all apart. So a thread of our own ticks every ``tick_s``; a tick ``report_after_s`` late is
+logged with the process's CPU use and major page faults during the gap per thread (Linux
 ``/proc/self/task``), the busiest threads named, and the host's CPU, memory and I/O pressure
-(PSI) over the gap.
-
-With ``NIXL_PD_FREEZE_WATCH=stacks`` each tick also arms ``faulthandler.dump_traceback_later``:
-if the next tick is ``dump_after_s`` late, faulthandler's own C thread, which needs no GIL,
-prints every Python thread's stack to stderr (the engine's log) while the process is still
-stopped: the frame that holds the GIL. Off by default: that thread walks the other threads'
-frames without the GIL, which CPython does not promise is safe, and in one real-vLLM tier run
-(2026-11-29) a decode engine core died in the middle of such a dump, just as it resumed from a
-drill's SIGSTOP. A diagnostic must not take an engine down; turn it on to chase a freeze.
-faulthandler has one such timer per process, and this watch re-arms it every tick: arm it
-only in processes that do not use ``dump_traceback_later`` otherwise (the vLLM adapter
-starts the watch once per engine process; ``NIXL_PD_FREEZE_WATCH=0`` turns it off).
+(PSI) over the gap. With ``NIXL_PD_FREEZE_WATCH=stacks`` each tick also arms
+``faulthandler.dump_traceback_later``, so a tick ``dump_after_s`` late prints every thread's
+stack while the process is still stopped; off by default, as that C thread reads frames
+without the GIL. faulthandler has one such timer per process and this watch re-arms it every
+tick: arm it only where nothing else uses ``dump_traceback_later`` (``=0`` turns the watch
+off). The log line, the verdicts and why the watch exists: docs/metrics.md, "Frozen processes".
 
 ``judge_freeze`` is the decision (pure); ``FreezeWatch`` the thread that reads and logs.
 """

@@ -1,21 +1,15 @@
 """Whole kernel blocks: rows prepared at handshake, and a request's whole blocks read from them.
 
-Handshake stage (``prepared_rows``, called by ``peer_plan`` in worker/plan/recipe.py): NIXL can
-prepare a descriptor list once and build READs from it by index (``prep_xfer_dlist`` /
-``make_prepped_xfer``), merging indices that are contiguous on both sides. We prepare, per
-(peer, remote rank), one row per plane of every plane class read from that rank: "kernel
-block k of this plane (this head slice)" is entry ``first + k`` of a strided row ``(address of
-block 0, length_bytes, device, stride = kernel block bytes, count = kernel blocks in the
-pool)``. NIXL keeps a strided row compressed, so a peer costs O(planes) rows, not O(planes x
-blocks) descriptors (measured in worker/reads.py's docstring); the edge, worker/reads.py,
-prepares the lists on NIXL.
-
-A pairing is preparable for a remote rank when, for every group read from it, one whole
-kernel block of a plane is one contiguous run on both sides (NHD with all heads, HND, MLA,
-SSM state, any opaque format) and both sides cut tokens into kernel blocks of the same size,
-so a full segment is a full block on both sides. Per request, full segments become indices
-(int32, NIXL's index type); partial segments (the prompt's last block, a window start) stay
-byte ranges, exact as ever.
+Handshake stage (``prepared_rows``, called by ``peer_plan``): per (peer, remote rank), one
+strided row per plane of every plane class read from that rank, for NIXL's lists prepared once
+and read by index (``prep_xfer_dlist`` / ``make_prepped_xfer``, which merges indices
+contiguous on both sides): "kernel block k of this plane (this head slice)" is entry
+``first + k`` of the row ``(address of block 0, length_bytes, device, stride = kernel block
+bytes, count = kernel blocks in the pool)``; NIXL keeps it compressed, so a peer costs
+O(planes) rows (worker/reads.py prepares them). A pairing is preparable for a remote rank
+when, for every group read from it, one whole kernel block of a plane is one contiguous run
+on both sides (NHD with all heads, HND, MLA, SSM state, any opaque format) and both sides cut
+tokens into kernel blocks of one size, so a full segment is a full block on both sides.
 
 Request stages 2 and 3 of the recipe: where a remote rank has prepared rows, a request's
 segments split into full kernel blocks and partial segments (the prompt's last block, a window
