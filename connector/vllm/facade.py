@@ -168,7 +168,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 staging=staging,
             )
-        # Issue 31: whole engine processes stopped for 17-30 s; say why when one does.
+        # Engine processes can stop whole for seconds on a loaded host; say why when one does.
         start_freeze_watch(f"{role.name.lower()} of engine {self._engine_id} (pid {os.getpid()}): ")
 
     # ---- configuration shared by both roles --------------------------------------------
