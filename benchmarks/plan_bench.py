@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout, RankLayout
 from worker.plan.recipe import PeerPlan, ReadPath, TransferRequest, peer_plan, plan_request
-from worker.transfer_thread import keep_plan_memory_mapped
+from worker.reads import keep_plan_memory_mapped
 
 NUM_LAYERS = 32
 NUM_KV_HEADS = 8

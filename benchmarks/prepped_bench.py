@@ -48,8 +48,7 @@ from worker.plan.recipe import (  # noqa: E402
     peer_plan,
     plan_request,
 )
-from worker.reads import build_descriptors  # noqa: E402
-from worker.transfer_thread import keep_plan_memory_mapped  # noqa: E402
+from worker.reads import build_descriptors, keep_plan_memory_mapped  # noqa: E402
 
 POOL_BLOCKS = 4096
 BLOCK_SIZE = 16

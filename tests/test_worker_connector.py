@@ -41,12 +41,12 @@ from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from scheduler.leases import LeaseTable
 from tests.test_worker_parts import BASE, FP8, Clock, make_spec
 from worker import lease_proof
-from worker.connector import WorkerConnector
+from worker.connector import TransferThread, WorkerConnector
 from worker.handshake import fingerprint
 from worker.lease_proof import answers
 from worker.load_lifecycle import Staging
 from worker.nixl_api import TransferState
-from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
+from worker.reads import keep_plan_memory_mapped
 
 # --- a recording NIXL agent double -----------------------------------------------------------
 

@@ -1,15 +1,20 @@
-"""The worker-side connector of one TP rank: coordinates registration, loads and notifications.
+"""A TP rank's worker connector: registration, then loads and notifications on its transfer thread.
 
 Threading contract: the engine thread calls every public method, and touches the NIXL agent
 only before the transfer thread starts (``register_kv_caches``, which also reads the agent
 metadata once) and after it stops (``shutdown``). In between, the rank's transfer thread
-(worker/transfer_thread.py) is the only thread that calls the agent: ``start_load_kv`` just
-queues the step's metadata for it, and ``get_finished`` just takes what it published under
-``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. The transfer thread owns
-the LoadTable, PeerTable (with the prepared descriptor lists it makes when a handshake
-completes, worker/reads.py) and NotificationCounter. The handshake threads (worker/handshake.py)
-only talk ZMQ to remote side channels and hand the bytes back through a queue, which the
-transfer thread drains.
+(``TransferThread``, at the end) is the only thread that calls the agent: ``start_load_kv``
+just queues the step's metadata for it, and ``get_finished`` just takes what it published
+under ``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. Why a thread: NIXL's
+``post()`` of a READ with few descriptors over same-host CMA copies inline (0.1-0.6 s for an
+8k-token request on the 2-core machine, benchmarks/engine_thread_bench.py), and the binding
+releases the GIL while it copies. Each pass (``_pass``) takes every step submitted since the
+last, and comes at once after a submit or a ``wake`` (a lease check answered), else every
+``busy_poll_s`` while loads are live, or every ``idle_poll_s``. The transfer thread owns the
+LoadTable, PeerTable (with the prepared descriptor lists it makes when a handshake completes,
+worker/reads.py) and NotificationCounter. The handshake threads (worker/handshake.py) only
+talk ZMQ to remote side channels and hand the bytes back through a queue, which the transfer
+thread drains.
 
 Per-request problems (a bad plan, a failed READ, a dead or incompatible peer, a failed
 handshake) never raise out of ``start_load_kv`` or ``get_finished``: the request is reported
@@ -20,16 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from connector.config import ConnectorConfig
-from connector.errors import (
-    ConnectorError,
-    UnsupportedConfiguration,
-)
+from connector.errors import ConnectorError, UnsupportedConfiguration
 from connector.geometry import build_rank_layout
 from connector.layout import KVCacheSpec
 from connector.memory import HOST_MEMORY, Memory
@@ -41,11 +44,7 @@ from connector.metadata import (
     LoadSpec,
     WorkerReport,
 )
-from connector.protocol import (
-    PROTOCOL_VERSION,
-    DigestClaim,
-    WorkerHandshake,
-)
+from connector.protocol import PROTOCOL_VERSION, DigestClaim, WorkerHandshake
 from worker.handshake import BootFetcher, Fetcher, HandshakeClient, any_boot, fingerprint
 from worker.kv_digest import check_digestible, host_regions, lease_digests, read_claims
 from worker.lease_proof import (
@@ -60,11 +59,16 @@ from worker.loads import LoadTable, Outcome
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
 from worker.peers import PeerTable
-from worker.reads import PreparedLists
+from worker.reads import PreparedLists, keep_plan_memory_mapped
 from worker.stall_watch import StallWatch, StallWatchdog
-from worker.transfer_thread import TransferThread, keep_plan_memory_mapped
 
 logger = logging.getLogger(__name__)
+
+Item = TypeVar("Item")
+
+BUSY_POLL_S = 0.001  # while READs are live: a finished READ is seen within about 1 ms
+IDLE_POLL_S = 0.05  # nothing live: free notifications (prefill) are collected within 50 ms
+STOP_TIMEOUT_S = 10.0  # a post() in progress finishes its copy first (well under a second)
 
 
 def side_channel_fetcher(config: ConnectorConfig) -> BootFetcher:
@@ -406,3 +410,82 @@ class WorkerConnector:
                 self._finished_recving.append(request_id)
             else:
                 self._failed_recving[request_id] = reason
+
+
+class TransferThread(Generic[Item]):
+    """Runs ``step(items)`` on its own thread until ``stop``; ``step`` must not raise."""
+
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[list[Item]], None],
+        *,
+        busy: Callable[[], bool],
+        busy_poll_s: float = BUSY_POLL_S,
+        idle_poll_s: float = IDLE_POLL_S,
+    ) -> None:
+        self._step = step
+        self._busy = busy
+        self._busy_poll_s = busy_poll_s
+        self._idle_poll_s = idle_poll_s
+        self._inbox: queue.SimpleQueue[Item] = queue.SimpleQueue()  # thread-safe by itself
+        self._barriers: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()  # flush()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, item: Item) -> None:
+        """Hand one item to the next pass (never blocks)."""
+        self._inbox.put(item)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Run a pass now rather than at the next poll: something the step waits on arrived
+        (a lease check's answer), so a load need not wait out a poll interval for it."""
+        self._wake.set()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until a whole pass ran after this call (tests and shutdown paths; never the
+        engine's hot path). False if it did not within ``timeout_s``."""
+        if not self.alive:
+            return False
+        done = threading.Event()
+        self._barriers.put(done)
+        self._wake.set()
+        return done.wait(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Stop after the pass in progress; True once the thread has ended."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()  # before draining: a submit after this wakes the next wait
+            barriers = _drain(self._barriers)
+            items = _drain(self._inbox)
+            try:
+                self._step(items)
+            except Exception:  # the step guards each request; this keeps the thread alive
+                logger.exception("transfer thread: unexpected error in a pass")
+            for barrier in barriers:
+                barrier.set()
+            self._wake.wait(self._busy_poll_s if self._busy() else self._idle_poll_s)
+
+
+def _drain(inbox: queue.SimpleQueue[Item]) -> list[Item]:
+    """Everything queued so far (this thread is the only consumer, so empty() is exact)."""
+    items = []
+    while not inbox.empty():
+        items.append(inbox.get_nowait())
+    return items

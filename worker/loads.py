@@ -20,7 +20,7 @@ A failed load notifies the covered ranks too (best effort), so prefill does not 
 blocks until the lease expires; except when prefill restarted since it leased: that boot's
 agent is gone, and a notification to it would block this thread until UCX gives up.
 
-Transfer thread only (worker/transfer_thread.py): this module calls the NIXL agent.
+Transfer thread only (worker/connector.py): this module calls the NIXL agent.
 """
 
 from __future__ import annotations

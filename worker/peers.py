@@ -29,7 +29,7 @@ nobody probed) is no longer believed: the next request makes one fresh attempt, 
 requests after it wait for that attempt instead of failing with a reason that may be stale. A
 restarted prefill normally has a new engine id: a new key, handshaken at once.
 
-The rank's transfer thread only (worker/transfer_thread.py): the table calls the NIXL agent
+The rank's transfer thread only (worker/connector.py): the table calls the NIXL agent
 (add/remove remote agents); the handshake threads behind ``HandshakeClient`` only fetch bytes.
 """
 

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 STALL_AFTER_S = 5.0  # a wait without progress for this long is logged
 REPEAT_AFTER_S = 30.0  # at most one stall warning per this long
 CHECK_INTERVAL_S = 1.0  # how often the watchdog thread looks
-# Threads whose stacks a stall warning shows: the connector's own (worker/transfer_thread.py,
+# Threads whose stacks a stall warning shows: the connector's own (worker/connector.py,
 # worker/handshake.py, worker/lease_proof.py, the scheduler's side channel and heartbeats),
 # and the engine's main thread: a stall that stops every Python thread of the process (issue
 # 31) is often a call there that holds the GIL, and its frame names it.
