@@ -1,46 +1,15 @@
 """Validate a request's kv_transfer_params (an untrusted dict from a client or router).
 
-Keys (the same ones vLLM's NixlConnector uses, so existing routers work):
-
-    do_remote_decode   bool   router -> prefill: keep the KV for a decode engine
-    do_remote_prefill  bool   router -> decode: the prompt's KV is on a prefill engine
-    remote_engine_id   str    prefill engine id (non-empty)
-    remote_request_id  str    the prefill side's request id (non-empty)
-    remote_block_ids   list   prefill's logical block ids per cache group: a list of lists of
-                              non-negative ints, or a flat list of ints meaning one group
-    remote_host        str    prefill side channel host (non-empty)
-    remote_port        int    prefill side channel port, 1..65535 (a decimal string is accepted)
-    tp_size            int    prefill tensor-parallel size, >= 1 (absent: 1, as vLLM assumes)
-    remote_num_tokens  int    tokens whose KV the remote blocks hold, >= 0
-    transfer_mode      str    "pull": decode reads from prefill (the only mode served here)
-    remote_boot_id     str    the boot id of prefill's side channel when it leased the blocks
-    remote_lease_id    str    the lease prefill drew for these blocks (random, never reused)
-    remote_blocks_expiry_time  float  bidirectional mode: when decode frees its held blocks
-    transfer_key       str    overlapped dispatch (docs/overlap.md): the router's name for one
-                              transfer, sent to prefill (with do_remote_decode) and to decode
-                              (with do_remote_prefill, remote_host, remote_port and optionally
-                              remote_engine_id, but no remote_request_id/remote_block_ids/lease
-                              keys)
-                              at the same time; decode learns the lease from prefill's side
-                              channel under this key (``KVTransferParams.awaited_lease``)
-
-Bidirectional mode (multi-turn): a decode engine returns ``do_remote_decode: true`` with its
-own remote_* keys for the next turn; a prefill engine given them pulls the first
-``remote_num_tokens`` tokens' KV from decode (``KVTransferParams.pull_source``).
-
-remote_boot_id and remote_lease_id are ours (vLLM's NixlConnector has neither): decode names
-them when it asks prefill whether the lease still holds after its READs, and in every message
-that could end the lease, so nothing meant for another lease or another boot touches it. A
-load whose params lack them cannot be proven and fails (worker/lease_proof.py).
-
-A key whose value is null counts as absent (routers such as vLLM's toy proxy send
-``"remote_engine_id": null`` alongside ``do_remote_decode``). With ``do_remote_prefill`` every
-remote_* key except remote_num_tokens is required. Unknown keys are tolerated (routers add
-their own) and listed in ``KVTransferParams.ignored_keys`` so the caller can log them. The
-whole dict, unknown keys included, must be JSON-like data that can travel on: nested at most
-MAX_DEPTH deep, and every string (keys too) UTF-8 encodable (``json.loads`` turns ``"\ud800"``
-into a lone surrogate, which no encoder accepts). Anything else raises InvalidTransferParams
-naming the key and the value seen; nothing else escapes.
+The keys (vLLM's NixlConnector's, so existing routers work, plus ``remote_boot_id`` and
+``remote_lease_id``, which a load's lease proof names) and the rules they follow are in
+docs/vllm.md, "kv_transfer_params": null counts as absent; with ``do_remote_prefill`` every
+remote_* key but ``remote_num_tokens`` is required; unknown keys are tolerated and listed in
+``KVTransferParams.ignored_keys``; the whole dict must be JSON-like data that can travel on
+(nested at most MAX_DEPTH deep, every string UTF-8 encodable). A multi-turn decode's params
+for the next turn's prefill (``KVTransferParams.pull_source``, ``remote_blocks_expiry_time``):
+docs/multiturn.md; overlapped dispatch's ``transfer_key`` (``KVTransferParams.awaited_lease``):
+docs/overlap.md. Anything else raises InvalidTransferParams naming the key and the value seen;
+nothing else escapes.
 """
 
 from __future__ import annotations
