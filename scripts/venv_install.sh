@@ -2,7 +2,9 @@
 # With uv (bootstrapped into VENV by pip): the two venvs CI builds took pip 75 s and 99 s of
 # CPU on a fresh machine and uv under 10 s, on two cores shared with the tests. uv reads no
 # pip.conf, so pip's find-links (where this machine keeps its CPU torch wheel) are passed on.
-# Where uv cannot be installed or fails, pip does the install as before.
+# uv writes no .pyc (pip compiled every module it installed, most of its CPU): scripts/test.sh
+# lets Python cache the modules the suite imports. Where uv cannot be installed or fails, pip
+# does the install as before.
 venv_install() {
     local venv=$1
     shift
