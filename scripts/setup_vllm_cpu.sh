@@ -12,6 +12,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck source=scripts/venv_install.sh
 . scripts/venv_install.sh
+# Compiled at install, unlike .venv (scripts/venv_install.sh): engines spawn processes that
+# import vLLM at the same moment, and each compiled what no .pyc held yet (the real-vLLM tier
+# took 140 s longer with lazy compiling than with pip's compiled install).
+export UV_COMPILE_BYTECODE=1
 has() {  # has DIST VERSION_PREFIX: is DIST installed at a version starting with the prefix?
     # -I: ignore the cwd, whose *.egg-info would otherwise count as installed.
     "$VENV/bin/python" -I - "$1" "$2" <<'EOF' 2>/dev/null
