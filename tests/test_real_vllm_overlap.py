@@ -424,8 +424,14 @@ def test_prefill_stopped_while_decode_waits_fails_the_load_with_prefill_timeout(
     within one more handshake_timeout, and decode serves on. Resumed, prefill finds its
     client gone and holds nothing."""
     prefill, decode = served.deployment.prefill, served.deployment.decode
-    key, prompt_ids = new_key("prefill-stops"), prompt(230, 180)
+    # Shorter than one block: prefill announces whole blocks only, so decode has no chunk
+    # READ out when prefill stops. One that is out cannot end while prefill is stopped, and
+    # its blocks stay quarantined until it does (docs/overlap.md): the load would fail only
+    # once prefill resumed (seen here when a 180-token prompt's first block was announced).
+    num_tokens = min(180, prefill.block_size() - 1)
+    key, prompt_ids = new_key("prefill-stops"), prompt(230, num_tokens)
     before = failed_loads(decode, "prefill_timeout")
+    chunk_reads = decode.metric("nixl_pd_chunk_reads_total")
     prefill_client = streamed_prefill(served, key, prompt_ids)
     with ThreadPoolExecutor(1) as pool:
         try:
@@ -446,6 +452,7 @@ def test_prefill_stopped_while_decode_waits_fails_the_load_with_prefill_timeout(
     bound_s = WAIT_S + HANDSHAKE_S + STEP_SLACK_S
     assert WAIT_S <= waited_s <= bound_s, f"decode failed after {waited_s:.1f} s"
     assert poll(lambda: failed_loads(decode, "prefill_timeout") == before + 1, 5.0) is not None
+    assert decode.metric("nixl_pd_chunk_reads_total") == chunk_reads  # nothing was read
     line = logged(decode, decode_id(key), "announced no lease")
     assert line is not None, f"decode logged no prefill_timeout reason: {decode.notable_lines()}"
     assert_both_serve_and_hold_nothing(served, seed=231)
