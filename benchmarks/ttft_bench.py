@@ -28,7 +28,10 @@ way out, on success or not.
 
 ``--pin`` holds each engine to its own CPUs (sched_setaffinity before its fork, inherited by
 every process and thread): the single engine and prefill on CPU 0, decode on CPU 1, so a P/D
-prefill has exactly the single engine's compute and decode's engine loop cannot take it.
+prefill has exactly the single engine's compute and decode's engine loop cannot take it. Each
+engine is then its own `vllm serve` process, not a fork of the harness's zygote (which was
+forked once, with the first engine's CPUs, and handed them to every engine), and each
+engine's processes are checked to run only on their CPUs before any request.
 
 ``--chunked-pull N``: every engine prefills in chunks of N tokens (2048 without it) and our
 pair runs with ``chunked_pull`` (docs/overlap.md), so in ``ours-overlap`` decode READs each
@@ -56,6 +59,7 @@ from tests.real_vllm_harness import (
     ENGINE_ENV,
     REPO,
     VLLM_PYTHON,
+    ZYGOTE_ENV,
     Engine,
     EngineSpec,
     RequestFailed,
@@ -146,6 +150,7 @@ def running(engines: Sequence[Engine], cpus: dict[int, set[int]] | None = None) 
             start_on(engine, cpus.get(id(engine)))
         for engine in engines:
             engine.wait_ready()
+            check_pinned(engine, cpus.get(id(engine)))
         yield
     finally:
         for engine in engines:
@@ -164,6 +169,22 @@ def start_on(engine: Engine, cpus: set[int] | None) -> None:
         engine.start()
     finally:
         os.sched_setaffinity(0, previous)
+
+
+def check_pinned(engine: Engine, cpus: set[int] | None) -> None:
+    """Every process of ``engine`` may run only on ``cpus`` (None: not pinned, not checked)."""
+    if cpus is None:
+        return
+    for pid in engine.pids():
+        try:
+            allowed = os.sched_getaffinity(pid)
+        except OSError:  # gone meanwhile
+            continue
+        if allowed != cpus:
+            raise SystemExit(
+                f"--pin: {engine.spec.name} process {pid} may run on CPUs {sorted(allowed)}, "
+                f"not {sorted(cpus)}"
+            )
 
 
 def pinned_cpus(
@@ -351,6 +372,8 @@ def main() -> None:
     lengths = [int(value) for value in args.lengths.split(",")]
     modes, notes = runnable_modes(args.modes.split(","))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.pin:  # a zygote's forks keep the CPUs it was made with (see --pin above)
+        os.environ[ZYGOTE_ENV] = "0"
     started = time.monotonic()
     samples = run(
         lengths,
