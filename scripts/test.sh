@@ -33,8 +33,8 @@ fi
 # The whole suite, laid out for two cores (docs/testing.md, "CI and its time"): .venv-vllm,
 # which only the real-vLLM tier needs, is built in the background while .venv is built and
 # linted and every other tier runs (two xdist workers); then the real-vLLM tier as two pytest
-# processes, one per stream of modules (tests/conftest.py), with mypy and vLLM's upstream
-# tests beside it, niced, in the part of the two cores its engines leave idle.
+# processes, one per stream of modules (tests/conftest.py). mypy and vLLM's upstream tests run
+# niced beside the other tiers, in the part of the two cores their workers leave idle.
 # A step's end: wall seconds since the start and the CPU time (user, system) of the children
 # waited for so far. On a shared machine the wall time says little; the CPU time does.
 stamp() {
@@ -55,6 +55,18 @@ export NIXL_PD_REQUIRE_NETNS=1
 .venv/bin/ruff check connector worker scheduler examples benchmarks tests
 .venv/bin/ruff format --check connector worker scheduler examples benchmarks tests
 stamp "lint done"
+# Beside the other tiers, niced (no timing window of their own), in the third of the two
+# cores their workers leave idle: mypy (about 60 s of one core on a fresh clone, no cache),
+# then vLLM 0.33's own connector unit tests with NixlPDConnector substituted (about 30 s;
+# fails on any failure not listed, with its reason, in tests/vllm_upstream/EXPECTED_FAILURES).
+# (Runs 12-17 had them beside the real-vLLM tier, whose engines keep both cores busy.)
+(
+    rc=0
+    nice -n 10 .venv/bin/mypy connector worker scheduler || rc=1
+    nice -n 10 bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
+    exit "$rc"
+) >"$LOGS/mypy_and_upstream.log" 2>&1 &
+beside_pid=$!
 # Every tier but real vLLM, two pytest-xdist workers with whole modules each, the slowest
 # modules first (tests/conftest.py, SLOW_MODULES_FIRST; --no-loadscope-reorder keeps that
 # order instead of xdist's most-tests-first), so that no long module starts last. Not beside
@@ -71,17 +83,6 @@ status=0
 stamp "other tiers done"
 wait "$setup_vllm_pid" || { cat "$LOGS/setup_vllm_cpu.log" >&2; exit 1; }
 stamp ".venv-vllm ready"
-# Beside the real-vLLM tier, niced (no timing window of their own): mypy (about 60 s of one
-# core on a fresh clone, no cache), then vLLM 0.33's own connector unit tests with
-# NixlPDConnector substituted (about 30 s; fails on any failure not listed, with its reason,
-# in tests/vllm_upstream/EXPECTED_FAILURES).
-(
-    rc=0
-    nice -n 10 .venv/bin/mypy connector worker scheduler || rc=1
-    nice -n 10 bash scripts/vllm_upstream_tests.sh -p no:warnings || rc=1
-    exit "$rc"
-) >"$LOGS/mypy_and_upstream.log" 2>&1 &
-beside_pid=$!
 # The real-vLLM tier as two pytest processes side by side, one per stream of modules
 # (tests/conftest.py, real_vllm_streams), each with its own slice of ports. Only the tier's
 # modules are collected. They start their engine sets one at a time (NIXL_PD_START_LOCK,
