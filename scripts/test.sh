@@ -3,10 +3,10 @@
 # This, with no flag, is what CI runs (.ci/run). `--quick`: the unit tier only (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Python's bytecode cache on (these machines set PYTHONDONTWRITEBYTECODE): the venvs come from
-# uv with no .pyc (scripts/venv_install.sh), so without it each of the suite's hundreds of
-# Python processes compiled every module of torch, vLLM and nixl it imports afresh. With it,
-# the first import of a module compiles it once, into its own folder's __pycache__.
+# Python's bytecode cache on (these machines set PYTHONDONTWRITEBYTECODE): .venv comes from uv
+# with no .pyc (scripts/venv_install.sh), so without it each of the suite's hundreds of Python
+# processes compiled every module of torch, vLLM and nixl it imports afresh. With it, the
+# first import of a module compiles it once, into its own folder's __pycache__.
 unset PYTHONDONTWRITEBYTECODE
 if [ "${1:-}" = "--quick" ]; then
     shift
