@@ -63,9 +63,6 @@ class ReaderBoots:
                 if not names:
                     del self._by_reader[reader]
 
-    def claimants(self, name: str) -> frozenset[ReaderId]:
-        return frozenset(self._claims.get(name, ()))
-
     def _retire(self, gone: ReaderId) -> list[str]:
         self._retired[gone] = None
         if len(self._retired) > MAX_RETIRED_BOOTS:
