@@ -10,8 +10,8 @@ on (untouched, lazily allocated) host tensors, and the remote agent added throug
 ``add_remote_agent`` from the metadata its own prefill worker publishes. Ours is
 ``WorkerConnector`` with its handshake answered in process.
 
-Since the transfer thread (worker/transfer_thread.py), our ``start_load_kv`` only queues the
-step; the table also gives the transfer thread's plan and post of the request (plan,
+Since the transfer thread (``TransferThread``, worker/connector.py), our ``start_load_kv`` only
+queues the step; the table also gives the transfer thread's plan and post of the request (plan,
 descriptors, post: ``LoadTable._post``), which is work vLLM does inside its
 ``start_load_kv``. Each request is drained to its outcome before the next one, untimed on
 both sides (vLLM's ``get_finished``, our passes that check the lease and see the READ done).
