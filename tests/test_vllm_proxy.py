@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -209,6 +210,10 @@ def test_overlap_sends_both_at_once_under_one_transfer_key(overlap_proxy: Any) -
     url, seen = overlap_proxy
     answer = _post(url + "/v1/completions", {"prompt": "abc", "max_tokens": 20})
     assert answer == {"choices": [{"text": "decode"}]}
+    for _ in range(100):  # prefill's request goes out on its own thread: decode may answer first
+        if {role for role, _, _ in seen} == {"prefill", "decode"}:
+            break
+        time.sleep(0.05)
     by_role = {role: (request_id, body) for role, request_id, body in seen}
     (p_id, p_body), (d_id, d_body) = by_role["prefill"], by_role["decode"]
     assert p_id == d_id == "client-7"
