@@ -77,11 +77,13 @@ def _report_exit(pid: int, conn: socket.socket) -> None:
 
 
 def _become_api_server(request: dict[str, Any]) -> None:
-    """In the fork: a new session, the engine's directory, log, environment and arguments,
-    then the API server's `__main__`, as `python -m` runs it."""
+    """In the fork: a new process group, the engine's directory, log, environment and
+    arguments, then the API server's `__main__`, as `python -m` runs it."""
     code = 1
     try:
-        os.setsid()  # its own process group, stopped as one
+        # Its own process group, stopped as one; not its own session, whose autogroup would
+        # make a nice value count only against the engine's own threads (tests/spinners.py).
+        os.setpgid(0, 0)
         os.chdir(request["cwd"])
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -220,7 +222,7 @@ class Zygote:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    process_group=0,  # not a session: see _become_api_server
                 )
             deadline = time.monotonic() + self.READY_TIMEOUT_S
             while not os.path.exists(self._socket):

@@ -41,6 +41,7 @@ from typing import Any
 
 from examples.vllm.proxy import make_server
 from tests.engine_zygote import API_SERVER, ForkedServer, Zygote
+from tests.spinners import lower_spinners
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
@@ -320,7 +321,9 @@ class Engine:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group, stopped as one
+                    # Its own process group, stopped as one; not its own session, whose
+                    # autogroup would make nice count only within it (tests/spinners.py).
+                    process_group=0,
                 )
         self._started_at = time.monotonic()
 
@@ -336,9 +339,16 @@ class Engine:
                 raise EngineError(self._explain(f"exited with {self._proc.returncode}"))
             if self.healthy(timeout_s=2.0):
                 self.ready_s = time.monotonic() - self._started_at
+                if self.runs_vllms_connector:
+                    # Its NIXL agents' progress threads spin a core each (tests/spinners.py).
+                    lower_spinners(self.pids())
                 return
             time.sleep(1.0)
         raise EngineError(self._explain(f"not healthy after {timeout_s:.0f} s"))
+
+    @property
+    def runs_vllms_connector(self) -> bool:
+        return (self.spec.kv_config or {}).get("kv_connector") == "NixlConnector"
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
