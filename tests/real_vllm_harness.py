@@ -567,6 +567,9 @@ class Completion:
     logprobs: tuple[float, ...]
     latency_s: float
     ttft_s: float | None = None
+    # Per generated token, the top candidates' logprobs by token id: asked for with
+    # ``logprobs=N, return_tokens_as_token_ids=True`` (otherwise empty).
+    top_logprobs: tuple[Mapping[int, float], ...] = ()
 
 
 class RequestFailed(RuntimeError):
@@ -632,7 +635,17 @@ def complete(
         token_ids=tuple(choice["token_ids"]),
         logprobs=tuple(choice["logprobs"]["token_logprobs"]),
         latency_s=time.monotonic() - started,
+        top_logprobs=tuple(
+            _by_token_id(top) for top in choice["logprobs"].get("top_logprobs") or ()
+        ),
     )
+
+
+def _by_token_id(top: Mapping[str, float] | None) -> Mapping[int, float]:
+    """vLLM's ``top_logprobs`` entry keyed ``token_id:N`` (return_tokens_as_token_ids) by N;
+    empty when the keys are token strings."""
+    prefix = "token_id:"
+    return {int(k[len(prefix) :]): v for k, v in (top or {}).items() if k.startswith(prefix)}
 
 
 def complete_turn(
