@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -79,6 +80,35 @@ def replace_between_markers(text: str, table: str) -> str:
     return text[: start + len(BEGIN)] + "\n" + table + "\n" + text[end:]
 
 
+def table_rows(text: str) -> dict[tuple[str, str], tuple[str, ...]]:
+    """The rows of the table between BEGIN and END in ``text`` (or of a bare table), keyed by
+    (configuration, case): each connector's cell, in CONNECTORS' order."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start >= 0 and end > start:
+        text = text[start + len(BEGIN) : end]
+    rows = {}
+    for line in text.splitlines()[2:]:  # past the header and its rule
+        if line.startswith("| "):
+            # Split on the cell borders only: a cell's own "|" is escaped ("\\|").
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows[(cells[0], cells[1])] = tuple(cells[2:])
+    return rows
+
+
+def differences(documented: str, measured: str) -> tuple[list[str], list[str]]:
+    """Rows where the documented table and this run's differ: (ours differs, only vLLM's
+    differs). A row on one side only counts as ours differing."""
+    before, after = table_rows(documented), table_rows(measured)
+    ours, theirs = [], []
+    for key in sorted(before.keys() | after.keys()):
+        old, new = before.get(key), after.get(key)
+        if old == new:
+            continue
+        line = f"{key[0]} / {key[1]}: documented {old}, this run {new}"
+        (theirs if old is not None and new is not None and old[0] == new[0] else ours).append(line)
+    return ours, theirs
+
+
 def load_outcomes(paths: Sequence[Path]) -> list[dict[str, Any]]:
     outcomes: list[dict[str, Any]] = []
     for path in paths:
@@ -90,10 +120,25 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--doc", type=Path, default=DEFAULT_DOC, help=f"({DEFAULT_DOC})")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing: exit 1 when our column differs from the document's (vLLM's "
+        "differing is printed only: its outcomes vary between runs on these engines)",
+    )
     args = parser.parse_args(argv)
     table = render(load_outcomes(args.results), [path.name for path in args.results])
-    args.doc.write_text(replace_between_markers(args.doc.read_text(), table))
-    return 0
+    if not args.check:
+        args.doc.write_text(replace_between_markers(args.doc.read_text(), table))
+        return 0
+    ours, theirs = differences(args.doc.read_text(), table)
+    for line in theirs:
+        print(f"vLLM's connector's outcome differs from {args.doc} (not ours): {line}")
+    for line in ours:
+        print(f"our outcome differs from {args.doc}: {line}")
+    if not ours:
+        print(f"{args.doc}'s configuration table: our column matches this run")
+    return 1 if ours else 0
 
 
 if __name__ == "__main__":

@@ -88,6 +88,9 @@ stamp ".venv-vllm ready"
 # modules are collected. They start their engine sets one at a time (NIXL_PD_START_LOCK,
 # tests/real_vllm_harness.py).
 export NIXL_PD_START_LOCK="$LOGS/engine-starts.lock"
+# The configuration cases' outcomes, for the check of docs/vllm.md's table after the tier.
+export NIXL_PD_CONFIG_RESULTS="$LOGS/configs.json" NIXL_PD_FP8_RESULTS="$LOGS/fp8.json" \
+    NIXL_PD_MLA_RESULTS="$LOGS/mla.json"
 streams=$(.venv/bin/python -c "from tests.conftest import real_vllm_streams
 print(' '.join(real_vllm_streams()))")
 stream_pids=()
@@ -108,6 +111,16 @@ for pid in "${stream_pids[@]}"; do
     if [ "$rc" != 0 ] && { [ "$rc" != 5 ] || [ $# = 0 ]; }; then status=1; fi
 done
 stamp "real-vLLM tier done"
+# docs/vllm.md's configuration table must be this run's (scripts/config_table.py --check):
+# our column exactly; where only vLLM's connector's outcome moved, it is printed, not failed.
+results=("$NIXL_PD_CONFIG_RESULTS" "$NIXL_PD_FP8_RESULTS" "$NIXL_PD_MLA_RESULTS")
+if [ -f "${results[0]}" ] && [ -f "${results[1]}" ] && [ -f "${results[2]}" ]; then
+    .venv/bin/python scripts/config_table.py --check "${results[@]}" >"$LOGS/config_table.log" \
+        2>&1 || status=1
+elif [ $# = 0 ]; then
+    echo "a configuration case wrote no outcome (${results[*]})" >"$LOGS/config_table.log"
+    status=1
+fi
 wait "$beside_pid" || status=1
 stamp "mypy and vLLM's upstream tests done"
 echo "== mypy, then vLLM's upstream tests" >&2
@@ -116,5 +129,9 @@ for stream in $streams; do
     echo "== real-vLLM stream $stream" >&2
     cat "$LOGS/real_vllm_$stream.log"
 done
+if [ -f "$LOGS/config_table.log" ]; then
+    echo "== docs/vllm.md's configuration table against this run" >&2
+    cat "$LOGS/config_table.log"
+fi
 stamp "all done"
 exit "$status"

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from scripts.config_table import BEGIN, DEFAULT_DOC, END, render, replace_between_markers
+from scripts.config_table import (
+    BEGIN,
+    DEFAULT_DOC,
+    END,
+    differences,
+    render,
+    replace_between_markers,
+    table_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,3 +75,30 @@ def test_the_document_the_script_writes_by_default_holds_one_marker_pair() -> No
 
     assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{DEFAULT_DOC}: one table, one pair"
     assert text.index(BEGIN) < text.index(END)
+
+
+def test_check_tells_our_column_changing_from_vllms_alone() -> None:
+    documented = render(OUTCOMES, ["r.json"])
+    ours_failed = [{**OUTCOMES[0], "passed": 5, "failed": 1}, *OUTCOMES[1:]]
+    vllm_passed = [OUTCOMES[0], {**OUTCOMES[1], "passed": 6, "failed": 0}, OUTCOMES[2]]
+
+    assert differences(documented, render(OUTCOMES, ["other.json"])) == ([], [])
+    ours, theirs = differences(documented, render(ours_failed, ["r.json"]))
+    assert len(ours) == 1 and ours[0].startswith("hybrid TP1 / c:") and theirs == []
+    ours, theirs = differences(documented, render(vllm_passed, ["r.json"]))
+    assert ours == [] and len(theirs) == 1 and theirs[0].startswith("hybrid TP1 / c:")
+
+
+def test_check_counts_a_row_missing_from_the_run_as_ours() -> None:
+    documented = render(OUTCOMES, ["r.json"])
+
+    ours, _ = differences(documented, render(OUTCOMES[:2], ["r.json"]))
+
+    assert ours == ["MLA / m: documented ('not run', 'refused: no \\\\| MLA here'), this run None"]
+
+
+def test_the_documented_table_parses_into_its_rows() -> None:
+    rows = table_rows((ROOT / DEFAULT_DOC).read_text())
+
+    assert rows, "docs/vllm.md's configuration table has no rows"
+    assert all(len(cells) == 2 for cells in rows.values())
