@@ -22,9 +22,8 @@ ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 # The secret may come from the environment so it stays out of command lines and logged configs.
 ENV_SIDE_CHANNEL_SECRET = "NIXL_PD_SIDE_CHANNEL_SECRET"
 # UCX backend threads of a NIXL agent (vLLM's NixlConnector default too). The reader's threads
-# share a READ's descriptors: fragmented layer-outermost READs (one 32 KiB descriptor per layer
-# plane and block) went from ~0.45 to ~1.0 of the big-descriptor ceiling on the 2-core machine,
-# and an idle agent costs the same ~2% of a core (benchmarks/README.md, "wire").
+# share a READ's descriptors, which about doubles fragmented READs' throughput, and an idle
+# agent costs no more (benchmarks/README.md, "wire").
 DEFAULT_NIXL_THREADS = 4
 
 

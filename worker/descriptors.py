@@ -1,4 +1,4 @@
-"""Validate what callers hand a NIXL agent: regions to register and READ descriptor pairs.
+"""Validate what callers hand a NIXL agent: regions, READ descriptor pairs, remote agent names.
 
 Shared by the real agent and FakeNixl so both reject bad input with the same messages
 (tests/test_nixl_contract.py holds them to it); pure numpy, no nixl import.
@@ -6,7 +6,7 @@ Shared by the real agent and FakeNixl so both reject bad input with the same mes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,15 @@ def checked_regions(regions: Sequence[tuple[int, int]]) -> tuple[tuple[int, int]
                 "both must be positive"
             )
     return tuple((int(address), int(length_bytes)) for address, length_bytes in regions)
+
+
+def check_known_remote(agent_name: str, remote_agent: str, known: Collection[str]) -> None:
+    """Raise TransferFailed unless agent ``agent_name`` loaded ``remote_agent``'s metadata."""
+    if remote_agent not in known:
+        raise TransferFailed(
+            f"unknown remote agent {remote_agent!r}: agent {agent_name!r} has not loaded "
+            f"its metadata (known: {sorted(known)}). Handshake first"
+        )
 
 
 def checked_read_descriptors(

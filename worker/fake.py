@@ -43,6 +43,7 @@ import numpy as np
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
 from connector.memory import HOST_MEMORY, Memory
 from worker.descriptors import (
+    check_known_remote,
     checked_indices,
     checked_read_descriptors,
     checked_regions,
@@ -235,7 +236,7 @@ class FakeNixl:
         remote_memory: Memory = HOST_MEMORY,
     ) -> FakeRead:
         self._live()
-        self._require_remote(remote_agent)
+        check_known_remote(self._name, remote_agent, self._remote_agents)
         local_rows, remote_rows = checked_read_descriptors(local, remote)
         transfer = FakeRead(remote_agent, local_rows, remote_rows, bytes(notif))
         with self._fabric.lock:
@@ -249,7 +250,7 @@ class FakeNixl:
         self._live()
         checked = checked_strided_rows(rows)
         if owner is not None:
-            self._require_remote(owner)
+            check_known_remote(self._name, owner, self._remote_agents)
         name = self._name if owner is None else owner
         return FakePreparedList(name, checked, list_entries(checked), memory, owner is None)
 
@@ -316,7 +317,7 @@ class FakeNixl:
 
     def send_notif(self, remote_agent: str, message: bytes) -> None:
         self._live()
-        self._require_remote(remote_agent)
+        check_known_remote(self._name, remote_agent, self._remote_agents)
         with self._fabric.lock:
             self._deliver(self._peer(remote_agent, "sending a notification"), bytes(message))
 
@@ -374,7 +375,8 @@ class FakeNixl:
 
         Checked again when the bytes move: memory deregistered since then may be freed.
         """
-        self._require_remote(transfer.remote_agent)  # not removed since make_read
+        # Not removed since make_read:
+        check_known_remote(self._name, transfer.remote_agent, self._remote_agents)
         peer = self._peer(transfer.remote_agent, f"the {transfer.describe()}")
         loaded = self._remote_agents[peer.name]
         sides = (
@@ -421,13 +423,6 @@ class FakeNixl:
     def _live(self) -> None:
         if self._closed:
             raise TransferFailed(f"NIXL agent {self._name!r} is closed; create a new agent")
-
-    def _require_remote(self, remote_agent: str) -> None:
-        if remote_agent not in self._remote_agents:
-            raise TransferFailed(
-                f"unknown remote agent {remote_agent!r}: agent {self._name!r} has not loaded "
-                f"its metadata (known: {sorted(self._remote_agents)}). Handshake first"
-            )
 
 
 def _first_outside(rows: Descriptors, regions: Collection[tuple[int, int]]) -> int | None:

@@ -40,6 +40,7 @@ from connector.config import DEFAULT_NIXL_THREADS
 from connector.errors import HandshakeError, TransferFailed, UnsupportedConfiguration
 from connector.memory import HOST_MEMORY, Memory
 from worker.descriptors import (
+    check_known_remote,
     checked_indices,
     checked_read_descriptors,
     checked_regions,
@@ -198,7 +199,7 @@ class RealNixlAgent:
         remote_memory: Memory = HOST_MEMORY,
     ) -> RealRead:
         agent = self._live()
-        self._require_remote(remote_agent)
+        check_known_remote(self._name, remote_agent, self._remote_agents)
         local_rows, remote_rows = checked_read_descriptors(local, remote)
         num_bytes = int(local_rows[:, 1].sum())
         action = f"preparing a READ of {len(local_rows)} descriptors from agent {remote_agent!r}"
@@ -219,7 +220,7 @@ class RealNixlAgent:
         agent = self._live()
         checked = checked_strided_rows(rows)
         if owner is not None:
-            self._require_remote(owner)
+            check_known_remote(self._name, owner, self._remote_agents)
         where = "local memory" if owner is None else f"agent {owner!r}"
         action = f"preparing a list of {list_entries(checked)} entries of {where}"
         with _translated(action):
@@ -241,7 +242,7 @@ class RealNixlAgent:
                 "cannot READ by index: pass this agent's own prepared list as the local side "
                 "and a remote agent's as the remote side"
             )
-        self._require_remote(remote_list.owner)
+        check_known_remote(self._name, remote_list.owner, self._remote_agents)
         local_idx, remote_idx = checked_indices(
             local_list.num_entries, local_indices, remote_list.num_entries, remote_indices
         )
@@ -275,7 +276,7 @@ class RealNixlAgent:
 
     def send_notif(self, remote_agent: str, message: bytes) -> None:
         agent = self._live()
-        self._require_remote(remote_agent)
+        check_known_remote(self._name, remote_agent, self._remote_agents)
         with _translated(f"sending a notification to agent {remote_agent!r}"):
             agent.send_notif(remote_agent, message)
 
@@ -295,13 +296,6 @@ class RealNixlAgent:
         if self._agent is None:
             raise TransferFailed(f"NIXL agent {self._name!r} is closed; create a new agent")
         return self._agent
-
-    def _require_remote(self, remote_agent: str) -> None:
-        if remote_agent not in self._remote_agents:
-            raise TransferFailed(
-                f"unknown remote agent {remote_agent!r}: agent {self._name!r} has not loaded "
-                f"its metadata (known: {sorted(self._remote_agents)}). Handshake first"
-            )
 
 
 def _create_nixl_agent(

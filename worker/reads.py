@@ -5,9 +5,8 @@ Prepared lists (``PreparedLists``, at handshake, freed when the peer retires): l
 rank serving one model prepares one local list per distinct pairing, once. Remote lists are
 one per (peer, remote rank) and go before the peer's agents do. What a peer costs: one
 strided row per plane read from each remote rank, on each side (worker/plan/whole_blocks.py),
-e.g. 64 rows for 32 layers of K and V; NIXL keeps strided rows compressed (measured: a list of
-1M entries prepared in 0.05 ms with no RSS growth, against 45 ms and about 55 MB expanded), so
-the pool size costs nothing per peer.
+e.g. 64 rows for 32 layers of K and V; NIXL keeps strided rows compressed (benchmarks/README.md,
+prepped_bench), so the pool size costs nothing per peer.
 
 READs: a remote rank's part of a request is one or two READs (worker/plan/recipe.py RankPlan):
 by index into the prepared lists, and/or byte ranges, whose descriptors are built here. None
@@ -144,9 +143,8 @@ def build_descriptors(
 ) -> Descriptors:
     """NIXL descriptors (address, length_bytes, device) for byte ranges within regions.
 
-    Written into one (N, 3) array: column_stack plus astype made three more N-row copies
-    (131k rows: 0.5 ms instead of 1.6). Page faults on freshly mapped arrays cost more still:
-    keep_plan_memory_mapped (below).
+    Written into one (N, 3) array, with no intermediate N-row copies. Page faults on freshly
+    mapped arrays cost more still: keep_plan_memory_mapped (below).
     """
     bases = np.asarray(region_addresses, dtype=np.int64)
     descriptors = np.empty((len(lengths), 3), dtype=np.int64)
@@ -227,9 +225,8 @@ def keep_plan_memory_mapped() -> bool:
 
     A 32k-token request with fragmented ids plans 131k descriptors: a few MB of numpy arrays
     per request. With glibc's defaults the freed heap top is trimmed (or the arrays are
-    mmap'd) each time, so every request page-faults its arrays in again: 1,760 minor faults
-    and 3-20 ms per request instead of 1.7 ms on the 2-core machine (measured with ru_minflt).
-    Process-wide and bounded: at most 64 MiB of freed heap stays mapped. Returns False where
+    mmap'd) each time, so every request page-faults its arrays in again (benchmarks/README.md,
+    the 32k-fragmented outlier). Process-wide and bounded: at most 64 MiB of freed heap stays mapped. Returns False where
     there is no glibc (nothing changes).
     """
     name = ctypes.util.find_library("c")

@@ -4,9 +4,9 @@ lease checks.
 Each exchange sends one request on a ZMQ REQ socket (linger 0, bounded reply size) and waits
 for one reply (time this process spent stopped does not count against the timeout). Each
 thread keeps its connected sockets, one per side channel, for the next exchange: a round trip
-on a connected socket skips TCP's and ZMQ's connection handshakes (0.06 ms instead of 0.3 ms
-on loopback, and fewer thread wake-ups on a busy host). A socket whose exchange failed in any
-way (timeout, zmq error) is closed, so a late reply can never answer a later request.
+on a connected socket skips TCP's and ZMQ's connection handshakes. A socket whose exchange
+failed in any way (timeout, zmq error) is closed, so a late reply can never answer a later
+request.
 
 Every request but Hello names the server's boot id (see connector/protocol.py):
 ``fetch_boot_id`` asks for it, and a call given no boot id asks first (one more round trip).
@@ -23,6 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TypeVar
 
 import zmq
 
@@ -57,6 +58,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20
 _SLICE_S = 0.25  # a reply wait polls in slices this long (see _receive)
 MAX_SOCKETS_PER_THREAD = 64  # connected side channels a thread keeps; the oldest is closed
 SocketKey = tuple[str, int, int]  # (host, port, max_message_bytes)
+_R = TypeVar("_R", bound=Reply)
 
 
 def zmq_endpoint(host: str, port: int | str) -> str:
@@ -99,10 +101,7 @@ def fetch_identity(
     With ``engine_id``, a server that is another engine raises HandshakeError.
     """
     reply = _call(host, port, Hello(), secret, timeout_s, max_message_bytes, boot_id="")
-    if not isinstance(reply, HelloReply):
-        raise HandshakeError(
-            f"side channel {host}:{port} answered Hello with {type(reply).__name__}"
-        )
+    reply = _expect(HelloReply, reply, host, port, "Hello")
     if engine_id is not None and reply.engine_id != engine_id:
         raise HandshakeError(
             f"side channel {host}:{port} is engine {reply.engine_id[:80]!r}, not {engine_id!r}: "
@@ -128,21 +127,10 @@ def fetch_handshake(
     another boot raises PeerRestarted at once (the KV the params name died with that boot).
     Without, two: Hello for the boot id, then the handshake request naming it.
     """
-    if not boot_id:
-        boot_id = fetch_boot_id(
-            host,
-            port,
-            engine_id=None,
-            secret=secret,
-            timeout_s=timeout_s,
-            max_message_bytes=max_message_bytes,
-        )
+    boot_id = boot_id or _ask_boot_id(host, port, secret, timeout_s, max_message_bytes)
     request = HandshakeRequest(tp_rank)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
-    if not isinstance(reply, HandshakeReply):
-        raise HandshakeError(
-            f"side channel {host}:{port} answered a handshake request with {type(reply).__name__}"
-        )
+    reply = _expect(HandshakeReply, reply, host, port, "a handshake request")
     if reply.handshake.tp_rank != tp_rank:
         raise HandshakeError(
             f"side channel {host}:{port} answered a handshake for tp_rank {tp_rank} with "
@@ -275,11 +263,7 @@ def await_lease(
         host, port, request, secret, hold_ms / 1000 + timeout_s, max_message_bytes,
         boot_id=boot_id,
     )  # fmt: skip
-    if not isinstance(reply, LeaseAnnouncement):
-        raise HandshakeError(
-            f"side channel {host}:{port} answered an AwaitLease with {type(reply).__name__}"
-        )
-    return reply
+    return _expect(LeaseAnnouncement, reply, host, port, "an AwaitLease")
 
 
 def cancel_transfer(
@@ -311,21 +295,28 @@ def _expect_ack(
 ) -> int:
     if boot_id is None:
         # The server, not Hello, checks the engine id: one refusal, naming both engines.
-        boot_id = fetch_boot_id(
-            host,
-            port,
-            engine_id=None,
-            secret=secret,
-            timeout_s=timeout_s,
-            max_message_bytes=max_message_bytes,
-        )
+        boot_id = _ask_boot_id(host, port, secret, timeout_s, max_message_bytes)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
-    if not isinstance(reply, Ack):
+    return _expect(Ack, reply, host, port, f"a {type(request).__name__}").num_known
+
+
+def _ask_boot_id(
+    host: str, port: int, secret: str | None, timeout_s: float, max_message_bytes: int
+) -> str:
+    """The server's boot id from Hello, whichever engine it is."""
+    return fetch_boot_id(
+        host, port, engine_id=None, secret=secret, timeout_s=timeout_s,
+        max_message_bytes=max_message_bytes,
+    )  # fmt: skip
+
+
+def _expect(reply_type: type[_R], reply: Reply, host: str, port: int, asked: str) -> _R:
+    """``reply`` if it is a ``reply_type``; else HandshakeError naming what was ``asked``."""
+    if not isinstance(reply, reply_type):
         raise HandshakeError(
-            f"side channel {host}:{port} answered a {type(request).__name__} with "
-            f"{type(reply).__name__}"
+            f"side channel {host}:{port} answered {asked} with {type(reply).__name__}"
         )
-    return reply.num_known
+    return reply
 
 
 def _call(

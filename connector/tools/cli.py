@@ -32,6 +32,13 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _number(
+    parser: argparse.ArgumentParser, flag: str, default: float, metavar: str, text: str
+) -> None:
+    """A numeric flag typed by its default (int or float)."""
+    parser.add_argument(flag, type=type(default), default=default, metavar=metavar, help=text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="nixl-pd", description="NIXL prefill/decode KV connector tools")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
@@ -43,23 +50,13 @@ def _parser() -> argparse.ArgumentParser:
         "block leaks against a single-engine run. Exits non-zero on any mismatch or leak.",
     )
     for side in ("prefill", "decode"):
+        _number(demo, f"--{side}-tp", 1, "N", f"{side} TP size (1)")
+        _number(demo, f"--{side}-block-size", 16, "TOKENS",
+            f"{side} logical block size in tokens (16)")  # fmt: skip
         demo.add_argument(
-            f"--{side}-tp", type=int, default=1, metavar="N", help=f"{side} TP size (1)"
-        )
-        demo.add_argument(
-            f"--{side}-block-size",
-            type=int,
-            default=16,
-            metavar="TOKENS",
-            help=f"{side} logical block size in tokens (16)",
-        )
-        demo.add_argument(
-            f"--{side}-kernel-block-size",
-            type=int,
-            default=None,
-            metavar="TOKENS",
+            f"--{side}-kernel-block-size", type=int, default=None, metavar="TOKENS",
             help=f"{side} kernel block size (default: the block size)",
-        )
+        )  # fmt: skip
     demo.add_argument(
         "--layout", choices=("nhd", "hnd"), default="nhd", help="KV memory layout (nhd)"
     )
@@ -67,52 +64,32 @@ def _parser() -> argparse.ArgumentParser:
         "--model", choices=MODELS, default="dense", help="model both engines serve (dense)"
     )
     demo.add_argument(
-        "--decode-model",
-        choices=MODELS,
-        default=None,
+        "--decode-model", choices=MODELS, default=None,
         help="serve another model on decode, to see the handshake refuse the pairing",
-    )
-    demo.add_argument(
-        "--decode-prefix-hit",
-        type=float,
-        default=0.0,
-        metavar="FRACTION",
-        help="fraction of each prompt already in decode's prefix cache (0)",
-    )
-    demo.add_argument("--requests", type=int, default=8, metavar="N", help="batch size (8)")
-    demo.add_argument(
-        "--prompt-len", type=int, default=64, metavar="L", help="prompt tokens per request (64)"
-    )
-    demo.add_argument(
-        "--max-tokens",
-        type=int,
-        default=8,
-        metavar="N",
-        help="tokens decode generates after prefill's first token (8)",
-    )
+    )  # fmt: skip
+    _number(demo, "--decode-prefix-hit", 0.0, "FRACTION",
+        "fraction of each prompt already in decode's prefix cache (0)")  # fmt: skip
+    _number(demo, "--requests", 8, "N", "batch size (8)")
+    _number(demo, "--prompt-len", 64, "L", "prompt tokens per request (64)")
+    _number(demo, "--max-tokens", 8, "N", "tokens decode generates after prefill's first token (8)")
     demo.add_argument(
         "--fake-nixl",
         action="store_true",
         help="both engines in this process over FakeNixl (no UCX)",
     )
     demo.add_argument(
-        "--verify-kv",
-        action="store_true",
+        "--verify-kv", action="store_true",
         help="verify_kv on both engines: prefill digests each leased block, decode checks "
         "every load against those digests before it reports it",
-    )
+    )  # fmt: skip
     demo.add_argument(
-        "--staged",
-        action="store_true",
+        "--staged", action="store_true",
         help="host staging: NIXL reads host mirrors of the KV, copied each step (as for a "
         "device NIXL cannot reach)",
-    )
-    demo.add_argument(
-        "--timeout", type=float, default=120.0, metavar="SECONDS", help="for the batch (120)"
-    )
-    demo.add_argument(
-        "--turns", type=int, default=1, metavar="N",
-        help="turns per conversation (1); above 1 both engines run in multi-turn mode and "
+    )  # fmt: skip
+    _number(demo, "--timeout", 120.0, "SECONDS", "for the batch (120)")
+    _number(demo, "--turns", 1, "N",
+        "turns per conversation (1); above 1 both engines run in multi-turn mode and "
         "each later turn's prefill pulls the history from decode",
     )  # fmt: skip
     demo.add_argument("--json", action="store_true", help="print one JSON object")
@@ -132,17 +109,13 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--role", choices=("prefill", "decode"), required=True)
     serve.add_argument(
-        "--port",
-        type=int,
-        default=None,
+        "--port", type=int, default=None,
         help="request socket port (prefill 8100, decode 8200; 0 picks a free one)",
-    )
+    )  # fmt: skip
     serve.add_argument(
         "--host", default="127.0.0.1", help="address for the request socket and side channel"
     )
-    serve.add_argument(
-        "--side-channel-port", type=int, default=0, metavar="P", help="(0: a free port)"
-    )
+    _number(serve, "--side-channel-port", 0, "P", "(0: a free port)")
     serve.add_argument(
         "--metrics-port", type=int, default=None, metavar="P",
         help="serve Prometheus metrics on http://HOST:P/metrics (0 picks a free port; "
@@ -154,49 +127,35 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     serve.add_argument("--engine-id", default=None, help="(default: <role>-<random hex>)")
     serve.add_argument("--model", choices=MODELS, default="dense", help="(dense)")
-    serve.add_argument("--tp", type=int, default=1, metavar="N", help="TP size (1)")
-    serve.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="(16)")
+    _number(serve, "--tp", 1, "N", "TP size (1)")
+    _number(serve, "--block-size", 16, "TOKENS", "(16)")
     serve.add_argument(
         "--kernel-block-size", type=int, default=None, metavar="TOKENS", help="(the block size)"
     )
     serve.add_argument("--layout", choices=("nhd", "hnd"), default="nhd", help="(nhd)")
-    serve.add_argument(
-        "--num-blocks", type=int, default=256, metavar="N", help="KV blocks per group (256)"
-    )
+    _number(serve, "--num-blocks", 256, "N", "KV blocks per group (256)")
     serve.add_argument("--seed", type=int, default=0, help="model weights' seed (0)")
     serve.add_argument(
         "--staged", action="store_true",
         help="host staging: NIXL reads a host mirror of the KV; give both engines the flag",
     )  # fmt: skip
-    serve.add_argument(
-        "--lease", type=float, default=30.0, metavar="SECONDS",
-        help="prefill: how long finished KV waits for decode to read it (30)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--heartbeat", type=float, default=5.0, metavar="SECONDS",
-        help="decode: how often it extends the leases it waits on; below --lease (5)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--handshake-timeout", type=float, default=5.0, metavar="SECONDS",
-        help="decode: per side-channel handshake attempt (5)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--handshake-retries", type=int, default=2, metavar="N",
-        help="decode: attempts after the first, with backoff (2)",
-    )  # fmt: skip
+    _number(serve, "--lease", 30.0, "SECONDS",
+        "prefill: how long finished KV waits for decode to read it (30)")  # fmt: skip
+    _number(serve, "--heartbeat", 5.0, "SECONDS",
+        "decode: how often it extends the leases it waits on; below --lease (5)")  # fmt: skip
+    _number(serve, "--handshake-timeout", 5.0, "SECONDS",
+        "decode: per side-channel handshake attempt (5)")  # fmt: skip
+    _number(serve, "--handshake-retries", 2, "N",
+        "decode: attempts after the first, with backoff (2)")  # fmt: skip
     serve.add_argument(
         "--bidirectional", action="store_true",
         help="multi-turn (bidirectional_kv_xfer): decode holds a finished request's KV for the "
         "next turn, whose prefill pulls it; give both engines the flag",
     )  # fmt: skip
-    serve.add_argument(
-        "--decoder-kv-ttl", type=float, default=480.0, metavar="SECONDS",
-        help="decode, --bidirectional: how long it holds a finished request's KV (480)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--recompute-threshold", type=int, default=64, metavar="TOKENS",
-        help="prefill, --bidirectional: pull from decode only this many tokens or more (64)",
-    )  # fmt: skip
+    _number(serve, "--decoder-kv-ttl", 480.0, "SECONDS",
+        "decode, --bidirectional: how long it holds a finished request's KV (480)")  # fmt: skip
+    _number(serve, "--recompute-threshold", 64, "TOKENS",
+        "prefill, --bidirectional: pull from decode only this many tokens or more (64)")  # fmt: skip
 
 
 def _add_route_parser(commands: argparse._SubParsersAction) -> None:
@@ -210,26 +169,20 @@ def _add_route_parser(commands: argparse._SubParsersAction) -> None:
     )
     route.add_argument("--prefill", required=True, metavar="HOST:PORT")
     route.add_argument("--decode", required=True, metavar="HOST:PORT")
-    route.add_argument("--prompt-len", type=int, default=64, metavar="L", help="(64)")
-    route.add_argument("--requests", type=int, default=8, metavar="N", help="(8)")
-    route.add_argument(
-        "--max-tokens", type=int, default=8, metavar="N", help="decode's tokens after the first (8)"
-    )
+    _number(route, "--prompt-len", 64, "L", "(64)")
+    _number(route, "--requests", 8, "N", "(8)")
+    _number(route, "--max-tokens", 8, "N", "decode's tokens after the first (8)")
     route.add_argument("--seed", type=int, default=0, help="prompts' seed (0)")
-    route.add_argument(
-        "--turns", type=int, default=1, metavar="N",
-        help="turns per conversation (1): each next prompt is the last one, its answer and "
+    _number(route, "--turns", 1, "N",
+        "turns per conversation (1): each next prompt is the last one, its answer and "
         "--prompt-len new tokens, sent to prefill with decode's returned kv_transfer_params "
         "(engines served with --bidirectional pull the history from decode)",
     )  # fmt: skip
+    _number(route, "--timeout", 60.0, "SECONDS", "for the batch (60)")
     route.add_argument(
-        "--timeout", type=float, default=60.0, metavar="SECONDS", help="for the batch (60)"
-    )
-    route.add_argument(
-        "--check",
-        action="store_true",
+        "--check", action="store_true",
         help="also run the prompts on a local engine (the servers' model and seed); compare",
-    )
+    )  # fmt: skip
     route.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -247,10 +200,7 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
         "--side-channel", action="append", default=[], metavar="HOST:PORT",
         help="an engine's side channel to handshake with (repeat; two or more are compared)",
     )  # fmt: skip
-    doctor.add_argument(
-        "--timeout", type=float, default=3.0, metavar="SECONDS",
-        help="per side-channel exchange (3)",
-    )  # fmt: skip
+    _number(doctor, "--timeout", 3.0, "SECONDS", "per side-channel exchange (3)")
     doctor.add_argument(
         "--no-transfer", action="store_true", help="skip the loopback READ (faster)"
     )

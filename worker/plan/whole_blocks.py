@@ -457,11 +457,8 @@ def choose_prepared(num_indices: int, num_ranges: int, has_partial: bool) -> boo
     pays per index (cheap: numpy and C++), the range path a fixed planning cost and more per
     posted descriptor. With a partial segment the index path plans that segment as ranges
     too (the same fixed cost) and posts a second READ, so only the per-descriptor saving can
-    pay for the indices. Measured (real NIXL, 32 layers, benchmarks/prepped_bench.py with
-    whole blocks taken from the rows; benchmarks/README.md): 2k contiguous whole blocks, 8,192 indices
-    -> by index (144 us against 221); 32k contiguous, 131,072 -> ranges (301 us against 629);
-    fragmented ids -> by index (2k: 0.36 ms against 0.77; 32k: 3.6 ms against 7.5); the rule
-    picked the cheaper path in all six of that benchmark's cases.
+    pay for the indices. The rule picked the cheaper path in every case of
+    benchmarks/prepped_bench.py (real NIXL; benchmarks/README.md).
     """
     if num_indices == 0:
         return False
