@@ -103,8 +103,8 @@ ENGINE_ENV = {
     # a step crosses no shared-memory queue. TP > 1 is `mp` whatever this says. With the
     # zygote (below) the engine core and any worker are forked, vLLM's default start method,
     # not spawned as the CPU platform forces (tests/engine_zygote.py): a start imports vLLM
-    # in no new process. The bf16 hybrid keeps the CPU platform's own layout, `mp` and spawn
-    # (CPU_PLATFORM_LAYOUT), so it stays under test too.
+    # in no new process. The bf16 hybrid's pair of ours keeps the CPU platform's own layout,
+    # `mp` and spawn (CPU_PLATFORM_LAYOUT), so it stays under test too.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 # extra_env of an engine in exactly the layout `vllm serve` gives it on the CPU platform: its
@@ -804,6 +804,7 @@ class Deployment:
         with_reference: bool = True,
         reference: Engine | None = None,
         extra_env: tuple[tuple[str, str], ...] = (),
+        connector_env: Mapping[str, tuple[tuple[str, str], ...]] | None = None,
     ) -> Iterator[tuple[Deployment, ...]]:
         """One P/D pair per connector, sharing one reference engine (the first deployment's),
         all engines started at once, then one proxy per pair. ``extra_args`` go to every
@@ -811,7 +812,8 @@ class Deployment:
         (e.g. ``--tensor-parallel-size 2``). ``with_reference`` False: no single engine is
         started (another deployment's serves as the reference). ``reference``: a single
         engine someone else started and stops (tests/real_vllm_workspace.py's shared one),
-        waited for with ours and not started here."""
+        waited for with ours and not started here. ``connector_env``: more environment for
+        one connector's two engines (e.g. vLLM's CPU process layout for ours alone)."""
         shared = reference
         if reference is None:
             spec = EngineSpec(
@@ -830,7 +832,7 @@ class Deployment:
                 (*extra_args, *own_args),
                 extra_config=extra_config,
                 failure_policy=policy,
-                extra_env=extra_env,
+                extra_env=(*extra_env, *(connector_env or {}).get(connector, ())),
             )
 
         deployments = tuple(

@@ -50,12 +50,12 @@ if (missing := missing_vllm_venv()) is not None:
 
 MAX_TOKENS = 8
 VOCAB_IDS = range(4, 512)
-# Qwen3-Next's CPU kernels run in bf16. Its engines keep vLLM's CPU process layout and the
-# 1 GiB cache (4096 blocks here), not the tier's `uni` and 2048 blocks: in a run with those, one
-# of 8 second-round prompts decoded differently from vLLM's pair after the first token (ours
-# equal to the single engine, vLLM's to both pairs' first round; verify_kv passed, so ours
-# decoded prefill's bytes). bf16 greedy tokens follow batch shapes and cache states; left as a
-# lead (docs/testing.md), these engines run as in every earlier green run.
+# Qwen3-Next's CPU kernels run in bf16. The engines keep the 1 GiB cache (4096 blocks here), and
+# our pair vLLM's CPU process layout (`mp` and spawn: the scheduler and worker halves of the
+# connector in separate processes, as `vllm serve` runs them); vLLM's pair and the single
+# engine, the references, start as the tier's other engines do (forked, `uni`: some 90 CPU-s
+# less). bf16 greedy tokens follow batch shapes, so the pairs may differ at a near tie
+# (tests/greedy_ties.py), whatever the layouts.
 ENGINE_ARGS = ("--dtype", "bfloat16", "--num-gpu-blocks-override", "4096")
 
 # Prompt lengths as functions of the attention block size vLLM chose (256 for this model).
@@ -97,7 +97,7 @@ def hybrid(real_vllm: Workspace, request: pytest.FixtureRequest) -> Iterator[Hyb
             ("nixlpd", "vllm"),
             logs,
             extra_args=ENGINE_ARGS,
-            extra_env=CPU_PLATFORM_LAYOUT,
+            connector_env={"nixlpd": CPU_PLATFORM_LAYOUT},
         ) as (ours, theirs),
     ):
         sizes = {engine.block_size() for engine in (*ours.engines(), *theirs.engines())}
