@@ -4,7 +4,7 @@ Why the real-vLLM tier needs it: vLLM's NixlConnector makes its NIXL agents with
 thread on, and nixl 1.5.1's Python API sets that thread's delay to 0 (``pthrDelay = 0`` in
 nixl's ``_api.py``), so each agent, one per rank, keeps a core busy for as long as its engine
 lives, idle or not (measured here: 1.0 core per idle engine of vLLM's; 0.04 per idle engine of
-ours, which runs no progress thread). On two cores the tier's two to four such engines alive
+ours, whose progress thread waits with a 1 ms delay, worker/nixl_real.py). On two cores the tier's two to four such engines alive
 at a time took their cycles from every engine under test. At nice 19 a spinner still gets
 every core nobody else wants; vLLM's code and configuration stay as they ship.
 
@@ -27,8 +27,9 @@ from pathlib import Path
 
 SAMPLES = 10
 SAMPLE_INTERVAL_S = 0.1
-# A waiting thread shows 'S'; one that spins shows 'R' (running, or runnable and queued on a
-# busy machine) in nearly every sample. Idle engine threads woke in at most 1 of 10 here.
+# A waiting thread shows 'S' and one that spins 'R' (running, or runnable and queued on a
+# busy machine) whenever looked at; 8 of 10 leaves room for a look that falls in a spinner's
+# rare syscall. A thread wrongly taken for one only runs slower: its engine is a reference.
 RUNNABLE_SAMPLES = 8
 NICE = 19
 
