@@ -413,18 +413,21 @@ def decode_reply(frame: bytes, *, secret: str | None, request_nonce: bytes) -> R
 
 
 _T = TypeVar("_T")
+NOT_UTF8 = "a string is not valid UTF-8"
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, what: str) -> _T:
     """``decoder.decode(data)``, with every failure on untrusted bytes as ProtocolError."""
     try:
         return decoder.decode(data)
+    except UnicodeDecodeError:  # msgspec < 0.23
+        raise ProtocolError(f"{what} ({NOT_UTF8})") from None
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"{what} ({_short_text(str(exc))})") from None
+        # msgspec 0.23 reports bad UTF-8 as a DecodeError of its own words: one message for both.
+        reason = NOT_UTF8 if "UTF-8" in str(exc) else _short_text(str(exc))
+        raise ProtocolError(f"{what} ({reason})") from None
     except RecursionError:
         raise ProtocolError(f"{what} (nested too deeply)") from None
-    except UnicodeDecodeError:
-        raise ProtocolError(f"{what} (a string is not valid UTF-8)") from None
     except Exception as exc:  # any other failure on a peer's bytes is still malformed input
         raise ProtocolError(f"{what} ({type(exc).__name__}: {_short_text(str(exc))})") from None
 
