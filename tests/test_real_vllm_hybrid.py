@@ -274,6 +274,7 @@ def test_prefill_asking_prompt_logprobs_decodes_like_vllms_connector(hybrid: Hyb
             f"{num_tokens} tokens, prefill with prompt_logprobs: P/D {list(ours.token_ids)} "
             f"single {list(single.token_ids)}{tie_note(ours, single)}"
         )
-    assert ours.token_ids == theirs.token_ids or near_tie(ours, theirs), (
-        f"ours {list(ours.token_ids)}, NixlConnector {list(theirs.token_ids)}"
-    )
+    if ours.token_ids != theirs.token_ids:
+        line = f"ours {list(ours.token_ids)}, NixlConnector {list(theirs.token_ids)}"
+        assert near_tie(ours, theirs), line
+        hybrid.near_ties.append(f"{num_tokens} tokens, prefill with prompt_logprobs: {line}")
