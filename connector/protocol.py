@@ -413,18 +413,16 @@ def decode_reply(frame: bytes, *, secret: str | None, request_nonce: bytes) -> R
 
 
 _T = TypeVar("_T")
-NOT_UTF8 = "a string is not valid UTF-8"
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, what: str) -> _T:
     """``decoder.decode(data)``, with every failure on untrusted bytes as ProtocolError."""
     try:
         return decoder.decode(data)
-    except UnicodeDecodeError:  # msgspec < 0.23
-        raise ProtocolError(f"{what} ({NOT_UTF8})") from None
-    except msgspec.DecodeError as exc:
-        # msgspec 0.23 reports bad UTF-8 as a DecodeError of its own words: one message for both.
-        reason = NOT_UTF8 if "UTF-8" in str(exc) else _short_text(str(exc))
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # Bad UTF-8: msgspec 0.23 says so in a DecodeError, older ones raise UnicodeDecodeError.
+        bad_utf8 = isinstance(exc, UnicodeDecodeError) or "UTF-8" in str(exc)
+        reason = "a string is not valid UTF-8" if bad_utf8 else _short_text(str(exc))
         raise ProtocolError(f"{what} ({reason})") from None
     except RecursionError:
         raise ProtocolError(f"{what} (nested too deeply)") from None
