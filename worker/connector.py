@@ -7,9 +7,10 @@ metadata once) and after it stops (``shutdown``). In between, the rank's transfe
 just queues the step's metadata for it, and ``get_finished`` just takes what it published
 under ``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. Why a thread: NIXL's
 ``post()`` of a READ with few descriptors over same-host CMA copies inline (tenths of a second
-for an 8k-token request, benchmarks/engine_thread_bench.py), releasing the GIL while it copies. Each pass (``_pass``) takes every step submitted since the
-last, and comes at once after a submit or a ``wake`` (a lease check answered), else every
-``busy_poll_s`` while loads are live, or every ``idle_poll_s``. The transfer thread owns the
+for an 8k-token request, benchmarks/engine_thread_bench.py), releasing the GIL while it
+copies. Each pass (``_pass``) takes every step submitted since the last, and comes at once
+after a submit or a ``wake`` (a lease check answered), else every ``busy_poll_s`` while
+loads are live, or every ``idle_poll_s``. The transfer thread owns the
 LoadTable, PeerTable (with the prepared descriptor lists it makes when a handshake completes,
 worker/reads.py) and NotificationCounter. The handshake threads (worker/handshake.py) only
 talk ZMQ to remote side channels and hand the bytes back through a queue, which the transfer

@@ -226,8 +226,8 @@ def keep_plan_memory_mapped() -> bool:
     A 32k-token request with fragmented ids plans 131k descriptors: a few MB of numpy arrays
     per request. With glibc's defaults the freed heap top is trimmed (or the arrays are
     mmap'd) each time, so every request page-faults its arrays in again (benchmarks/README.md,
-    the 32k-fragmented outlier). Process-wide and bounded: at most 64 MiB of freed heap stays mapped. Returns False where
-    there is no glibc (nothing changes).
+    the 32k-fragmented outlier). Process-wide and bounded: at most 64 MiB of freed heap stays
+    mapped. Returns False where there is no glibc (nothing changes).
     """
     name = ctypes.util.find_library("c")
     try:

@@ -155,7 +155,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     _number(serve, "--decoder-kv-ttl", 480.0, "SECONDS",
         "decode, --bidirectional: how long it holds a finished request's KV (480)")  # fmt: skip
     _number(serve, "--recompute-threshold", 64, "TOKENS",
-        "prefill, --bidirectional: pull from decode only this many tokens or more (64)")  # fmt: skip
+        "prefill, --bidirectional: pull from decode only this many tokens or more (64)",
+    )  # fmt: skip
 
 
 def _add_route_parser(commands: argparse._SubParsersAction) -> None:
