@@ -21,7 +21,7 @@ from connector.metadata import FailureKind, LoadSpec, RemoteSource
 from tests.test_worker_connector import RecordingAgent, remote_handshake, source
 from tests.test_worker_parts import BASE, Clock
 from worker.load_lifecycle import AFTER_READS, RANK_LOAD_LIFECYCLE, RankLoadState, lease_failure
-from worker.loads import LoadTable
+from worker.loads import QUARANTINE_WARN_TIMEOUTS, LoadTable
 from worker.nixl_api import TransferState
 from worker.peers import PEER_LIFECYCLE, Peer, PeerLink, PeerState
 from worker.plan.recipe import peer_plan
@@ -167,6 +167,7 @@ class Errors(logging.Handler):
 @given(events=EVENTS)
 def test_loads_take_only_table_edges_and_end_exactly_once(events: list[tuple[str, int]]) -> None:
     world = World()
+    start_s = world.clock.now_s
     errors = Errors()
     logging.getLogger("worker.loads").addHandler(errors)
     try:
@@ -175,7 +176,11 @@ def test_loads_take_only_table_edges_and_end_exactly_once(events: list[tuple[str
         world.drain()
     finally:
         logging.getLogger("worker.loads").removeHandler(errors)
-    assert errors.messages == []  # no unexpected error, no IllegalTransition
+    # The one error a load may log: a READ quarantined past QUARANTINE_WARN_TIMEOUTS timeouts is
+    # stuck, an operator's matter (hypothesis finds it with five waits of 31 s).
+    stuck = [message for message in errors.messages if "has not ended" in message]
+    assert [message for message in errors.messages if message not in stuck] == []
+    assert not stuck or world.clock.now_s - start_s > QUARANTINE_WARN_TIMEOUTS * TRANSFER_TIMEOUT_S
     for _, old, new in world.moves:
         assert RANK_LOAD_LIFECYCLE.allows(old, new), (old, new)
     ended = [rid for rid, _, new in world.moves if new in RANK_LOAD_LIFECYCLE.terminal]
