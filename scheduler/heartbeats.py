@@ -326,23 +326,18 @@ class HeartbeatSender:
         while not self._stop.is_set():
             with contextlib.suppress(queue.Empty):  # no message this poll: the timer's turn
                 self._handle(self._queue.get(timeout=POLL_INTERVAL_S))
-            if self._timer:
-                self._beat_safely()
-
-    def _beat_safely(self) -> None:
-        try:
-            self.beat_if_due()
-        except Exception:  # the thread must outlive any failure, a bug included
-            logger.exception("sending heartbeats failed; trying again at the next interval")
+            if not self._timer:
+                continue
+            try:
+                self.beat_if_due()
+            except Exception:  # the thread must outlive any failure, a bug included
+                logger.exception("sending heartbeats failed; trying again at the next interval")
 
     def _handle(self, message: _Message) -> None:
-        if self._backoff.should_skip(message.destination, self._clock()):
+        destination = message.destination
+        if self._backoff.should_skip(destination, self._clock()):
             self._num_skipped += 1
             return
-        self._deliver(message)
-
-    def _deliver(self, message: _Message) -> None:
-        destination = message.destination
         try:
             message.send(
                 destination.host,

@@ -215,7 +215,7 @@ class SideChannelServer:
         if self._thread is None:  # never served: the serving thread closes them otherwise
             self._wake_recv.close()
             self._wake_send.close()
-        if self._thread is not None:
+        else:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.error("side channel thread did not stop within %s s", timeout_s)
@@ -273,11 +273,9 @@ class SideChannelServer:
             self._wake_send.send(b"\0")
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # drained
             while self._wake_recv.recv(4096):
                 pass
-        except OSError:  # drained
-            pass
 
     def _answer_parked(self, socket: zmq.Socket) -> None:
         """Answer the parked AwaitLease requests whose key settled or whose hold ran out."""
@@ -476,7 +474,7 @@ def _held_names(refs: tuple[LeaseRef, ...], status: Reply) -> tuple[str, ...]:
 
 # What one peer can make this process hold, whatever it sends. A client call is a fresh REQ
 # socket with one request in flight, so queueing more only feeds a flood (allocated by zmq's
-# I/O thread, freed by this one, and glibc keeps that high-water mark: issue 25).
+# I/O thread, freed by this one, and glibc keeps that high-water mark).
 RECEIVE_HWM_MESSAGES = 1  # requests queued per peer; a full queue stops reading its TCP
 SEND_HWM_MESSAGES = 4  # replies queued for a peer that does not read them; more are dropped
 TCP_RECEIVE_BUFFER_BYTES = 256 * 2**10  # the kernel's per connection (Linux doubles it)
