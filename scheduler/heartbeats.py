@@ -149,7 +149,7 @@ class HeartbeatSender:
 
     ``timeout_s`` is the configured side-channel timeout; messages use at most
     MAX_MESSAGE_TIMEOUT_S of it. ``clock`` (seconds, monotonic) times the backoff windows.
-    ``send``/``send_release_fn`` replace the network calls (tests). ``timer=False``: the
+    ``send`` replaces the heartbeats' network call (tests). ``timer=False``: the
     thread sends no heartbeats; whoever calls ``beat_if_due`` does (tests drive it by hand).
     """
 
@@ -160,7 +160,6 @@ class HeartbeatSender:
         timeout_s: float,
         max_queued: int = 64,
         send: SendFn | None = None,
-        send_release_fn: SendFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         reader: ReaderId | None = None,  # this engine and boot, named in every message
         timer: bool = True,
@@ -171,7 +170,7 @@ class HeartbeatSender:
         self._message_timeout_s = message_timeout_s
         self._boot_ids = BootIds()
         self._send: SendFn = send or self._over_network(send_heartbeat)
-        self._send_release: SendFn = send_release_fn or self._over_network(send_release)
+        self._send_release = self._over_network(send_release)
         self._clock = clock
         self._backoff = Backoff(
             initial_s=max(message_timeout_s, MIN_BACKOFF_S), max_s=MAX_BACKOFF_S
