@@ -416,12 +416,8 @@ class Consumer:
             if load is None or load.state not in _RANKS_ANSWER_LOAD:
                 continue
             reason = _ENGINE_FAILED if request_id in failed_ids else None
-            for tp_rank in range(self._tp_size):
-                if tp_rank not in load.ranks_done:
-                    load.ranks_done.add(tp_rank)
-                    if reason is not None:
-                        load.failures.setdefault(tp_rank, reason)
-            self._settle(request_id, load)
+            for tp_rank in sorted(set(range(self._tp_size)) - load.ranks_done):
+                self._record(request_id, tp_rank, reason)  # the last one settles the load
 
     def _record(self, request_id: str, tp_rank: int, reason: LoadFailure | None) -> None:
         load = self._loads.get(request_id)

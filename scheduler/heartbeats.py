@@ -271,7 +271,9 @@ class HeartbeatSender:
         return True
 
     def _over_network(self, client_send: Callable[..., int]) -> SendFn:
-        """A SendFn that sends with ``client_send`` (connector/net/side_channel_client.py)."""
+        """A SendFn that sends with ``client_send`` (connector/net/side_channel_client.py),
+        naming the destination's boot id: the params' one, else asked for once and forgotten
+        on PeerRestarted."""
 
         def send(
             host: str,
@@ -282,38 +284,29 @@ class HeartbeatSender:
             boot_id: str = "",
         ) -> int:
             destination = SideChannelBoot(engine_id, host, port, boot_id)
-            return self._with_boot_id(client_send, destination, lease_keys)
+            secret, timeout_s = self._secret, self._message_timeout_s
+            known = boot_id or self._boot_ids.get(destination)
+            if known is None:
+                known = fetch_boot_id(
+                    host, port, engine_id=None, secret=secret, timeout_s=timeout_s
+                )
+                self._boot_ids.learned(destination, known)
+            try:
+                return client_send(
+                    host,
+                    port,
+                    lease_keys,
+                    engine_id=engine_id,
+                    boot_id=known,
+                    secret=secret,
+                    timeout_s=timeout_s,
+                    reader=self._reader,
+                )
+            except PeerRestarted:
+                self._boot_ids.forget(destination)
+                raise
 
         return send
-
-    def _with_boot_id(
-        self,
-        send: Callable[..., int],
-        destination: SideChannelBoot,
-        lease_keys: Sequence[str],
-    ) -> int:
-        """Send naming the destination's boot id: the params' one, else asked for once and
-        forgotten on PeerRestarted."""
-        host, port, engine_id = destination.host, destination.port, destination.engine_id
-        secret, timeout_s = self._secret, self._message_timeout_s
-        boot_id = destination.boot_id or self._boot_ids.get(destination)
-        if boot_id is None:
-            boot_id = fetch_boot_id(host, port, engine_id=None, secret=secret, timeout_s=timeout_s)
-            self._boot_ids.learned(destination, boot_id)
-        try:
-            return send(
-                host,
-                port,
-                lease_keys,
-                engine_id=engine_id,
-                boot_id=boot_id,
-                secret=secret,
-                timeout_s=timeout_s,
-                reader=self._reader,
-            )
-        except PeerRestarted:
-            self._boot_ids.forget(destination)
-            raise
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
