@@ -135,7 +135,7 @@ class SchedulerConnector:
             on_move=on_move,
             reader=self._reader,
         )
-        self._overlapped = OverlappedLoads.for_config(  # decode: loads parked until announced
+        self._overlapped = OverlappedLoads(  # decode: loads parked until announced
             config, self._reader, self._consumer, spec.groups,
             parse=self._parse, read=self._params.read, match=self._match,
         )  # fmt: skip

@@ -59,28 +59,10 @@ class ParkedLoad:
 
 
 class OverlappedLoads:
+    """Waits bounded by overlap_wait_timeout, each side-channel call by handshake_timeout."""
+
     def __init__(
         self,
-        waiter: LeaseWaiter,
-        consumer: Consumer,
-        groups: tuple[GroupSpec, ...] = (),  # chunked pulls: decode's transfer groups
-        *,
-        parse: Parse,
-        read: Read,
-        match: Match,
-        reader: ReaderId | None = None,
-    ) -> None:
-        self._waiter = waiter
-        self._consumer = consumer
-        self._parse, self._read, self._match = parse, read, match
-        self._parked: dict[str, ParkedLoad] = {}  # request id -> its parked load
-        self._block_sizes = tuple(group.block_size for group in groups)
-        self._reader = reader
-        self._pulls: dict[str, ChunkedPull] = {}  # chunked pulls: parked loads' read so far
-
-    @classmethod
-    def for_config(
-        cls,
         config: ConnectorConfig,
         reader: ReaderId,
         consumer: Consumer,
@@ -89,20 +71,22 @@ class OverlappedLoads:
         parse: Parse,
         read: Read,
         match: Match,
-    ) -> OverlappedLoads:
-        """Waits bounded by overlap_wait_timeout, each side-channel call by handshake_timeout."""
+    ) -> None:
         chunked = config.chunked_pull and all(g.kind in CHUNKABLE_KINDS for g in groups)
-        waiter = LeaseWaiter(
+        self._waiter = LeaseWaiter(
             timeout_s=config.overlap_wait_timeout_s,
             call_timeout_s=config.handshake_timeout_s,
             secret=config.side_channel_secret,
             reader=reader,
             chunked=chunked,
         )
-        return cls(
-            waiter, consumer, groups if chunked else (), parse=parse, read=read, match=match,
-            reader=reader,
-        )  # fmt: skip
+        self._consumer = consumer
+        self._parse, self._read, self._match = parse, read, match
+        self._parked: dict[str, ParkedLoad] = {}  # request id -> its parked load
+        # chunked pulls: decode's transfer groups' block sizes (none: no chunked pulls)
+        self._block_sizes = tuple(group.block_size for group in groups) if chunked else ()
+        self._reader = reader
+        self._pulls: dict[str, ChunkedPull] = {}  # chunked pulls: parked loads' read so far
 
     def claim(self, request: RequestInfo, num_computed_tokens: int) -> tuple[int, bool]:
         """Overlapped params read at an ask: claim the prompt's uncached tokens, as a claim
@@ -319,8 +303,7 @@ class OverlappedLoads:
         local = record.local_block_ids
         if local is None:
             return  # decode's blocks cannot take the load: the next step fails it (PLAN)
-        if self._reader is not None:
-            source = msgspec.structs.replace(source, reader=self._reader)
+        source = msgspec.structs.replace(source, reader=self._reader)
         spec = LoadSpec(
             request_id, local, increment.end_token, record.num_cached_tokens, source,
             record.token_ids, record.kv_salt, chunk=not increment.final,
