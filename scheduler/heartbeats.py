@@ -505,6 +505,3 @@ class HeartbeatRegistry:
             return None
         parsed[request_id] = (raw, source)
         return source
-
-    def __len__(self) -> int:
-        return len(self._entries)
