@@ -36,14 +36,6 @@ class Role(enum.Enum):
     CONSUMER = "consumer"  # decode: loads prompt KV from prefill engines
     BOTH = "both"
 
-    @property
-    def produces(self) -> bool:
-        return self is not Role.CONSUMER
-
-    @property
-    def consumes(self) -> bool:
-        return self is not Role.PRODUCER
-
 
 class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cycle
     """What the connector needs to know about one engine request (not the engine's object).
@@ -173,7 +165,6 @@ logger = logging.getLogger(__name__)
 class ParamsReader:
     def __init__(self, config: ConnectorConfig, role: Role, spec: KVCacheSpec) -> None:
         self._role = role
-        self._consumes, self._produces = role.consumes, role.produces
         self._bidirectional = config.bidirectional_kv_xfer
         self._recompute_threshold = config.kv_recompute_threshold
         self._num_groups = len(spec.groups)
@@ -198,13 +189,13 @@ class ParamsReader:
                 ", ".join(params.ignored_keys),
             )
         if params.do_remote_prefill:
-            if not self._consumes:
+            if self._role is Role.PRODUCER:
                 self._note_other_role(request, params)
             awaited = params.awaited_lease()
             if awaited is not None:  # overlapped: the lease is announced later
                 return ParsedParams(raw, params, None, awaits=awaited)
             return ParsedParams(raw, params, params.remote_source())
-        if params.do_remote_decode and not self._produces:
+        if params.do_remote_decode and self._role is Role.CONSUMER:
             self._note_other_role(request, params)
         source = params.pull_source() if self._bidirectional else None
         if source is not None and not self._can_pull(request, source):
