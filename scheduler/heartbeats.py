@@ -375,8 +375,6 @@ def _skipped_note(num_skipped: int) -> str:
 
 # What to heartbeat for one request: its read params' source, or (claimed) its raw params.
 Held = RemoteSource | Mapping[str, Any]
-
-
 Heartbeat = tuple[SideChannelBoot, tuple[str, ...]]  # where, and the lease keys it extends
 
 

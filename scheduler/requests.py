@@ -324,12 +324,12 @@ class SiblingLoads:
     vLLM fans an ``n > 1`` request out into children that carry the parent's
     ``kv_transfer_params``, and adds them to the engine together. Prefill frees a lease once this
     engine's ranks notify after the first load's proof, so a second load of it would fail its
-    lease check (never wrong, but a good request failed; it did so in CI with ``n=2``). Instead,
-    while one request's load uses the lease, another naming it gets ``None`` from the engine's
-    ask (vLLM asks again next step; the loading request goes first, and once loaded its blocks
-    are in the prefix cache); once that load is done, ``(0, False)``: the engine computes locally
-    whatever its prefix cache does not hold (at most a partial block after a successful load).
-    A wait lasts at most ``max_wait_s``; after it the request computes locally too.
+    lease check (never wrong, but a good request failed). Instead, while one request's load uses
+    the lease, another naming it gets ``None`` from the engine's ask (vLLM asks again next step;
+    the loading request goes first, and once loaded its blocks are in the prefix cache); once
+    that load is done, ``(0, False)``: the engine computes locally whatever its prefix cache does
+    not hold (at most a partial block after a successful load). A wait lasts at most
+    ``max_wait_s``; after it the request computes locally too.
 
     A request naming a lease no load on this engine uses now (params resent after their load, a
     replay of an old boot's params) loads as any other: its proof fails if the lease is gone, and
@@ -337,7 +337,6 @@ class SiblingLoads:
 
     Keys are lease keys (``connector.protocol.lease_key``), or an overlapped dispatch's transfer
     key while the lease is not drawn yet. Engine thread only.
-
     """
 
     def __init__(self, *, max_wait_s: float, clock: Callable[[], float]) -> None:
