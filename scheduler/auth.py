@@ -111,15 +111,9 @@ class RequestAuthenticator:
     Not thread-safe: only the side-channel thread uses it.
     """
 
-    def __init__(
-        self,
-        secret: str | None,
-        *,
-        replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
-        max_nonces: int = MAX_REMEMBERED_NONCES,
-    ) -> None:
+    def __init__(self, secret: str | None) -> None:
         self._secret = secret
-        self._nonces = NonceBook(window_s=replay_window_s, max_nonces=max_nonces)
+        self._nonces = NonceBook()
 
     @property
     def num_remembered_nonces(self) -> int:

@@ -20,6 +20,7 @@ and every transfer group full attention or MLA (``eligible``). Engine thread onl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -48,14 +49,12 @@ def eligible(groups: Sequence[GroupSpec], host_staging: bool) -> bool:
     return not host_staging and all(group.kind in CHUNKABLE_KINDS for group in groups)
 
 
+@dataclasses.dataclass(slots=True)
 class _Request:
-    __slots__ = ("key", "lease_id", "salt", "token_ids")
-
-    def __init__(self, key: str, token_ids: Sequence[int], salt: KVSalt) -> None:
-        self.key = key
-        self.token_ids = token_ids
-        self.salt = salt
-        self.lease_id = ""  # the PRODUCING lease ("": none held)
+    key: str  # the transfer key
+    token_ids: Sequence[int]
+    salt: KVSalt
+    lease_id: str = ""  # the PRODUCING lease ("": none held)
 
 
 class ChunkLeases:

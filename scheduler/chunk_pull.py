@@ -80,7 +80,6 @@ class ChunkedPull:
             raise ValueError(f"{len(local_block_ids)} block lists for {len(block_sizes)} groups")
         self._local = local_block_ids
         self._block_sizes = block_sizes
-        self._num_cached_tokens = num_cached_tokens
         self._num_tokens = num_tokens
         self._num_read_tokens = num_cached_tokens  # tokens [0, this) are in decode's blocks
         self._read_from: BlockIds = tuple(() for _ in block_sizes)  # remote blocks read, per group
@@ -103,25 +102,19 @@ class ChunkedPull:
         """The READ an announcement of ``num_tokens`` tokens in ``source`` adds (None: nothing
         new yet). Raises ChunkRefused when it does not extend what was read."""
         if self._done:
-            raise ChunkRefused(_failure("an announcement came after the final one"))
+            raise _refused("an announcement came after the final one")
         self._check_identity(source)
         if not final and any(num_tokens % size for size in self._block_sizes):
-            raise ChunkRefused(
-                _failure(f"a partial announcement of {num_tokens} tokens ends mid-block")
-            )
+            raise _refused(f"a partial announcement of {num_tokens} tokens ends mid-block")
         if num_tokens < self._num_announced_tokens:
-            raise ChunkRefused(
-                _failure(
-                    f"prefill announced {num_tokens} tokens after {self._num_announced_tokens}"
-                )
+            raise _refused(
+                f"prefill announced {num_tokens} tokens after {self._num_announced_tokens}"
             )
         if final and num_tokens < self._num_tokens:
-            raise ChunkRefused(
-                _failure(
-                    f"the final announcement holds {num_tokens} tokens; the load needs "
-                    f"{self._num_tokens}",
-                    FailureKind.PARAMS,
-                )
+            raise _refused(
+                f"the final announcement holds {num_tokens} tokens; the load needs "
+                f"{self._num_tokens}",
+                FailureKind.PARAMS,
             )
         end_token = self._num_tokens if final else min(num_tokens, self._num_tokens)
         self._check_extends(source.remote_block_ids, end_token)
@@ -141,49 +134,39 @@ class ChunkedPull:
             return
         if identity != self._identity:
             engine_id, boot_id, request_id, lease_id = identity
-            raise ChunkRefused(
-                _failure(
-                    f"prefill's lease for this transfer changed while decode read it (was "
-                    f"{self._identity[2]}@{self._identity[3]} on boot {self._identity[1]!r}, "
-                    f"now {request_id}@{lease_id} on boot {boot_id!r}): prefill preempted, "
-                    "aborted or restarted the request, and the blocks already read may have "
-                    "been reused"
-                )
+            raise _refused(
+                f"prefill's lease for this transfer changed while decode read it (was "
+                f"{self._identity[2]}@{self._identity[3]} on boot {self._identity[1]!r}, "
+                f"now {request_id}@{lease_id} on boot {boot_id!r}): prefill preempted, "
+                "aborted or restarted the request, and the blocks already read may have "
+                "been reused"
             )
 
     def _check_extends(self, remote_block_ids: BlockIds, end_token: int) -> None:
         if len(remote_block_ids) != len(self._block_sizes):
-            raise ChunkRefused(
-                _failure(
-                    f"the announcement names {len(remote_block_ids)} block groups, decode has "
-                    f"{len(self._block_sizes)}",
-                    FailureKind.PARAMS,
-                )
+            raise _refused(
+                f"the announcement names {len(remote_block_ids)} block groups, decode has "
+                f"{len(self._block_sizes)}",
+                FailureKind.PARAMS,
             )
         for group, (ids, read, size) in enumerate(
             zip(remote_block_ids, self._read_from, self._block_sizes, strict=True)
         ):
             if tuple(ids[: len(read)]) != read:
-                raise ChunkRefused(
-                    _failure(
-                        f"group {group}'s announced blocks do not begin with the {len(read)} "
-                        "blocks decode already read from"
-                    )
+                raise _refused(
+                    f"group {group}'s announced blocks do not begin with the {len(read)} "
+                    "blocks decode already read from"
                 )
             if len(ids) < -(-end_token // size):
-                raise ChunkRefused(
-                    _failure(
-                        f"group {group} names {len(ids)} blocks for {end_token} tokens",
-                        FailureKind.PARAMS,
-                    )
+                raise _refused(
+                    f"group {group} names {len(ids)} blocks for {end_token} tokens",
+                    FailureKind.PARAMS,
                 )
             if len(self._local[group]) < -(-end_token // size):
-                raise ChunkRefused(
-                    _failure(
-                        f"decode allocated {len(self._local[group])} blocks in group {group} "
-                        f"for {end_token} tokens",
-                        FailureKind.PLAN,
-                    )
+                raise _refused(
+                    f"decode allocated {len(self._local[group])} blocks in group {group} "
+                    f"for {end_token} tokens",
+                    FailureKind.PLAN,
                 )
 
     def _increment(self, remote_block_ids: BlockIds, end_token: int, final: bool) -> Increment:
@@ -204,5 +187,5 @@ class ChunkedPull:
         return Increment(start_token, end_token, tuple(remote), tuple(local), final)
 
 
-def _failure(message: str, kind: FailureKind = FailureKind.LEASE_EXPIRED) -> LoadFailure:
-    return LoadFailure(kind, f"chunked pull: {message}")
+def _refused(message: str, kind: FailureKind = FailureKind.LEASE_EXPIRED) -> ChunkRefused:
+    return ChunkRefused(LoadFailure(kind, f"chunked pull: {message}"))

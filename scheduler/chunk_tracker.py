@@ -39,15 +39,13 @@ MAX_TRACKED_REQUESTS = 4096
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkAnnouncement:
     """A request's KV written so far: ``num_tokens`` tokens in ``block_ids`` (per group, whole
-    blocks, in order). ``generation`` counts the request's announcements from 1;
-    ``restarted``: the first one since a preemption ended the request's earlier lease (a new
-    lease id must be drawn for it)."""
+    blocks, in order). ``generation`` counts the request's announcements from 1 (a preemption
+    does not reset it: step() reports the preempted requests whose lease must end)."""
 
     request_id: str
     block_ids: BlockIds
     num_tokens: int
     generation: int
-    restarted: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -57,7 +55,6 @@ class _Tracked:
     pending: deque[tuple[int, int]] = dataclasses.field(default_factory=deque)  # (step, tokens)
     num_announced_tokens: int = 0
     generation: int = 0
-    restarted: bool = False
 
 
 class ChunkTracker:
@@ -125,11 +122,8 @@ class ChunkTracker:
             tracked.num_announced_tokens = num_tokens
             tracked.generation += 1
             announcements.append(
-                ChunkAnnouncement(
-                    request_id, block_ids, num_tokens, tracked.generation, tracked.restarted
-                )
+                ChunkAnnouncement(request_id, block_ids, num_tokens, tracked.generation)
             )
-            tracked.restarted = False
         return announcements
 
     def _preempt(self, preempted: Iterable[str]) -> tuple[str, ...]:
@@ -140,7 +134,6 @@ class ChunkTracker:
                 continue
             if tracked.num_announced_tokens:
                 ended.append(request_id)
-                tracked.restarted = True
             tracked.block_ids, tracked.num_announced_tokens = [], 0
             tracked.pending.clear()  # a forward in flight writes blocks no longer ours
         return tuple(ended)

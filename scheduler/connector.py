@@ -135,7 +135,7 @@ class SchedulerConnector:
             on_move=on_move,
             reader=self._reader,
         )
-        self._overlapped = OverlappedLoads.for_config(  # decode: loads parked until announced
+        self._overlapped = OverlappedLoads(  # decode: loads parked until announced
             config, self._reader, self._consumer, spec.groups,
             parse=self._parse, read=self._params.read, match=self._match,
         )  # fmt: skip
@@ -500,8 +500,7 @@ class SchedulerConnector:
         self, handshakes: Sequence[WorkerHandshake]
     ) -> dict[int, WorkerHandshake]:
         by_rank = {handshake.tp_rank: handshake for handshake in handshakes}
-        ranks = sorted(by_rank)
-        if ranks != list(range(self._tp_size)) or len(handshakes) != self._tp_size:
+        if sorted(by_rank) != list(range(self._tp_size)) or len(handshakes) != self._tp_size:
             raise UnsupportedConfiguration(
                 f"start_side_channel needs one handshake per rank 0..{self._tp_size - 1}, got "
                 f"ranks {[handshake.tp_rank for handshake in handshakes]}"

@@ -64,8 +64,7 @@ from scheduler.requests import (
 
 logger = logging.getLogger(__name__)
 
-# The states as module names: shorter to read, and the hooks compare them on every call (a
-# global is ~3x cheaper to read than an Enum class attribute on Python 3.11).
+# The states as module names: shorter to read, and cheaper than Enum class attributes per call.
 _S = RequestLoadState
 MATCHED, ALLOCATED, LOADING, DRAINING = _S.MATCHED, _S.ALLOCATED, _S.LOADING, _S.DRAINING
 REPORTED, ENDED, RELEASING, RELEASED = _S.REPORTED, _S.ENDED, _S.RELEASING, _S.RELEASED
@@ -397,18 +396,14 @@ class Consumer:
         self._loads.move(request_id, LOADING)
         load.load_sent = True
         token_ids, load.token_ids = load.token_ids, None  # the ranks digest them; keep none
-        return LoadSpec(
-            request_id, local_block_ids, load.num_tokens, load.num_cached_tokens,
-            self._named(load), token_ids, load.kv_salt,
-        )  # fmt: skip
-
-    def _named(self, load: RequestLoad) -> RemoteSource:
-        """The load's source naming this reader, as its ranks' lease checks do (the tokens
-        it expects go as the LoadSpec's ids, digested by the ranks)."""
+        # The source names this reader, as its ranks' lease checks do.
         source = _source_of(load)
-        if self._reader is None:
-            return source
-        return msgspec.structs.replace(source, reader=self._reader)
+        if self._reader is not None:
+            source = msgspec.structs.replace(source, reader=self._reader)
+        return LoadSpec(
+            request_id, local_block_ids, load.num_tokens, load.num_cached_tokens, source,
+            token_ids, load.kv_salt,
+        )  # fmt: skip
 
     def on_engine_outcomes(self, finished: Iterable[str], failed: Iterable[str]) -> None:
         """The engine's own word that loads ended: ``finished`` ids (``failed`` among them).
@@ -420,12 +415,8 @@ class Consumer:
             if load is None or load.state not in _RANKS_ANSWER_LOAD:
                 continue
             reason = _ENGINE_FAILED if request_id in failed_ids else None
-            for tp_rank in range(self._tp_size):
-                if tp_rank not in load.ranks_done:
-                    load.ranks_done.add(tp_rank)
-                    if reason is not None:
-                        load.failures.setdefault(tp_rank, reason)
-            self._settle(request_id, load)
+            for tp_rank in sorted(set(range(self._tp_size)) - load.ranks_done):
+                self._record(request_id, tp_rank, reason)  # the last one settles the load
 
     def _record(self, request_id: str, tp_rank: int, reason: LoadFailure | None) -> None:
         load = self._loads.get(request_id)
@@ -463,12 +454,9 @@ class Consumer:
         self._loads.move(request_id, ENDED if load.state is DRAINING else REPORTED)
 
     def _release_only(self, request_id: str, load: RequestLoad, target: RequestLoadState) -> None:
-        """Move ``load`` to a releasing state and tell prefill to free its blocks."""
+        """Move ``load`` to a releasing state and tell prefill to free its blocks: through the
+        ranks (a ReleaseSpec) and the side channel, whichever arrives first."""
         self._loads.move(request_id, target)
-        self._tell_prefill_to_free(request_id, load)
-
-    def _tell_prefill_to_free(self, request_id: str, load: RequestLoad) -> None:
-        """Through the ranks (a ReleaseSpec) and the side channel, whichever arrives first."""
         source = _source_of(load)
         self._pending_releases.append(ReleaseSpec(request_id, source))
         self._release_over_side_channel(source)

@@ -149,7 +149,7 @@ class HeartbeatSender:
 
     ``timeout_s`` is the configured side-channel timeout; messages use at most
     MAX_MESSAGE_TIMEOUT_S of it. ``clock`` (seconds, monotonic) times the backoff windows.
-    ``send``/``send_release_fn`` replace the network calls (tests). ``timer=False``: the
+    ``send`` replaces the heartbeats' network call (tests). ``timer=False``: the
     thread sends no heartbeats; whoever calls ``beat_if_due`` does (tests drive it by hand).
     """
 
@@ -160,7 +160,6 @@ class HeartbeatSender:
         timeout_s: float,
         max_queued: int = 64,
         send: SendFn | None = None,
-        send_release_fn: SendFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         reader: ReaderId | None = None,  # this engine and boot, named in every message
         timer: bool = True,
@@ -171,7 +170,7 @@ class HeartbeatSender:
         self._message_timeout_s = message_timeout_s
         self._boot_ids = BootIds()
         self._send: SendFn = send or self._over_network(send_heartbeat)
-        self._send_release: SendFn = send_release_fn or self._over_network(send_release)
+        self._send_release = self._over_network(send_release)
         self._clock = clock
         self._backoff = Backoff(
             initial_s=max(message_timeout_s, MIN_BACKOFF_S), max_s=MAX_BACKOFF_S
@@ -272,7 +271,9 @@ class HeartbeatSender:
         return True
 
     def _over_network(self, client_send: Callable[..., int]) -> SendFn:
-        """A SendFn that sends with ``client_send`` (connector/net/side_channel_client.py)."""
+        """A SendFn that sends with ``client_send`` (connector/net/side_channel_client.py),
+        naming the destination's boot id: the params' one, else asked for once and forgotten
+        on PeerRestarted."""
 
         def send(
             host: str,
@@ -283,38 +284,29 @@ class HeartbeatSender:
             boot_id: str = "",
         ) -> int:
             destination = SideChannelBoot(engine_id, host, port, boot_id)
-            return self._with_boot_id(client_send, destination, lease_keys)
+            secret, timeout_s = self._secret, self._message_timeout_s
+            known = boot_id or self._boot_ids.get(destination)
+            if known is None:
+                known = fetch_boot_id(
+                    host, port, engine_id=None, secret=secret, timeout_s=timeout_s
+                )
+                self._boot_ids.learned(destination, known)
+            try:
+                return client_send(
+                    host,
+                    port,
+                    lease_keys,
+                    engine_id=engine_id,
+                    boot_id=known,
+                    secret=secret,
+                    timeout_s=timeout_s,
+                    reader=self._reader,
+                )
+            except PeerRestarted:
+                self._boot_ids.forget(destination)
+                raise
 
         return send
-
-    def _with_boot_id(
-        self,
-        send: Callable[..., int],
-        destination: SideChannelBoot,
-        lease_keys: Sequence[str],
-    ) -> int:
-        """Send naming the destination's boot id: the params' one, else asked for once and
-        forgotten on PeerRestarted."""
-        host, port, engine_id = destination.host, destination.port, destination.engine_id
-        secret, timeout_s = self._secret, self._message_timeout_s
-        boot_id = destination.boot_id or self._boot_ids.get(destination)
-        if boot_id is None:
-            boot_id = fetch_boot_id(host, port, engine_id=None, secret=secret, timeout_s=timeout_s)
-            self._boot_ids.learned(destination, boot_id)
-        try:
-            return send(
-                host,
-                port,
-                lease_keys,
-                engine_id=engine_id,
-                boot_id=boot_id,
-                secret=secret,
-                timeout_s=timeout_s,
-                reader=self._reader,
-            )
-        except PeerRestarted:
-            self._boot_ids.forget(destination)
-            raise
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -326,23 +318,18 @@ class HeartbeatSender:
         while not self._stop.is_set():
             with contextlib.suppress(queue.Empty):  # no message this poll: the timer's turn
                 self._handle(self._queue.get(timeout=POLL_INTERVAL_S))
-            if self._timer:
-                self._beat_safely()
-
-    def _beat_safely(self) -> None:
-        try:
-            self.beat_if_due()
-        except Exception:  # the thread must outlive any failure, a bug included
-            logger.exception("sending heartbeats failed; trying again at the next interval")
+            if not self._timer:
+                continue
+            try:
+                self.beat_if_due()
+            except Exception:  # the thread must outlive any failure, a bug included
+                logger.exception("sending heartbeats failed; trying again at the next interval")
 
     def _handle(self, message: _Message) -> None:
-        if self._backoff.should_skip(message.destination, self._clock()):
+        destination = message.destination
+        if self._backoff.should_skip(destination, self._clock()):
             self._num_skipped += 1
             return
-        self._deliver(message)
-
-    def _deliver(self, message: _Message) -> None:
-        destination = message.destination
         try:
             message.send(
                 destination.host,
@@ -388,8 +375,6 @@ def _skipped_note(num_skipped: int) -> str:
 
 # What to heartbeat for one request: its read params' source, or (claimed) its raw params.
 Held = RemoteSource | Mapping[str, Any]
-
-
 Heartbeat = tuple[SideChannelBoot, tuple[str, ...]]  # where, and the lease keys it extends
 
 
@@ -518,6 +503,3 @@ class HeartbeatRegistry:
             return None
         parsed[request_id] = (raw, source)
         return source
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -114,7 +114,11 @@ class LeaseWaiter:
             stop = self._waits.pop(request_id, None)
         if stop is not None:
             stop.set()
-        self._start_canceller()
+        if self._canceller is None:  # the cancel sender, started at the first cancel
+            self._canceller = threading.Thread(
+                target=self._send_cancels, name="nixl-pd-cancel", daemon=True
+            )
+            self._canceller.start()
         try:
             self._cancels.put_nowait(awaited)
         except queue.Full:
@@ -210,14 +214,6 @@ class LeaseWaiter:
             f"{last_error}); is it up, and did the router send it the request with that key?"
         )
         return Settled(request_id, awaited, failure=_timeout(why))
-
-    def _start_canceller(self) -> None:
-        """The cancel sender, started at the first cancel (engine thread only)."""
-        if self._canceller is None:
-            self._canceller = threading.Thread(
-                target=self._send_cancels, name="nixl-pd-cancel", daemon=True
-            )
-            self._canceller.start()
 
     def _send_cancels(self) -> None:
         while True:

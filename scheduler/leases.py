@@ -54,7 +54,7 @@ from connector.protocol import (
     Refusal,
     lease_key,
 )
-from scheduler.digests import verify_claims
+from scheduler.digests import RankDigests, verify_claims
 from scheduler.readers import ReaderBoots
 
 MAX_ENDED_IDS = 4096  # ended lease ids remembered to classify late messages
@@ -68,29 +68,35 @@ class LeaseStats:
     stray_already_ended: int = 0  # the lease had already completed, expired or been released
 
 
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """One held lease: what the side-channel thread must see of it."""
+
+    lease_id: str
+    expiry_s: float
+    duration_s: float  # what a heartbeat extends it by (decode's multi-turn holds: their own)
+    tokens: HeldTokens | None  # the token ids it is bound to (None: unbound); never replaced
+    blocks: HeldBlocks | None  # the blocks it is bound to (None: unbound); never replaced
+    staged: bool = False  # started not readable (host staging)
+    copying: bool = False  # staged, and its copy is not done yet
+    # verify_kv: tp_rank -> that rank's digest tables
+    digests: dict[int, tuple[GroupDigests, ...]] = dataclasses.field(default_factory=dict)
+
+
 class LeaseTable:
-    """Thread-safe map from prefill request id to lease expiry time."""
+    """Thread-safe map from prefill request id to its held lease."""
 
     def __init__(self, duration_s: float, *, num_ranks: int = 1) -> None:
         self._duration_s = duration_s
         self._num_ranks = num_ranks  # prefill ranks that report digests (verify_kv)
-        # Guards _expiry_s, _released, _ended and stats: every method uses them under it.
+        # Guards every field below: every method uses them under it.
         self._lock = threading.Lock()
-        self._expiry_s: dict[str, float] = {}  # held leases: request id -> expiry time
+        self._held: dict[str, _Held] = {}  # request id -> its held lease
         # (expiry time, request id, lease id), earliest first: ``expired`` looks only at the
         # leases that are due, not at every held one. An extension pushes a new entry and
         # leaves the old one, skipped when it comes up (no longer that lease's expiry).
         self._due: list[tuple[float, str, str]] = []
-        self._lease_ids: dict[str, str] = {}  # held leases: request id -> lease id
-        # held leases taken for another duration than the table's (decode's multi-turn holds)
-        self._own_duration_s: dict[str, float] = {}
         self._by_name: dict[str, str] = {}  # held leases: lease key (or bare id) -> request id
-        # verify_kv: held leases -> tp_rank -> that rank's digest tables
-        self._digests: dict[str, dict[int, tuple[GroupDigests, ...]]] = {}
-        self._tokens: dict[str, HeldTokens] = {}  # held leases bound to token ids: their ids
-        self._staged: set[str] = set()  # held leases that started not readable (host staging)
-        self._copying: set[str] = set()  # of those, the ones whose copy is not done yet
-        self._blocks: dict[str, HeldBlocks] = {}  # held leases bound to blocks: their blocks
         self._readers = ReaderBoots()  # which reader boot claimed which held lease
         self._released: list[str] = []  # released over the side channel, not yet taken
         self._reader_restarted: list[str] = []  # ended for their reader's restart, not yet taken
@@ -119,35 +125,18 @@ class LeaseTable:
         """Hold ``request_id``'s blocks until ``now + duration_s`` (default: the table's; or
         until extended), as lease ``lease_id``, bound to the token ids ``tokens`` and the
         blocks ``blocks`` (digested by the first check that needs them; None: unbound);
-        returns the expiry time."""
+        returns the expiry time. The id leased again starts afresh (readable, no digests)."""
         duration_s = self._duration_s if duration_s is None else duration_s
         expiry_s = now + duration_s
         name = lease_key(request_id, lease_id)
         with self._lock:
-            if tokens is not None:
-                self._tokens[request_id] = tokens
-            elif request_id in self._tokens:  # the id leased again (an engine reusing ids)
-                del self._tokens[request_id]
-            if blocks is not None:
-                earlier = self._blocks.get(request_id)
-                if earlier is not None and lease_id and self._lease_ids.get(request_id) == lease_id:
-                    blocks.grown_from(earlier)  # a chunked pull's lease, grown
-                self._blocks[request_id] = blocks
-            elif request_id in self._blocks:
-                del self._blocks[request_id]
-            self._expiry_s[request_id] = expiry_s
-            if duration_s != self._duration_s:
-                self._own_duration_s[request_id] = duration_s
-            elif request_id in self._own_duration_s:
-                del self._own_duration_s[request_id]
-            self._lease_ids[request_id] = lease_id
-            if self._staged:  # the id leased again: readable unless marked again
-                self._staged.discard(request_id)
-                self._copying.discard(request_id)
+            earlier = self._that_lease(request_id, lease_id) if lease_id else None
+            if blocks is not None and earlier is not None and earlier.blocks is not None:
+                blocks.grown_from(earlier.blocks)  # a chunked pull's lease, grown
+            self._held[request_id] = _Held(lease_id, expiry_s, duration_s, tokens, blocks)
             heapq.heappush(self._due, (expiry_s, request_id, lease_id))
             self._by_name[name] = request_id
-            if name in self._ended:
-                del self._ended[name]
+            self._ended.pop(name, None)
         return expiry_s
 
     def held(self, refs: Iterable[tuple[str, str]], now: float) -> tuple[bool, ...]:
@@ -157,103 +146,83 @@ class LeaseTable:
         may free those blocks at any moment.
         """
         with self._lock:
-            return tuple(self._is_held(request_id, lease_id, now) for request_id, lease_id in refs)
+            return tuple(
+                self._live(request_id, lease_id, now) is not None for request_id, lease_id in refs
+            )
 
-    def _is_held(self, request_id: str, lease_id: str, now: float) -> bool:
-        """That very lease, not past its expiry. Lock held."""
-        return self._lease_ids.get(request_id) == lease_id and self._expiry_s[request_id] > now
+    def _live(self, request_id: str, lease_id: str, now: float) -> _Held | None:
+        """That very lease, if held and not past its expiry. Lock held."""
+        lease = self._that_lease(request_id, lease_id)
+        return lease if lease is not None and lease.expiry_s > now else None
+
+    def _that_lease(self, request_id: str, lease_id: str) -> _Held | None:
+        """``request_id``'s held lease if it is ``lease_id``. Lock held."""
+        lease = self._held.get(request_id)
+        return lease if lease is not None and lease.lease_id == lease_id else None
 
     def await_copy(self, request_id: str) -> None:
         """Host staging: the held lease of ``request_id`` is not readable until ``copy_done``
         (call it before the lease's params leave, so no reader ever saw it readable)."""
         with self._lock:
-            if request_id in self._expiry_s:
-                self._staged.add(request_id)
-                self._copying.add(request_id)
+            lease = self._held.get(request_id)
+            if lease is not None:
+                lease.staged = lease.copying = True
 
     def copy_done(self, request_id: str, lease_id: str) -> bool:
         """Every rank copied the lease's blocks to the host: readable from now on. False if
         that very lease is not held."""
         with self._lock:
-            if self._lease_ids.get(request_id) != lease_id:
-                return False
-            self._copying.discard(request_id)
-            return True
+            lease = self._that_lease(request_id, lease_id)
+            if lease is not None:
+                lease.copying = False
+            return lease is not None
 
     def add_digests(
         self, request_id: str, lease_id: str, tp_rank: int, tables: tuple[GroupDigests, ...]
     ) -> bool:
         """Keep a rank's digests of a held lease (verify_kv); False if that lease is not held."""
         with self._lock:
-            if self._lease_ids.get(request_id) != lease_id:
-                return False
-            self._digests.setdefault(request_id, {})[tp_rank] = tables
-            return True
+            lease = self._that_lease(request_id, lease_id)
+            if lease is not None:
+                lease.digests[tp_rank] = tables
+            return lease is not None
 
     def check(self, refs: Sequence[LeaseRef], now: float) -> LeaseStatus:
         """Answer a LeaseCheck: each lease held (for a reader expecting the tokens the ref
-        names)? and, for refs with digest claims, do they match the ranks' digests
-        (verify_kv)?"""
-        held, pending, staged = self._held_and_staging(refs, now)
-        if pending:
-            held = tuple(is_held and not wait for is_held, wait in zip(held, pending, strict=True))
-        refused: tuple[Refusal | None, ...] = self._refused(refs, held)
-        if any(refused):
-            held = tuple(
-                is_held and why is None for is_held, why in zip(held, refused, strict=True)
-            )
-        else:
-            refused = ()
+        names; not while its host copy is pending)? and, for refs with digest claims, do they
+        match the ranks' digests (verify_kv)?"""
+        # One hold of the lock: a lease that ends in between cannot mix its answers with a
+        # later lease's.
+        with self._lock:
+            live = [self._live(ref.remote_request_id, ref.lease_id, now) for ref in refs]
+            staged = tuple(lease is not None and lease.staged for lease in live)
+            pending = tuple(lease is not None and lease.copying for lease in live)
+        # Pack and hash after releasing the lock: a lease's binding is never replaced.
+        refused = tuple(
+            None if lease is None or wait else refusal(ref, lease.tokens, lease.blocks)
+            for ref, lease, wait in zip(refs, live, pending, strict=True)
+        )
+        held = tuple(
+            lease is not None and not wait and why is None
+            for lease, wait, why in zip(live, pending, refused, strict=True)
+        )
+        refused = refused if any(refused) else ()
+        pending, staged = (pending if any(pending) else ()), (staged if any(staged) else ())
         if not any(ref.claims for ref in refs):
             return LeaseStatus(held, refused=refused, pending=pending, staged=staged)
         with self._lock:
             verdicts = tuple(
-                verify_claims(
-                    ref.claims, self._digests.get(ref.remote_request_id, {}), self._num_ranks
-                )
+                verify_claims(ref.claims, self._digests(ref.remote_request_id), self._num_ranks)
                 if ref.claims and is_held
                 else ""
                 for ref, is_held in zip(refs, held, strict=True)
             )
         return LeaseStatus(held, verdicts, refused, pending, staged)
 
-    def _held_and_staging(
-        self, refs: Sequence[LeaseRef], now: float
-    ) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
-        """Per ref, at one instant (one hold of the lock, so a lease that ends in between
-        cannot mix its answers with a later lease's): is it held (as ``held`` answers), is
-        its copy still pending (empty when none is), and did it start not readable (empty
-        when none did)?"""
-        with self._lock:
-            held = tuple(self._is_held(ref.remote_request_id, ref.lease_id, now) for ref in refs)
-            if not self._staged:
-                return held, (), ()
-            staged = tuple(
-                is_held and ref.remote_request_id in self._staged
-                for ref, is_held in zip(refs, held, strict=True)
-            )
-            if not any(staged):
-                return held, (), ()
-            pending = tuple(
-                is_staged and ref.remote_request_id in self._copying
-                for ref, is_staged in zip(refs, staged, strict=True)
-            )
-        return held, (pending if any(pending) else ()), staged
-
-    def _refused(
-        self, refs: Sequence[LeaseRef], held: Sequence[bool]
-    ) -> tuple[Refusal | None, ...]:
-        """Per ref: why its held lease is not held for its reader, or None."""
-        with self._lock:  # pack and hash after releasing the lock (Held* need none)
-            bound = [
-                (self._tokens.get(ref.remote_request_id), self._blocks.get(ref.remote_request_id))
-                if is_held
-                else (None, None)
-                for ref, is_held in zip(refs, held, strict=True)
-            ]
-        return tuple(
-            refusal(ref, tokens, blocks) for ref, (tokens, blocks) in zip(refs, bound, strict=True)
-        )
+    def _digests(self, request_id: str) -> RankDigests:
+        """The digest tables of ``request_id``'s held lease ({} when none is held). Lock held."""
+        lease = self._held.get(request_id)
+        return {} if lease is None else lease.digests
 
     def seen(self, reader: ReaderId, names: Iterable[str]) -> int:
         """A message from ``reader`` named the leases ``names`` (lease keys; only held ones
@@ -280,11 +249,11 @@ class LeaseTable:
         with self._lock:
             held = self._split_stray(names)
             for request_id in held:
-                duration_s = self._own_duration_s.get(request_id, self._duration_s)
-                expiry_s = now + duration_s
-                if expiry_s > self._expiry_s[request_id]:
-                    self._expiry_s[request_id] = expiry_s
-                    heapq.heappush(self._due, (expiry_s, request_id, self._lease_ids[request_id]))
+                lease = self._held[request_id]
+                expiry_s = now + lease.duration_s
+                if expiry_s > lease.expiry_s:
+                    lease.expiry_s = expiry_s
+                    heapq.heappush(self._due, (expiry_s, request_id, lease.lease_id))
         return len(held)
 
     def release(self, names: Iterable[str]) -> int:
@@ -302,7 +271,7 @@ class LeaseTable:
     def complete(self, request_id: str) -> bool:
         """Drop ``request_id``'s lease (all ranks reported); True if it was still held."""
         with self._lock:
-            if request_id not in self._expiry_s:
+            if request_id not in self._held:
                 return False
             self._end(request_id)
             return True
@@ -317,12 +286,11 @@ class LeaseTable:
             due = self._due
             while due and due[0][0] <= now:
                 expiry_s, request_id, lease_id = heapq.heappop(due)
-                if (
-                    self._expiry_s.get(request_id) == expiry_s
-                    and self._lease_ids[request_id] == lease_id
-                ):  # else extended, ended, or an earlier lease of a repeated id: stale entry
+                lease = self._that_lease(request_id, lease_id)
+                if lease is not None and lease.expiry_s == expiry_s:
                     self._end(request_id)
                     ended.append(request_id)
+                # else extended, ended, or an earlier lease of a repeated id: stale entry
         return tuple(ended)
 
     def take_released(self) -> tuple[str, ...]:
@@ -333,11 +301,11 @@ class LeaseTable:
 
     def __contains__(self, request_id: object) -> bool:
         with self._lock:
-            return request_id in self._expiry_s
+            return request_id in self._held
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._expiry_s)
+            return len(self._held)
 
     def _split_stray(self, names: Iterable[str]) -> list[str]:
         """The request ids of the held leases ``names`` name (lease keys); count the rest as
@@ -355,15 +323,8 @@ class LeaseTable:
 
     def _end(self, request_id: str) -> None:
         """Drop a held lease and remember that it ended. Lock held."""
-        del self._expiry_s[request_id]
-        self._own_duration_s.pop(request_id, None)
-        name = lease_key(request_id, self._lease_ids.pop(request_id))
+        name = lease_key(request_id, self._held.pop(request_id).lease_id)
         del self._by_name[name]
-        self._digests.pop(request_id, None)
-        self._tokens.pop(request_id, None)
-        self._staged.discard(request_id)
-        self._copying.discard(request_id)
-        self._blocks.pop(request_id, None)
         self._readers.forget(name)
         self._ended[name] = None
         if len(self._ended) > MAX_ENDED_IDS:

@@ -59,28 +59,10 @@ class ParkedLoad:
 
 
 class OverlappedLoads:
+    """Waits bounded by overlap_wait_timeout, each side-channel call by handshake_timeout."""
+
     def __init__(
         self,
-        waiter: LeaseWaiter,
-        consumer: Consumer,
-        groups: tuple[GroupSpec, ...] = (),  # chunked pulls: decode's transfer groups
-        *,
-        parse: Parse,
-        read: Read,
-        match: Match,
-        reader: ReaderId | None = None,
-    ) -> None:
-        self._waiter = waiter
-        self._consumer = consumer
-        self._parse, self._read, self._match = parse, read, match
-        self._parked: dict[str, ParkedLoad] = {}  # request id -> its parked load
-        self._block_sizes = tuple(group.block_size for group in groups)
-        self._reader = reader
-        self._pulls: dict[str, ChunkedPull] = {}  # chunked pulls: parked loads' read so far
-
-    @classmethod
-    def for_config(
-        cls,
         config: ConnectorConfig,
         reader: ReaderId,
         consumer: Consumer,
@@ -89,20 +71,22 @@ class OverlappedLoads:
         parse: Parse,
         read: Read,
         match: Match,
-    ) -> OverlappedLoads:
-        """Waits bounded by overlap_wait_timeout, each side-channel call by handshake_timeout."""
+    ) -> None:
         chunked = config.chunked_pull and all(g.kind in CHUNKABLE_KINDS for g in groups)
-        waiter = LeaseWaiter(
+        self._waiter = LeaseWaiter(
             timeout_s=config.overlap_wait_timeout_s,
             call_timeout_s=config.handshake_timeout_s,
             secret=config.side_channel_secret,
             reader=reader,
             chunked=chunked,
         )
-        return cls(
-            waiter, consumer, groups if chunked else (), parse=parse, read=read, match=match,
-            reader=reader,
-        )  # fmt: skip
+        self._consumer = consumer
+        self._parse, self._read, self._match = parse, read, match
+        self._parked: dict[str, ParkedLoad] = {}  # request id -> its parked load
+        # chunked pulls: decode's transfer groups' block sizes (none: no chunked pulls)
+        self._block_sizes = tuple(group.block_size for group in groups) if chunked else ()
+        self._reader = reader
+        self._pulls: dict[str, ChunkedPull] = {}  # chunked pulls: parked loads' read so far
 
     def claim(self, request: RequestInfo, num_computed_tokens: int) -> tuple[int, bool]:
         """Overlapped params read at an ask: claim the prompt's uncached tokens, as a claim
@@ -127,7 +111,7 @@ class OverlappedLoads:
             return False
         request_id = request.request_id
         if num_external_tokens == 0:  # the engine loads nothing after all: prefill may free
-            self._cancel(request_id, awaited)
+            self._waiter.cancel(request_id, awaited)
             self._consumer.drop_claim(request_id)
             return True
         blocks = tuple(tuple(group) for group in block_ids)
@@ -163,10 +147,11 @@ class OverlappedLoads:
             del self._parked[request_id]
             self._pulls.pop(request_id, None)
             if record is None or record.state is not CLAIMED:
-                self._cancel(request_id, parked.awaited)  # no longer wanted
+                self._waiter.cancel(request_id, parked.awaited)  # no longer wanted
                 continue
             if outcome.failure is not None and outcome.failure.kind is not PREFILL_FAILED:
-                self._cancel(request_id, parked.awaited)  # a late lease is then released at once
+                # a late lease is then released at once
+                self._waiter.cancel(request_id, parked.awaited)
             failure = outcome.failure or self._bind(parked, outcome, record.num_cached_tokens)
             if failure is not None:
                 self._consumer.refuse_claim(
@@ -199,7 +184,7 @@ class OverlappedLoads:
         self._pulls.pop(request_id, None)
         awaited = self.awaited(request, record) or (parked.awaited if parked else None)
         if awaited is not None:
-            self._cancel(request_id, awaited)
+            self._waiter.cancel(request_id, awaited)
         if parked is None:
             return False
         self._consumer.end_parked(request_id)
@@ -220,19 +205,19 @@ class OverlappedLoads:
         request (None: it loads); on a refusal the lease is cancelled at once."""
         request, awaited = parked.request, parked.awaited
         try:
-            bound = self._announced(parked, settled)
+            bound, _ = self._announced(parked, settled)
             _, loads = self._match(request, bound, num_cached_tokens)
         except InvalidTransferParams as exc:
-            self._cancel(request.request_id, awaited)
+            self._waiter.cancel(request.request_id, awaited)
             return _refused(awaited, exc)
         if not loads:
-            self._cancel(request.request_id, awaited)
+            self._waiter.cancel(request.request_id, awaited)
             return LoadFailure(FailureKind.PARAMS, "the announced lease gives nothing to load")
         return None
 
-    def _announced(self, parked: ParkedLoad, settled: Settled) -> ParsedParams:
-        """Prefill's announced params read as a router's are, bound to the parked request;
-        raises InvalidTransferParams."""
+    def _announced(self, parked: ParkedLoad, settled: Settled) -> tuple[ParsedParams, RemoteSource]:
+        """Prefill's announced params read as a router's are, bound to the parked request, and
+        the source they name; raises InvalidTransferParams."""
         request = parked.request
         parsed = self._read(msgspec.structs.replace(request, kv_transfer_params=settled.params))
         source = parsed.source
@@ -244,7 +229,7 @@ class OverlappedLoads:
                 f"{settled.engine_id!r} announced them"
             )
         # The record keeps the router's params object as raw: later hooks see that one.
-        return msgspec.structs.replace(parsed, raw=request.kv_transfer_params)
+        return msgspec.structs.replace(parsed, raw=request.kv_transfer_params), source
 
     def _first_chunk(
         self, parked: ParkedLoad, settled: Settled, record: RequestLoad | None
@@ -262,8 +247,7 @@ class OverlappedLoads:
                 num_cached_tokens=record.num_cached_tokens, num_tokens=record.num_tokens,
             )  # fmt: skip
         try:
-            bound = self._announced(parked, settled)
-            source = _source(bound)
+            bound, source = self._announced(parked, settled)
             increment = pull.next(source, _num_tokens(bound), final=False)
             if increment is None:
                 return  # nothing past decode's own prefix yet: wait for more
@@ -294,8 +278,7 @@ class OverlappedLoads:
         failure = settled.failure
         if failure is None:
             try:
-                bound = self._announced(parked, settled)
-                source = _source(bound)
+                bound, source = self._announced(parked, settled)
                 pull = self._pulls[request_id]
                 increment = pull.next(source, _num_tokens(bound), final=not settled.partial)
             except InvalidTransferParams as exc:
@@ -320,8 +303,7 @@ class OverlappedLoads:
         local = record.local_block_ids
         if local is None:
             return  # decode's blocks cannot take the load: the next step fails it (PLAN)
-        if self._reader is not None:
-            source = msgspec.structs.replace(source, reader=self._reader)
+        source = msgspec.structs.replace(source, reader=self._reader)
         spec = LoadSpec(
             request_id, local, increment.end_token, record.num_cached_tokens, source,
             record.token_ids, record.kv_salt, chunk=not increment.final,
@@ -334,10 +316,7 @@ class OverlappedLoads:
         request_id = parked.request.request_id
         self._parked.pop(request_id, None)
         self._pulls.pop(request_id, None)
-        self._cancel(request_id, parked.awaited)
-
-    def _cancel(self, request_id: str, awaited: AwaitedLease) -> None:
-        self._waiter.cancel(request_id, awaited)
+        self._waiter.cancel(request_id, parked.awaited)
 
 
 def _refused(awaited: AwaitedLease, exc: InvalidTransferParams) -> LoadFailure:
@@ -346,12 +325,6 @@ def _refused(awaited: AwaitedLease, exc: InvalidTransferParams) -> LoadFailure:
         f"prefill announced kv_transfer_params for transfer_key {awaited.transfer_key!r} "
         f"that decode refuses: {exc}",
     )
-
-
-def _source(parsed: ParsedParams) -> RemoteSource:
-    if parsed.source is None:  # _announced refuses these
-        raise InvalidTransferParams("they ask for no load from prefill")
-    return parsed.source
 
 
 def _num_tokens(parsed: ParsedParams) -> int:

@@ -116,6 +116,7 @@ class LeaseIds:
 class _Lease:
     """One held lease; ``state`` says where it stands (Book moves it)."""
 
+    request_id: str
     leased_s: float  # when it was taken, on the producer's clock
     key: str  # lease_key(request id, lease id): what the ranks count notifications by
     lease_id: str
@@ -159,7 +160,7 @@ class Producer:
         self._clock = clock
         self._address = address  # the side channel's (host, port) decode engines call
         self._boot_id = boot_id
-        self._by_key: dict[str, str] = {}  # lease key -> request id, for the ranks' reports
+        self._by_key: dict[str, _Lease] = {}  # live leases by lease key, for the ranks' reports
         self._book: Book[LeaseState, _Lease] = Book(LEASE_LIFECYCLE, what="lease", on_move=on_move)
         # Outboxes: what the next metadata and take_finished hand over.
         self._pending_forgotten: list[str] = []
@@ -172,7 +173,7 @@ class Producer:
         self,
         request_id: str,
         block_ids: Sequence[Sequence[int]],
-        num_tokens: int | None = None,
+        num_tokens: int,
         *,
         hold_s: float | None = None,
         token_ids: Sequence[int] | None = None,
@@ -206,7 +207,7 @@ class Producer:
             return False, None
         # Bound to the engine's ids as they are: the side-channel thread packs them when a
         # check needs them, not the engine thread now (connector/lease_binding.py HeldTokens).
-        tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens or 0, kv_salt)
+        tokens = None if token_ids is None else HeldTokens.of(token_ids, num_tokens, kv_salt)
         if tokens is None:
             logger.warning(
                 "request %s: %s, so its KV is not offered to another engine (it is computed there)",
@@ -221,17 +222,17 @@ class Producer:
         key = lease_key(request_id, lease_id)
         # Our own copy of the ids the params name: the params travel on and may be edited.
         blocks: BlockIds = tuple(tuple(group) for group in block_ids)
-        held = HeldBlocks(blocks, num_tokens or 0, exact=self._exact_reads)
+        held = HeldBlocks(blocks, num_tokens, exact=self._exact_reads)
         expiry_s = self._leases.lease(request_id, now_s, lease_id, hold_s, tokens, held)
         staged = hold_s is not None and self._stage_holds
-        digest = DigestSpec(key, blocks, num_tokens or 0) if self._verify_kv else None
-        lease = _Lease(now_s, key, lease_id, digest, hold_s)
+        digest = DigestSpec(key, blocks, num_tokens) if self._verify_kv else None
+        lease = _Lease(request_id, now_s, key, lease_id, digest, hold_s)
         if staged:
             self._leases.await_copy(request_id)  # before its params leave: never seen readable
             lease.stage = StageSpec(key, request_id, blocks)
             lease.ranks_staged = frozenset()
         self._book.start(request_id, lease, LEASED)
-        self._by_key[key] = request_id
+        self._by_key[key] = lease
         self._num_started += 1  # counted at the step's end: one metrics call, not one a lease
         if hold_s is None:
             return True, params_for_decode(
@@ -252,7 +253,7 @@ class Producer:
             host=host,
             port=port,
             tp_size=self._tp_size,
-            num_tokens=0 if num_tokens is None else num_tokens,
+            num_tokens=num_tokens,
             expiry_s=expiry_s,
             boot_id=self._boot_id(),
             lease_id=lease_id,
@@ -290,29 +291,27 @@ class Producer:
             for key in report.staged:
                 self._on_staged(key, report.tp_rank)
             for key, tables in report.digests.items():
-                request_id = self._by_key.get(key)
-                lease = None if request_id is None else self._book.get(request_id)
-                if request_id is not None and lease is not None:
-                    self._leases.add_digests(request_id, lease.lease_id, report.tp_rank, tables)
+                lease = self._by_key.get(key)
+                if lease is not None:
+                    self._leases.add_digests(
+                        lease.request_id, lease.lease_id, report.tp_rank, tables
+                    )
             for key in report.finished_sending:
-                request_id = self._by_key.get(key)
-                lease = None if request_id is None else self._book.get(request_id)
-                if request_id is None or lease is None:
+                lease = self._by_key.get(key)
+                if lease is None:
                     self.num_stray_reports += 1  # already ended (expired, released) or not ours
                     continue
                 lease.ranks_done |= {report.tp_rank}
                 if len(lease.ranks_done) == self._tp_size:
-                    self._leases.complete(request_id)
+                    self._leases.complete(lease.request_id)
                     self._metrics.inc(LEASES_COMPLETED)
-                    self._finish(request_id, COMPLETED)
+                    self._finish(lease.request_id, COMPLETED)
         self.end_lapsed_leases()
 
     def _side_channel_deaf(self) -> bool:
         """Is the side channel too far behind to have read the heartbeats sent to it? Then no
-        lease ends on its clock now: a heartbeat may wait unread in its queue (issue 31: leases
-        expired on the engine thread while the serving thread had not turned for 16 s). Past
-        one lease duration the leases end anyway: a stuck serving thread must not pin blocks
-        forever."""
+        lease ends on its clock now: a heartbeat may wait unread in its queue. Past one lease
+        duration the leases end anyway: a stuck serving thread must not pin blocks forever."""
         lag_s = self._side_channel_lag()
         if not DEAF_AFTER_S < lag_s <= self._leases.duration_s:
             return False
@@ -331,23 +330,23 @@ class Producer:
             return
         for request_id in self._leases.expired(self._clock()):
             lease = self._book.get(request_id)
-            if lease is not None and lease.hold_s is not None:
+            if lease is None:
+                continue
+            if lease.hold_s is not None:
                 logger.info(
                     "request %s: no next turn pulled its KV within %.1f s; releasing its blocks",
                     request_id,
                     lease.hold_s,
                 )
-                self._metrics.inc(LEASES_EXPIRED)
-                self._end_early(request_id, EXPIRED)
-            elif lease is not None:
+            else:
                 logger.warning(
                     "request %s: lease of %.1f s expired before every decode reader freed it; "
                     "releasing its KV blocks",
                     request_id,
                     self._leases.duration_s,
                 )
-                self._metrics.inc(LEASES_EXPIRED)
-                self._end_early(request_id, EXPIRED)
+            self._metrics.inc(LEASES_EXPIRED)
+            self._end_early(request_id, EXPIRED)
         for request_id in self._leases.take_released():
             if self._book.get(request_id) is not None:
                 logger.info("request %s released by its decode engine", request_id)
@@ -366,15 +365,14 @@ class Producer:
     def _on_staged(self, key: str, tp_rank: int) -> None:
         """A rank copied a staged lease's blocks to the host; with every rank's copy done the
         lease becomes readable, and (verify_kv) its digests go out with the next step."""
-        request_id = self._by_key.get(key)
-        lease = None if request_id is None else self._book.get(request_id)
-        if request_id is None or lease is None or lease.ranks_staged is None:
+        lease = self._by_key.get(key)
+        if lease is None or lease.ranks_staged is None:
             return  # ended meanwhile (expired, released, unsaved), or not staged
         lease.ranks_staged |= {tp_rank}
         if len(lease.ranks_staged) < self._tp_size:
             return
         lease.ranks_staged = None
-        self._leases.copy_done(request_id, lease.lease_id)
+        self._leases.copy_done(lease.request_id, lease.lease_id)
         if lease.digest is not None:
             self._ready_digests.append(lease.digest)
             lease.digest = None

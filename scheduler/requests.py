@@ -36,14 +36,6 @@ class Role(enum.Enum):
     CONSUMER = "consumer"  # decode: loads prompt KV from prefill engines
     BOTH = "both"
 
-    @property
-    def produces(self) -> bool:
-        return self is not Role.CONSUMER
-
-    @property
-    def consumes(self) -> bool:
-        return self is not Role.PRODUCER
-
 
 class RequestInfo(msgspec.Struct, gc=False):  # made per hook call; holds no cycle
     """What the connector needs to know about one engine request (not the engine's object).
@@ -173,7 +165,6 @@ logger = logging.getLogger(__name__)
 class ParamsReader:
     def __init__(self, config: ConnectorConfig, role: Role, spec: KVCacheSpec) -> None:
         self._role = role
-        self._consumes, self._produces = role.consumes, role.produces
         self._bidirectional = config.bidirectional_kv_xfer
         self._recompute_threshold = config.kv_recompute_threshold
         self._num_groups = len(spec.groups)
@@ -198,13 +189,13 @@ class ParamsReader:
                 ", ".join(params.ignored_keys),
             )
         if params.do_remote_prefill:
-            if not self._consumes:
+            if self._role is Role.PRODUCER:
                 self._note_other_role(request, params)
             awaited = params.awaited_lease()
             if awaited is not None:  # overlapped: the lease is announced later
                 return ParsedParams(raw, params, None, awaits=awaited)
             return ParsedParams(raw, params, params.remote_source())
-        if params.do_remote_decode and not self._produces:
+        if params.do_remote_decode and self._role is Role.CONSUMER:
             self._note_other_role(request, params)
         source = params.pull_source() if self._bidirectional else None
         if source is not None and not self._can_pull(request, source):
@@ -333,12 +324,12 @@ class SiblingLoads:
     vLLM fans an ``n > 1`` request out into children that carry the parent's
     ``kv_transfer_params``, and adds them to the engine together. Prefill frees a lease once this
     engine's ranks notify after the first load's proof, so a second load of it would fail its
-    lease check (never wrong, but a good request failed; it did so in CI with ``n=2``). Instead,
-    while one request's load uses the lease, another naming it gets ``None`` from the engine's
-    ask (vLLM asks again next step; the loading request goes first, and once loaded its blocks
-    are in the prefix cache); once that load is done, ``(0, False)``: the engine computes locally
-    whatever its prefix cache does not hold (at most a partial block after a successful load).
-    A wait lasts at most ``max_wait_s``; after it the request computes locally too.
+    lease check (never wrong, but a good request failed). Instead, while one request's load uses
+    the lease, another naming it gets ``None`` from the engine's ask (vLLM asks again next step;
+    the loading request goes first, and once loaded its blocks are in the prefix cache); once
+    that load is done, ``(0, False)``: the engine computes locally whatever its prefix cache does
+    not hold (at most a partial block after a successful load). A wait lasts at most
+    ``max_wait_s``; after it the request computes locally too.
 
     A request naming a lease no load on this engine uses now (params resent after their load, a
     replay of an old boot's params) loads as any other: its proof fails if the lease is gone, and
@@ -346,7 +337,6 @@ class SiblingLoads:
 
     Keys are lease keys (``connector.protocol.lease_key``), or an overlapped dispatch's transfer
     key while the lease is not drawn yet. Engine thread only.
-
     """
 
     def __init__(self, *, max_wait_s: float, clock: Callable[[], float]) -> None:

@@ -38,7 +38,7 @@ import zmq
 
 from connector.errors import ProtocolError, UnsupportedConfiguration
 from connector.net.side_channel_client import zmq_endpoint
-from connector.observability.ratelimit import DEFAULT_INTERVAL_S, RateLimitedLog
+from connector.observability.ratelimit import RateLimitedLog
 from connector.protocol import (
     ANNOUNCED_PENDING,
     STALE_BOOT,
@@ -66,7 +66,7 @@ from connector.protocol import (
     encode_reply,
     lease_key,
 )
-from scheduler.auth import DEFAULT_REPLAY_WINDOW_S, RequestAuthenticator
+from scheduler.auth import RequestAuthenticator
 from scheduler.transfer_board import TransferBoard
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class SideChannelServer:
     ``boot_id`` (default: random) is this server's incarnation; requests naming another are
     refused. ``clock`` is wall-clock seconds, used only for the authentication replay window;
     ``log_clock`` (monotonic seconds) paces the rate-limited log, at most one line per kind of
-    refusal per ``log_interval_s``.
+    refusal per interval, and times the serving loop's turns.
     """
 
     def __init__(
@@ -139,9 +139,7 @@ class SideChannelServer:
         secret: str | None = None,
         max_message_bytes: int = 16 * 2**20,
         clock: Callable[[], float] = time.time,
-        replay_window_s: float = DEFAULT_REPLAY_WINDOW_S,
         boot_id: str | None = None,
-        log_interval_s: float = DEFAULT_INTERVAL_S,
         log_clock: Callable[[], float] = time.monotonic,
         transfers: TransferBoard | None = None,  # overlapped dispatch (scheduler/transfer_board.py)
     ) -> None:
@@ -160,9 +158,9 @@ class SideChannelServer:
         self._secret = secret
         self._max_message_bytes = max_message_bytes
         self._clock = clock
-        self._auth = RequestAuthenticator(secret, replay_window_s=replay_window_s)
+        self._auth = RequestAuthenticator(secret)
         self._boot_id = boot_id or secrets.token_hex(16)
-        self._log = RateLimitedLog(logger, interval_s=log_interval_s, clock=log_clock)
+        self._log = RateLimitedLog(logger, clock=log_clock)
         self._log_clock = log_clock  # also times the serving loop's turns
         self._transfers = transfers
         self._parked: list[_Parked] = []  # the serving thread's own
@@ -215,7 +213,7 @@ class SideChannelServer:
         if self._thread is None:  # never served: the serving thread closes them otherwise
             self._wake_recv.close()
             self._wake_send.close()
-        if self._thread is not None:
+        else:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.error("side channel thread did not stop within %s s", timeout_s)
@@ -273,11 +271,9 @@ class SideChannelServer:
             self._wake_send.send(b"\0")
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # drained
             while self._wake_recv.recv(4096):
                 pass
-        except OSError:  # drained
-            pass
 
     def _answer_parked(self, socket: zmq.Socket) -> None:
         """Answer the parked AwaitLease requests whose key settled or whose hold ran out."""
@@ -476,7 +472,7 @@ def _held_names(refs: tuple[LeaseRef, ...], status: Reply) -> tuple[str, ...]:
 
 # What one peer can make this process hold, whatever it sends. A client call is a fresh REQ
 # socket with one request in flight, so queueing more only feeds a flood (allocated by zmq's
-# I/O thread, freed by this one, and glibc keeps that high-water mark: issue 25).
+# I/O thread, freed by this one, and glibc keeps that high-water mark).
 RECEIVE_HWM_MESSAGES = 1  # requests queued per peer; a full queue stops reading its TCP
 SEND_HWM_MESSAGES = 4  # replies queued for a peer that does not read them; more are dropped
 TCP_RECEIVE_BUFFER_BYTES = 256 * 2**10  # the kernel's per connection (Linux doubles it)

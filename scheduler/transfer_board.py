@@ -145,9 +145,9 @@ class TransferBoard:
         if entry is None:
             return None
         announcement = entry.announcement
-        if announcement.status != ANNOUNCED_PARTIAL:
-            return announcement
-        if after_generation is None or announcement.generation <= after_generation:
+        if announcement.status == ANNOUNCED_PARTIAL and (
+            after_generation is None or announcement.generation <= after_generation
+        ):
             return None
         return announcement
 

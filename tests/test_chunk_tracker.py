@@ -77,7 +77,7 @@ def test_a_preempted_request_with_announced_blocks_ends_its_lease_and_restarts_c
     assert tracker.saved(2) == []  # step 2 wrote into blocks no longer the request's
     # resumed in step 5 with a new table, recomputing from 0
     tracker.step(5, [_row("r", ((11, 12, 13),), 0, 48, full=True)])
-    assert tracker.saved(5) == [ChunkAnnouncement("r", ((11, 12, 13),), 48, 2, restarted=True)]
+    assert tracker.saved(5) == [ChunkAnnouncement("r", ((11, 12, 13),), 48, 2)]
     tracker.step(6, [_row("r", ((14, 15, 16),), 48, 48)])
     assert tracker.saved(6) == [ChunkAnnouncement("r", ((11, 12, 13, 14, 15, 16),), 96, 3)]
 

@@ -151,13 +151,13 @@ def test_a_preemption_mid_prefill_is_seen_in_the_step_that_freed_the_blocks(
         engine.add(_prefill_request("b", 600, first_token=300, max_tokens=1))
         engine.run_until(lambda e: bool(fed.ended), timeout_s=10.0)
         assert fed.ended == ["b"] and fed.free_when_ended == [True]
-        assert [(a.request_id, a.num_tokens, a.restarted) for a in fed.announced] == [
-            ("b", 480, False)
+        assert [(a.request_id, a.num_tokens, a.generation) for a in fed.announced] == [
+            ("b", 480, 1)
         ]
         assert engine.scheduler.requests["b"].status == RequestStatus.PREEMPTED
         engine.run_until(lambda e: e.finished("b") is not None, timeout_s=20.0)
         after = fed.announced[1:]
-        assert [(a.num_tokens, a.generation, a.restarted) for a in after] == [(592, 2, True)]
+        assert [(a.num_tokens, a.generation) for a in after] == [(592, 2)]
         final = engine.finished("b").kv_transfer_params["remote_block_ids"][0]
         (blocks,) = after[-1].block_ids
         assert final[: len(blocks)] == list(blocks)
