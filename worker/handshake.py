@@ -109,7 +109,7 @@ class HandshakeResult:
 
 
 class HandshakeClient:
-    """A small pool of handshake threads and the queue that brings their results back."""
+    """A pool of four handshake threads and the queue that brings their results back."""
 
     def __init__(
         self,
@@ -117,7 +117,6 @@ class HandshakeClient:
         *,
         retries: int,
         backoff_s: float = 0.05,
-        max_threads: int = 4,
         wait: Callable[[float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -128,7 +127,7 @@ class HandshakeClient:
         self._stop = threading.Event()  # set by close(): backoff waits end, no new attempts
         self._wait = wait or self._stop.wait  # the backoff pause; tests record it instead
         self._results: queue.SimpleQueue[HandshakeResult] = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="handshake")
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="handshake")
         self._num_in_flight = 0  # the polling thread only (the transfer thread)
 
     @property

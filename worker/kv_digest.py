@@ -103,11 +103,6 @@ def read_units(group: GroupGeometry, num_cached_tokens: int, num_tokens: int) ->
     return range(start // per_unit, -(-num_tokens // per_unit))
 
 
-def leased_units(group: GroupGeometry, num_tokens: int) -> range:
-    """The units prefill's leased blocks hold for a prompt of ``num_tokens`` tokens."""
-    return read_units(group, 0, num_tokens)
-
-
 def digest_table(
     layout: RankLayout,
     buffers: Buffers,
@@ -171,7 +166,7 @@ def lease_digests(
     """Prefill: this rank's digests of a lease's blocks, per group."""
     tables = []
     for index, group in enumerate(layout.groups):
-        units = leased_units(group, num_tokens)
+        units = read_units(group, 0, num_tokens)  # what the leased blocks hold
         if not units:
             continue
         table = digest_table(layout, buffers, index, block_ids[index], 0, units)

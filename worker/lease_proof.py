@@ -96,15 +96,13 @@ MAX_REFS_PER_MESSAGE = 4096  # ~100 bytes per ref: well under max_message_bytes'
 
 
 class LeaseProofs:
-    """A small pool of check threads; answers come back by ticket through ``take``."""
+    """A pool of four check threads; answers come back by ticket through ``take``."""
 
     def __init__(
         self,
         check: BatchCheck,
         *,
         check_digests: DigestCheck | None = None,
-        max_threads: int = 4,
-        digest_wait_s: float = DIGEST_WAIT_S,
         on_answer: Callable[[], None] | None = None,  # called (check thread) after each answer
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -112,9 +110,8 @@ class LeaseProofs:
         self._clock = clock
         self._on_answer = on_answer
         self._check_digests = check_digests
-        self._digest_wait_s = digest_wait_s
         self._closing = threading.Event()  # ends digest and staged-copy retries at shutdown
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
         # (ticket, failure, the side channel that answered or None if none did, and
         # whether it answered for a staged lease)
@@ -129,7 +126,6 @@ class LeaseProofs:
         self._abandoned: set[int] = set()
         self._heard_s: dict[SideChannelBoot, float] = {}
         self._staging: dict[SideChannelBoot, None] = {}
-        self.num_batches = 0  # LeaseCheck batches dispatched (tests, benchmarks)
 
     def submit(
         self,
@@ -160,7 +156,6 @@ class LeaseProofs:
             wanted = [item for item in batch if item.ticket not in self._abandoned]
             self._abandoned.difference_update(item.ticket for item in batch)
             if wanted:
-                self.num_batches += 1
                 self._pool.submit(self._run_batch, wanted, destination[-1])
 
     def heard_within(self, remote: RemoteSource, window_s: float) -> bool:
@@ -285,7 +280,7 @@ class LeaseProofs:
         waited_s = 0.0
         while True:
             held, verdict = self._check_digests(remote, claims)
-            if not is_held(held) or verdict != DIGEST_PENDING or waited_s >= self._digest_wait_s:
+            if not is_held(held) or verdict != DIGEST_PENDING or waited_s >= DIGEST_WAIT_S:
                 return held, verdict
             if self._closing.wait(DIGEST_RETRY_S):
                 return held, "shutting down before prefill reported its digests"
@@ -336,10 +331,7 @@ class SilentSideChannels:
 
     def silent(self, remote: RemoteSource, error: HandshakeError) -> None:
         with self._lock:
-            self._until[remote.side_channel] = (
-                self._clock() + self._window_s,
-                str(error),
-            )
+            self._until[remote.side_channel] = (self._clock() + self._window_s, str(error))
 
 
 def asked_again(

@@ -21,10 +21,10 @@ call that moves it to READY sets it. The peer counts its own loads and live READ
 
 A failed handshake is remembered per key (a negative cache) while the failure is fresh:
 requests for that key then fail at once with the reason instead of waiting for a handshake of
-their own, and one background probe (a single attempt) per ``probe_interval_s`` looks for a
+their own, and one background probe (a single attempt) per ``PROBE_INTERVAL_S`` looks for a
 prefill that came back under the same engine id (a stopped one continued, say). A probe that
 has answered decides the next request, even before the transfer thread's next poll. A failure
-no attempt has confirmed for ``stale_after_s`` (no request asked for the key meanwhile, so
+no attempt has confirmed for ``STALE_AFTER_S`` (no request asked for the key meanwhile, so
 nobody probed) is no longer believed: the next request makes one fresh attempt, and it and the
 requests after it wait for that attempt instead of failing with a reason that may be stale. A
 restarted prefill normally has a new engine id: a new key, handshaken at once.
@@ -48,7 +48,6 @@ from connector.metadata import RemoteSource, SideChannelBoot
 from connector.observability.metrics import (
     HANDSHAKE_FAILURES,
     HANDSHAKE_SECONDS,
-    MetricsRecorder,
     default_recorder,
     handshake_failure_kind,
 )
@@ -231,12 +230,9 @@ class PeerTable:
         enforce_compat: bool,
         clock: Callable[[], float],
         local_backends: Sequence[str] = ("UCX",),
-        probe_interval_s: float = PROBE_INTERVAL_S,
-        stale_after_s: float = STALE_AFTER_S,
-        metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
         self._agent = agent
-        self._metrics = metrics or default_recorder()
+        self._metrics = default_recorder()
         self._client = client
         self._tp_rank = tp_rank
         self._tp_size = tp_size
@@ -246,8 +242,6 @@ class PeerTable:
         self._enforce_compat = enforce_compat
         self._local_backends = tuple(local_backends)
         self._clock = clock
-        self._probe_interval_s = probe_interval_s
-        self._stale_after_s = stale_after_s
         self._current: dict[PeerKey, Peer] = {}  # HANDSHAKING or READY
         self._failures: dict[PeerKey, _Failure] = {}  # the negative cache, oldest first
         self._pending: dict[int, Peer] = {}  # job id -> the peer its handshake is for
@@ -337,8 +331,8 @@ class PeerTable:
             self._finished.append(peer)
 
     def _stale(self, failure: _Failure) -> bool:
-        """No attempt has confirmed ``failure`` for stale_after_s, and none is under way."""
-        return not failure.probing and self._clock() - failure.failed_s >= self._stale_after_s
+        """No attempt has confirmed ``failure`` for STALE_AFTER_S, and none is under way."""
+        return not failure.probing and self._clock() - failure.failed_s >= STALE_AFTER_S
 
     def _fail_fast(self, source: RemoteSource, duty: dict[int, int], failure: _Failure) -> Peer:
         """A FAILED peer for a key that failed recently; maybe start its background probe."""
@@ -353,7 +347,7 @@ class PeerTable:
         return _failed_peer(
             source,
             f"{failure.reason} (that was {now_s - failure.failed_s:.1f} s ago; until a "
-            f"background probe, at most one per {self._probe_interval_s} s, reaches it, "
+            f"background probe, at most one per {PROBE_INTERVAL_S} s, reaches it, "
             "requests for it fail at once)",
             restarted=failure.restarted,
         )
@@ -488,7 +482,7 @@ class PeerTable:
         self._failures.pop(key, None)  # re-insert: the dict stays ordered oldest first
         while len(self._failures) >= MAX_FAILED_KEYS:
             del self._failures[next(iter(self._failures))]
-        failure = _Failure(reason, now_s, now_s + self._probe_interval_s, restarted=restarted)
+        failure = _Failure(reason, now_s, now_s + PROBE_INTERVAL_S, restarted=restarted)
         self._failures[key] = failure
 
     def _retire_replaced(self, ready: Peer) -> None:

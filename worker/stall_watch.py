@@ -174,12 +174,10 @@ class StallWatchdog:
         watch: StallWatch,
         *,
         clock: Callable[[], float],
-        interval_s: float = CHECK_INTERVAL_S,
         context: str = "",  # names the rank in the warning
     ) -> None:
         self._watch = watch
         self._clock = clock
-        self._interval_s = interval_s
         self._context = context
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -206,7 +204,7 @@ class StallWatchdog:
         return True
 
     def _run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
+        while not self._stopping.wait(CHECK_INTERVAL_S):
             try:
                 self.check()
             except Exception:  # a diagnostic must never take the rank down
