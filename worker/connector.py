@@ -288,16 +288,15 @@ class WorkerConnector:
         deregister memory."""
         if self._watchdog is not None:
             self._watchdog.stop()
-        if self._transfer is not None and not self._transfer.stop():
+        stopped = self._transfer is None or self._transfer.stop()
+        self._client.close()
+        self._proofs.close()
+        if not stopped:
             logger.error(
                 "the transfer thread of rank %d did not stop; leaving the NIXL agent to it",
                 self._tp_rank,
             )
-            self._client.close()
-            self._proofs.close()
             return
-        self._client.close()
-        self._proofs.close()
         if self._loads is not None:
             self._loads.abandon_all()
         self._peers.close()

@@ -239,9 +239,7 @@ class Fingerprint(NamedTuple):
 def _per_layer(values: Sequence[object]) -> str:
     """ "8" when every layer agrees, else "8,8,4" layer by layer (floats exactly, as repr)."""
     texts = [repr(value) if isinstance(value, float) else str(value) for value in values]
-    if len(set(texts)) == 1:
-        return texts[0]
-    return ",".join(texts)
+    return texts[0] if len(set(texts)) == 1 else ",".join(texts)
 
 
 def _scale_facts(prefix: str, group: GroupSpec) -> dict[str, str]:

@@ -16,8 +16,8 @@ it. Its states and moves (``PEER_LIFECYCLE``):
     PROBING (a background re-check of a failed key) ──► READY | FAILED
 
 A READY peer always carries its PeerLink (plan, handshakes, agents, prepared lists): the one
-call that moves it to READY sets it. The peer counts its own loads and live READs; the table
-(``PeerTable``) decides when it moves.
+call that moves it to READY sets it. The peer carries the count of its loads and live READs;
+the table (``PeerTable``) decides when it moves.
 
 A failed handshake is remembered per key (a negative cache) while the failure is fresh:
 requests for that key then fail at once with the reason instead of waiting for a handshake of
@@ -119,7 +119,7 @@ class Peer:
     """One generation of a remote engine as this rank knows it.
 
     ``state`` moves only through PEER_LIFECYCLE (the methods below); ``link`` is set by the
-    same call that makes it READY. The peer counts the loads and posted READs that hold it.
+    same call that makes it READY. It carries the count of loads and posted READs holding it.
     """
 
     engine_id: str
@@ -134,8 +134,8 @@ class Peer:
     restarted: bool = False  # FAILED because the side channel is a later boot than the params'
     link: PeerLink | None = None  # set with READY, kept while RETIRED
     stale_reason: str = "a newer handshake superseded it"  # why it retired, for waiting loads
-    num_live_transfers: int = 0  # posted READs not yet released (transfer_started/ended)
-    num_loads: int = 0  # loads that hold this record (load_attached/detached)
+    num_live_transfers: int = 0  # posted READs not yet released (LoadTable counts them)
+    num_loads: int = 0  # loads that hold this record (LoadTable counts them)
     submitted_s: float = 0.0  # when its handshake was submitted (table's clock), for metrics
     handshake_phases: str = ""  # where its handshake's time went (worker/handshake.py)
     # The prefill boot the requests' params name ("": params without one). A prefill restarted
@@ -163,18 +163,6 @@ class Peer:
     @property
     def idle(self) -> bool:
         return self.num_live_transfers == 0 and self.num_loads == 0
-
-    def load_attached(self) -> None:
-        self.num_loads += 1
-
-    def load_detached(self) -> None:
-        self.num_loads -= 1
-
-    def transfer_started(self) -> None:
-        self.num_live_transfers += 1
-
-    def transfer_ended(self) -> None:
-        self.num_live_transfers -= 1
 
     def connect(self, link: PeerLink) -> None:
         """The handshake completed: READY, with what it gave."""
@@ -302,11 +290,9 @@ class PeerTable:
 
     def close(self) -> None:
         """Remove every loaded remote agent (at shutdown, once the transfer thread has stopped)."""
-        if self._lists is not None:
-            for peer in [*self._current.values(), *self._retired]:
-                for prepared in peer.link.prepared.values() if peer.link else ():
-                    self._lists.release(prepared)
-        for name in list(self._agent_refs):
+        for peer in [*self._current.values(), *self._retired]:
+            self._unlink(peer)
+        for name in list(self._agent_refs):  # none left unless a count went wrong: be sure
             self._remove_agent(name)
         self._agent_refs.clear()
 

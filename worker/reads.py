@@ -227,12 +227,11 @@ def keep_plan_memory_mapped() -> bool:
     mapped. Returns False where there is no glibc (nothing changes).
     """
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
+    if name is None:
         return False
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
         return False
     return bool(
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)

@@ -119,10 +119,9 @@ class StallWatch:
             since: dict[str, tuple[Wait, float]] = {}
             for wait in waits:
                 previous = self._since.get(wait.request_id)
-                kept = previous is not None and previous[0] == wait
-                since[wait.request_id] = (
-                    previous if previous is not None and kept else (wait, now_s)
-                )
+                if previous is None or previous[0] != wait:
+                    previous = (wait, now_s)  # a new wait starts now
+                since[wait.request_id] = previous
             self._since = since
             if self._reported:
                 self._reported = {wait for wait in self._reported if wait.request_id in since}
