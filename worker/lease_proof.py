@@ -251,8 +251,11 @@ class LeaseProofs:
         )
         if reason is None and verdict != DIGEST_OK:
             reason = digest_failure(item.remote, verdict)
-        staged = isinstance(held, Staging)
-        self._answers.put((item.ticket, reason, _answered_by(item.remote, held), staged))
+        # Did the side channel, as the boot the lease names, answer? Held or not, refused for
+        # another reader's tokens or blocks, or staged: yes; silent or restarted: no.
+        answered = isinstance(held, bool | LeaseRefused | Staging)
+        heard = item.remote.side_channel if answered else None
+        self._answers.put((item.ticket, reason, heard, isinstance(held, Staging)))
 
     def _run_digests(self, item: _Item, claims: tuple[DigestClaim, ...]) -> None:
         held: Answer
@@ -295,15 +298,6 @@ class _Item(NamedTuple):
     remote: RemoteSource
     when: str
     seen_held: bool
-
-
-def _answered_by(remote: RemoteSource, held: Answer) -> SideChannelBoot | None:
-    """The side channel (as the boot ``remote`` names) when this answer came from it: held,
-    not held, held for another reader's tokens or blocks, or a staged lease's answer; None
-    when it did not answer (silent, restarted, refused)."""
-    if isinstance(held, bool | LeaseRefused | Staging):
-        return remote.side_channel
-    return None
 
 
 class SilentSideChannels:

@@ -188,10 +188,6 @@ class Peer:
         return f"peer {self.engine_id} at {self.address}"
 
 
-def peer_key(source: RemoteSource) -> PeerKey:
-    return (source.side_channel, source.tp_size)
-
-
 @dataclass
 class _Failure:
     """A key whose last handshake failed: why, when, and when it may be probed again."""
@@ -250,7 +246,7 @@ class PeerTable:
         failure, or one a background probe is re-checking), gives a FAILED peer at once,
         without a handshake. A stale failure gets one fresh attempt that the request waits for.
         """
-        key = peer_key(source)
+        key: PeerKey = (source.side_channel, source.tp_size)
         failure = self._failures.get(key)
         if failure is not None and failure.probing:
             self._take_results()  # a probe that has answered decides, not the cached failure
