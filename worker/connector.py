@@ -2,19 +2,16 @@
 
 Threading contract: the engine thread calls every public method, and touches the NIXL agent
 only before the transfer thread starts (``register_kv_caches``, which also reads the agent
-metadata once) and after it stops (``shutdown``). In between, the rank's transfer thread
-(``TransferThread``, at the end) is the only thread that calls the agent: ``start_load_kv``
-just queues the step's metadata for it, and ``get_finished`` just takes what it published
-under ``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. Why a thread: NIXL's
-``post()`` of a READ with few descriptors over same-host CMA copies inline (tenths of a second
-for an 8k-token request, benchmarks/engine_thread_bench.py), releasing the GIL while it
-copies. Each pass (``_pass``) takes every step submitted since the last, and comes at once
-after a submit or a ``wake`` (a lease check answered), else every ``busy_poll_s`` while
-loads are live, or every ``idle_poll_s``. The transfer thread owns the
-LoadTable, PeerTable (with the prepared descriptor lists it makes when a handshake completes,
-worker/reads.py) and NotificationCounter. The handshake threads (worker/handshake.py) only
-talk ZMQ to remote side channels and hand the bytes back through a queue, which the transfer
-thread drains.
+metadata once) and after it stops (``shutdown``). In between, the rank's ``TransferThread`` is
+the only thread that calls the agent, and it owns the LoadTable, the PeerTable (with the
+prepared lists of worker/reads.py) and the NotificationCounter: ``start_load_kv`` just queues
+the step's metadata for it, and ``get_finished`` just takes what it published under
+``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. Why a thread: NIXL's
+``post()`` of a READ with few descriptors over same-host CMA copies inline, for tenths of a
+second (benchmarks/engine_thread_bench.py), releasing the GIL while it copies. A pass runs at
+once after a submit or a ``wake`` (a lease check answered), else every BUSY_POLL_S while loads
+are live, or every IDLE_POLL_S. The handshake threads (worker/handshake.py) only talk ZMQ and
+hand the bytes back through a queue, which the transfer thread drains.
 
 Per-request problems (a bad plan, a failed READ, a dead or incompatible peer, a failed
 handshake) never raise out of ``start_load_kv`` or ``get_finished``: the request is reported

@@ -8,11 +8,9 @@ a held lease makes it a success. Then, success or not, every covered remote rank
 notification. It ends once, and only when no posted READ is live: decode blocks are never
 handed back under a READ.
 
-A READ past the transfer timeout is never released while NIXL says it is in progress (over
-UCX, release() of an unfinished READ returns success and the READ still lands): the load is
-failed but QUARANTINED, unreported, its blocks held, counted in nixl_pd_quarantined_* metrics,
-until every READ is DONE or in error. One longer than QUARANTINE_WARN_TIMEOUTS transfer
-timeouts is logged as an error once. A bug on a load's path fails it the same way.
+A READ past the transfer timeout leaves its load QUARANTINED (why: worker/load_lifecycle.py),
+counted in nixl_pd_quarantined_* metrics and, past QUARANTINE_WARN_TIMEOUTS transfer timeouts,
+logged as an error once. A bug on a load's path fails it the same way.
 
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
