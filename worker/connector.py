@@ -347,16 +347,13 @@ class WorkerConnector:
         except ConnectorError as error:
             logger.warning("collecting free notifications failed: %s", error)
         sent = self._notifications.take_finished()
-        if (
-            not outcomes
-            and not sent
-            and self._stats_published == self._notifications.num_stat_changes
-        ):
+        stats_changed = self._stats_published != self._notifications.num_stat_changes
+        if not outcomes and not sent and not stats_changed:
             return  # nothing to publish: most passes
         with self._outcomes_lock:
             self._record(outcomes)
             self._finished_sending.extend(sent)
-            if self._stats_published != self._notifications.num_stat_changes:
+            if stats_changed:
                 self._stats = dataclasses.replace(self._notifications.stats)
                 self._stats_published = self._notifications.num_stat_changes
 

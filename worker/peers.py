@@ -190,11 +190,10 @@ class Peer:
 
 @dataclass
 class _Failure:
-    """A key whose last handshake failed: why, when, and when it may be probed again."""
+    """A key whose last handshake failed: why, and when (it may be probed PROBE_INTERVAL_S on)."""
 
     reason: str
     failed_s: float
-    probe_after_s: float
     probing: bool = False
     restarted: bool = False  # the side channel answered as a later boot than the params name
 
@@ -319,7 +318,7 @@ class PeerTable:
     def _fail_fast(self, source: RemoteSource, duty: dict[int, int], failure: _Failure) -> Peer:
         """A FAILED peer for a key that failed recently; maybe start its background probe."""
         now_s = self._clock()
-        if not failure.probing and now_s >= failure.probe_after_s:
+        if not failure.probing and now_s >= failure.failed_s + PROBE_INTERVAL_S:
             failure.probing = True
             probe = Peer(
                 source.engine_id, source.host, source.port, source.tp_size, duty, PeerState.PROBING
@@ -460,12 +459,10 @@ class PeerTable:
             self._remember_failure(peer.key, reason, restarted)
 
     def _remember_failure(self, key: PeerKey, reason: str, restarted: bool) -> None:
-        now_s = self._clock()
         self._failures.pop(key, None)  # re-insert: the dict stays ordered oldest first
         while len(self._failures) >= MAX_FAILED_KEYS:
             del self._failures[next(iter(self._failures))]
-        failure = _Failure(reason, now_s, now_s + PROBE_INTERVAL_S, restarted=restarted)
-        self._failures[key] = failure
+        self._failures[key] = _Failure(reason, self._clock(), restarted=restarted)
 
     def _retire_replaced(self, ready: Peer) -> None:
         """Another engine id, or another boot of the same one, at the same address is gone:
