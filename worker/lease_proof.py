@@ -436,31 +436,25 @@ def answers(status: LeaseStatus) -> list[Answer]:
     """Per ref: held, not held, the holder's refusal (a lease held, but not for this reader):
     BlocksMismatch (it reads other blocks or another token count) or TokensMismatch (the
     blocks hold other tokens), or a staged lease's Staging answer."""
+    all_false = (False,) * len(status.held)
     refused = status.refused or (None,) * len(status.held)
-    if not status.staged:
-        return [
-            held if why is None else _refusal_error(why.kind, why.reason)
-            for held, why in zip(status.held, refused, strict=True)
-        ]
-    pending = status.pending or (False,) * len(status.held)
+    staged = status.staged or all_false
+    pending = (
+        (status.pending or all_false) if status.staged else all_false
+    )  # only staged leases pend
     return [
-        _staged_answer(held, why, wait, staged)
-        for held, why, wait, staged in zip(
-            status.held, refused, pending, status.staged, strict=True
-        )
+        _answer(held, why, wait, was_staged)
+        for held, why, wait, was_staged in zip(status.held, refused, pending, staged, strict=True)
     ]
 
 
-def _staged_answer(held: bool, refused: Refusal | None, pending: bool, staged: bool) -> Answer:
+def _answer(held: bool, refused: Refusal | None, pending: bool, staged: bool) -> Answer:
     if refused is not None:
-        return _refusal_error(refused.kind, refused.reason)
+        mismatch = BlocksMismatch if refused.kind == REFUSED_BLOCKS else TokensMismatch
+        return mismatch(refused.reason)
     if pending:
         return Staging.PENDING
     return Staging.HELD_AFTER_COPY if held and staged else held
-
-
-def _refusal_error(kind: str, reason: str) -> ConnectorError:
-    return BlocksMismatch(reason) if kind == REFUSED_BLOCKS else TokensMismatch(reason)
 
 
 def one_by_one(check: LeaseCheck) -> BatchCheck:
