@@ -63,7 +63,6 @@ from worker.load_lifecycle import (
     Answer,
     Staging,
     digest_failure,
-    is_held,
     lease_failure,
 )
 
@@ -283,7 +282,8 @@ class LeaseProofs:
         waited_s = 0.0
         while True:
             held, verdict = self._check_digests(remote, claims)
-            if not is_held(held) or verdict != DIGEST_PENDING or waited_s >= DIGEST_WAIT_S:
+            readable = held is True or held is Staging.HELD_AFTER_COPY  # held and readable now
+            if not readable or verdict != DIGEST_PENDING or waited_s >= DIGEST_WAIT_S:
                 return held, verdict
             if self._closing.wait(DIGEST_RETRY_S):
                 return held, "shutting down before prefill reported its digests"

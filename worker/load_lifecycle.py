@@ -337,11 +337,6 @@ class Staging(enum.Enum):
 Answer = bool | Staging | ConnectorError
 
 
-def is_held(answer: Answer) -> bool:
-    """Whether the holder said the lease is held and readable now."""
-    return answer is True or answer is Staging.HELD_AFTER_COPY
-
-
 # Failure messages start with these words, for people reading logs; code reads the kind.
 LEASE_EXPIRED = "lease expired"
 LEASE_UNPROVEN = "lease not proven"
