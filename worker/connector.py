@@ -219,10 +219,7 @@ class WorkerConnector:
 
     def get_handshake_metadata(self) -> WorkerHandshake:
         """What this rank tells peers; the scheduler side serves it on the side channel."""
-        if self._loads is None:
-            raise UnsupportedConfiguration(
-                "get_handshake_metadata needs the KV caches: call register_kv_caches first"
-            )
+        self._require_loads()
         return WorkerHandshake(
             protocol_version=PROTOCOL_VERSION,
             engine_id=self._engine_id,

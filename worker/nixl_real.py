@@ -338,6 +338,6 @@ def _state(status: str, transfer: RealRead) -> TransferState:
 
 
 def _region_rows(regions: Sequence[tuple[int, int]], memory: Memory) -> Descriptors:
-    """(address, length_bytes) pairs -> NIXL's (N, 3) registration rows on memory's device."""
-    pairs = np.asarray(checked_regions(regions), dtype=np.int64).reshape(-1, 2)
+    """Checked (address, length_bytes) pairs -> NIXL's (N, 3) rows on ``memory``'s device."""
+    pairs = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
     return np.column_stack([pairs, np.full(len(pairs), memory.device, dtype=np.int64)])
