@@ -2,19 +2,16 @@
 
 Threading contract: the engine thread calls every public method, and touches the NIXL agent
 only before the transfer thread starts (``register_kv_caches``, which also reads the agent
-metadata once) and after it stops (``shutdown``). In between, the rank's transfer thread
-(``TransferThread``, at the end) is the only thread that calls the agent: ``start_load_kv``
-just queues the step's metadata for it, and ``get_finished`` just takes what it published
-under ``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. Why a thread: NIXL's
-``post()`` of a READ with few descriptors over same-host CMA copies inline (tenths of a second
-for an 8k-token request, benchmarks/engine_thread_bench.py), releasing the GIL while it
-copies. Each pass (``_pass``) takes every step submitted since the last, and comes at once
-after a submit or a ``wake`` (a lease check answered), else every ``busy_poll_s`` while
-loads are live, or every ``idle_poll_s``. The transfer thread owns the
-LoadTable, PeerTable (with the prepared descriptor lists it makes when a handshake completes,
-worker/reads.py) and NotificationCounter. The handshake threads (worker/handshake.py) only
-talk ZMQ to remote side channels and hand the bytes back through a queue, which the transfer
-thread drains.
+metadata once) and after it stops (``shutdown``). In between, the rank's ``TransferThread`` is
+the only thread that calls the agent, and it owns the LoadTable, the PeerTable (with the
+prepared lists of worker/reads.py) and the NotificationCounter: ``start_load_kv`` just queues
+the step's metadata for it, and ``get_finished`` just takes what it published under
+``_outcomes_lock``; neither ever waits on a copy, a plan or a poll. Why a thread: NIXL's
+``post()`` of a READ with few descriptors over same-host CMA copies inline, for tenths of a
+second (benchmarks/engine_thread_bench.py), releasing the GIL while it copies. A pass runs at
+once after a submit or a ``wake`` (a lease check answered), else every BUSY_POLL_S while loads
+are live, or every IDLE_POLL_S. The handshake threads (worker/handshake.py) only talk ZMQ and
+hand the bytes back through a queue, which the transfer thread drains.
 
 Per-request problems (a bad plan, a failed READ, a dead or incompatible peer, a failed
 handshake) never raise out of ``start_load_kv`` or ``get_finished``: the request is reported
@@ -222,10 +219,7 @@ class WorkerConnector:
 
     def get_handshake_metadata(self) -> WorkerHandshake:
         """What this rank tells peers; the scheduler side serves it on the side channel."""
-        if self._loads is None:
-            raise UnsupportedConfiguration(
-                "get_handshake_metadata needs the KV caches: call register_kv_caches first"
-            )
+        self._require_loads()
         return WorkerHandshake(
             protocol_version=PROTOCOL_VERSION,
             engine_id=self._engine_id,
@@ -288,16 +282,15 @@ class WorkerConnector:
         deregister memory."""
         if self._watchdog is not None:
             self._watchdog.stop()
-        if self._transfer is not None and not self._transfer.stop():
+        stopped = self._transfer is None or self._transfer.stop()
+        self._client.close()
+        self._proofs.close()
+        if not stopped:
             logger.error(
                 "the transfer thread of rank %d did not stop; leaving the NIXL agent to it",
                 self._tp_rank,
             )
-            self._client.close()
-            self._proofs.close()
             return
-        self._client.close()
-        self._proofs.close()
         if self._loads is not None:
             self._loads.abandon_all()
         self._peers.close()
@@ -351,16 +344,13 @@ class WorkerConnector:
         except ConnectorError as error:
             logger.warning("collecting free notifications failed: %s", error)
         sent = self._notifications.take_finished()
-        if (
-            not outcomes
-            and not sent
-            and self._stats_published == self._notifications.num_stat_changes
-        ):
+        stats_changed = self._stats_published != self._notifications.num_stat_changes
+        if not outcomes and not sent and not stats_changed:
             return  # nothing to publish: most passes
         with self._outcomes_lock:
             self._record(outcomes)
             self._finished_sending.extend(sent)
-            if self._stats_published != self._notifications.num_stat_changes:
+            if stats_changed:
                 self._stats = dataclasses.replace(self._notifications.stats)
                 self._stats_published = self._notifications.num_stat_changes
 

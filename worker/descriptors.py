@@ -7,7 +7,6 @@ Shared by the real agent and FakeNixl so both reject bad input with the same mes
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -124,12 +123,7 @@ def checked_indices(
                 f"{side} index {bad} is outside the prepared list of {entries} entries; "
                 "prepare the list again after the peer's handshake"
             )
-    return _int32(local_idx), _int32(remote_idx)
-
-
-def _int32(indices: npt.NDArray[Any]) -> npt.NDArray[np.int32]:
-    """In-bounds indices of a list of at most 2**31 - 1 entries (MAX_LIST_ENTRIES) as int32."""
-    return indices.astype(np.int32, copy=False)
+    return local_idx.astype(np.int32, copy=False), remote_idx.astype(np.int32, copy=False)
 
 
 def expand(rows: StridedRows, indices: Indices) -> Descriptors:

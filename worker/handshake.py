@@ -109,7 +109,7 @@ class HandshakeResult:
 
 
 class HandshakeClient:
-    """A small pool of handshake threads and the queue that brings their results back."""
+    """A pool of four handshake threads and the queue that brings their results back."""
 
     def __init__(
         self,
@@ -117,7 +117,6 @@ class HandshakeClient:
         *,
         retries: int,
         backoff_s: float = 0.05,
-        max_threads: int = 4,
         wait: Callable[[float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -128,7 +127,7 @@ class HandshakeClient:
         self._stop = threading.Event()  # set by close(): backoff waits end, no new attempts
         self._wait = wait or self._stop.wait  # the backoff pause; tests record it instead
         self._results: queue.SimpleQueue[HandshakeResult] = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="handshake")
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="handshake")
         self._num_in_flight = 0  # the polling thread only (the transfer thread)
 
     @property
@@ -240,9 +239,7 @@ class Fingerprint(NamedTuple):
 def _per_layer(values: Sequence[object]) -> str:
     """ "8" when every layer agrees, else "8,8,4" layer by layer (floats exactly, as repr)."""
     texts = [repr(value) if isinstance(value, float) else str(value) for value in values]
-    if len(set(texts)) == 1:
-        return texts[0]
-    return ",".join(texts)
+    return texts[0] if len(set(texts)) == 1 else ",".join(texts)
 
 
 def _scale_facts(prefix: str, group: GroupSpec) -> dict[str, str]:

@@ -18,8 +18,8 @@ A unit's digest is a keyed linear sum, sum(word_i * key_i) mod 2**64 over its 8-
 (its bytes where a head is not whole words), the keys odd numbers drawn by splitmix64 from
 (group, plane, position): a wrong word always changes it (an odd key is invertible mod 2**64),
 several wrong words leave it equal by chance only. Linear, so a range of units and heads sums
-to one number: decode sends one uint64 per group. It guards against bugs and stale bytes, not against an attacker who can
-write KV (the handshake is that gate). Pure: numpy in, numpy out.
+to one number: decode sends one uint64 per group. It guards against bugs and stale bytes, not
+against an attacker who can write KV (the handshake is that gate). Pure: numpy in, numpy out.
 """
 
 from __future__ import annotations
@@ -87,13 +87,10 @@ def unit_tokens(group: GroupGeometry) -> int:
     return 1 if group.block_format.token_addressable else group.kernel_block_size
 
 
-_STATE_UNIT = range(1)  # an SSM group's one unit: the request's state
-
-
 def read_units(group: GroupGeometry, num_cached_tokens: int, num_tokens: int) -> range:
     """The units of a group decode reads for tokens [num_cached_tokens, num_tokens)."""
-    if group.kind is GroupKind.SSM:  # the state, whenever tokens are left to load
-        return _STATE_UNIT if num_cached_tokens < num_tokens else range(0)
+    if group.kind is GroupKind.SSM:  # one unit, the state, whenever tokens are left to load
+        return range(1) if num_cached_tokens < num_tokens else range(0)
     start = num_cached_tokens
     if group.kind is GroupKind.SLIDING_WINDOW and group.window is not None:  # as the planner
         start = max(start, window_read_start(num_tokens, group.window))
@@ -101,11 +98,6 @@ def read_units(group: GroupGeometry, num_cached_tokens: int, num_tokens: int) ->
         return range(0)
     per_unit = unit_tokens(group)
     return range(start // per_unit, -(-num_tokens // per_unit))
-
-
-def leased_units(group: GroupGeometry, num_tokens: int) -> range:
-    """The units prefill's leased blocks hold for a prompt of ``num_tokens`` tokens."""
-    return read_units(group, 0, num_tokens)
 
 
 def digest_table(
@@ -124,7 +116,8 @@ def digest_table(
     group = layout.groups[group_index]
     tokens = _unit_token_grid(group, units)  # [units, tokens per unit]
     kernel_blocks, slots = _kernel_slots(group, block_ids, first_logical, tokens)
-    total = np.zeros((len(units), _num_heads(group)), dtype=np.uint64)
+    num_heads = group.planes[0].num_heads if group.planes else 0
+    total = np.zeros((len(units), num_heads), dtype=np.uint64)
     for plane_index, plane in enumerate(group.planes):
         # [units, tokens per unit, heads, head bytes]: the unit's bytes, copied once
         data = _plane_view(buffers[plane.region], group, plane)[kernel_blocks, slots]
@@ -135,10 +128,6 @@ def digest_table(
         with np.errstate(over="ignore"):
             total += (data * keys).sum(axis=(1, 3), dtype=np.uint64)
     return total
-
-
-def _num_heads(group: GroupGeometry) -> int:
-    return group.planes[0].num_heads if group.planes else 0
 
 
 def _plane_view(
@@ -171,7 +160,7 @@ def lease_digests(
     """Prefill: this rank's digests of a lease's blocks, per group."""
     tables = []
     for index, group in enumerate(layout.groups):
-        units = leased_units(group, num_tokens)
+        units = read_units(group, 0, num_tokens)  # what the leased blocks hold
         if not units:
             continue
         table = digest_table(layout, buffers, index, block_ids[index], 0, units)

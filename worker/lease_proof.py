@@ -63,7 +63,6 @@ from worker.load_lifecycle import (
     Answer,
     Staging,
     digest_failure,
-    is_held,
     lease_failure,
 )
 
@@ -96,15 +95,13 @@ MAX_REFS_PER_MESSAGE = 4096  # ~100 bytes per ref: well under max_message_bytes'
 
 
 class LeaseProofs:
-    """A small pool of check threads; answers come back by ticket through ``take``."""
+    """A pool of four check threads; answers come back by ticket through ``take``."""
 
     def __init__(
         self,
         check: BatchCheck,
         *,
         check_digests: DigestCheck | None = None,
-        max_threads: int = 4,
-        digest_wait_s: float = DIGEST_WAIT_S,
         on_answer: Callable[[], None] | None = None,  # called (check thread) after each answer
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -112,9 +109,8 @@ class LeaseProofs:
         self._clock = clock
         self._on_answer = on_answer
         self._check_digests = check_digests
-        self._digest_wait_s = digest_wait_s
         self._closing = threading.Event()  # ends digest and staged-copy retries at shutdown
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="lease")
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lease")
         self._tickets = itertools.count(1)
         # (ticket, failure, the side channel that answered or None if none did, and
         # whether it answered for a staged lease)
@@ -129,7 +125,6 @@ class LeaseProofs:
         self._abandoned: set[int] = set()
         self._heard_s: dict[SideChannelBoot, float] = {}
         self._staging: dict[SideChannelBoot, None] = {}
-        self.num_batches = 0  # LeaseCheck batches dispatched (tests, benchmarks)
 
     def submit(
         self,
@@ -160,7 +155,6 @@ class LeaseProofs:
             wanted = [item for item in batch if item.ticket not in self._abandoned]
             self._abandoned.difference_update(item.ticket for item in batch)
             if wanted:
-                self.num_batches += 1
                 self._pool.submit(self._run_batch, wanted, destination[-1])
 
     def heard_within(self, remote: RemoteSource, window_s: float) -> bool:
@@ -256,8 +250,11 @@ class LeaseProofs:
         )
         if reason is None and verdict != DIGEST_OK:
             reason = digest_failure(item.remote, verdict)
-        staged = isinstance(held, Staging)
-        self._answers.put((item.ticket, reason, _answered_by(item.remote, held), staged))
+        # Did the side channel, as the boot the lease names, answer? Held or not, refused for
+        # another reader's tokens or blocks, or staged: yes; silent or restarted: no.
+        answered = isinstance(held, bool | LeaseRefused | Staging)
+        heard = item.remote.side_channel if answered else None
+        self._answers.put((item.ticket, reason, heard, isinstance(held, Staging)))
 
     def _run_digests(self, item: _Item, claims: tuple[DigestClaim, ...]) -> None:
         held: Answer
@@ -285,7 +282,8 @@ class LeaseProofs:
         waited_s = 0.0
         while True:
             held, verdict = self._check_digests(remote, claims)
-            if not is_held(held) or verdict != DIGEST_PENDING or waited_s >= self._digest_wait_s:
+            readable = held is True or held is Staging.HELD_AFTER_COPY  # held and readable now
+            if not readable or verdict != DIGEST_PENDING or waited_s >= DIGEST_WAIT_S:
                 return held, verdict
             if self._closing.wait(DIGEST_RETRY_S):
                 return held, "shutting down before prefill reported its digests"
@@ -300,15 +298,6 @@ class _Item(NamedTuple):
     remote: RemoteSource
     when: str
     seen_held: bool
-
-
-def _answered_by(remote: RemoteSource, held: Answer) -> SideChannelBoot | None:
-    """The side channel (as the boot ``remote`` names) when this answer came from it: held,
-    not held, held for another reader's tokens or blocks, or a staged lease's answer; None
-    when it did not answer (silent, restarted, refused)."""
-    if isinstance(held, bool | LeaseRefused | Staging):
-        return remote.side_channel
-    return None
 
 
 class SilentSideChannels:
@@ -336,10 +325,7 @@ class SilentSideChannels:
 
     def silent(self, remote: RemoteSource, error: HandshakeError) -> None:
         with self._lock:
-            self._until[remote.side_channel] = (
-                self._clock() + self._window_s,
-                str(error),
-            )
+            self._until[remote.side_channel] = (self._clock() + self._window_s, str(error))
 
 
 def asked_again(
@@ -450,31 +436,25 @@ def answers(status: LeaseStatus) -> list[Answer]:
     """Per ref: held, not held, the holder's refusal (a lease held, but not for this reader):
     BlocksMismatch (it reads other blocks or another token count) or TokensMismatch (the
     blocks hold other tokens), or a staged lease's Staging answer."""
+    all_false = (False,) * len(status.held)
     refused = status.refused or (None,) * len(status.held)
-    if not status.staged:
-        return [
-            held if why is None else _refusal_error(why.kind, why.reason)
-            for held, why in zip(status.held, refused, strict=True)
-        ]
-    pending = status.pending or (False,) * len(status.held)
+    staged = status.staged or all_false
+    pending = (
+        (status.pending or all_false) if status.staged else all_false
+    )  # only staged leases pend
     return [
-        _staged_answer(held, why, wait, staged)
-        for held, why, wait, staged in zip(
-            status.held, refused, pending, status.staged, strict=True
-        )
+        _answer(held, why, wait, was_staged)
+        for held, why, wait, was_staged in zip(status.held, refused, pending, staged, strict=True)
     ]
 
 
-def _staged_answer(held: bool, refused: Refusal | None, pending: bool, staged: bool) -> Answer:
+def _answer(held: bool, refused: Refusal | None, pending: bool, staged: bool) -> Answer:
     if refused is not None:
-        return _refusal_error(refused.kind, refused.reason)
+        mismatch = BlocksMismatch if refused.kind == REFUSED_BLOCKS else TokensMismatch
+        return mismatch(refused.reason)
     if pending:
         return Staging.PENDING
     return Staging.HELD_AFTER_COPY if held and staged else held
-
-
-def _refusal_error(kind: str, reason: str) -> ConnectorError:
-    return BlocksMismatch(reason) if kind == REFUSED_BLOCKS else TokensMismatch(reason)
 
 
 def one_by_one(check: LeaseCheck) -> BatchCheck:

@@ -17,9 +17,10 @@
 
 A load waits for its peer's handshake (WAITING), posts its READs (READING), then, with every
 READ landed, waits for prefill's word that the lease still holds (CONFIRMING: the proof,
-worker/lease_proof.py) and ends once: SUCCEEDED, FAILED or ABORTED. A failure or an abort while READs are live waits for them
-(FAILING, ABORT_READING): decode blocks are never handed back under a READ. An abort before
-anything was posted still waits for the handshake (ABORT_WAITING), to notify prefill.
+worker/lease_proof.py) and ends once: SUCCEEDED, FAILED or ABORTED. A failure or an abort
+while READs are live waits for them (FAILING, ABORT_READING): decode blocks are never handed
+back under a READ. An abort before anything was posted still waits for the handshake
+(ABORT_WAITING), to notify prefill.
 
 A READ past the transfer timeout is not released: NIXL's release of an unfinished READ over
 UCX returns success without stopping it (a paused peer's bytes still land later). The load
@@ -218,30 +219,17 @@ class Load:
         return self.state in _POSTED
 
 
-# What a load owes and records when it ends. The free notifications it owes the remote ranks
-# its rank covers: who is covered, and the count each carries, is the peer's duty (computed
-# once per peer, worker.topology.notification_duty). Every covered rank gets one, read or not,
-# once the lease is proven or the load failed: none rides a READ, so this rank's own
-# notification cannot end the lease before the proof (prefill counts them in
-# worker/notifications.py). Its outcome: why a handshake failure fails it, where a failed
-# load's time went, and one call into the trace that never raises. Transfer thread only:
-# sending calls the NIXL agent.
-
+# What a load owes and records when it ends. Every remote rank its rank covers (the peer's
+# duty, worker.topology.notification_duty) gets one free notification, read or not, once the
+# lease is proven or the load failed: none rides a READ, so this rank's own notification
+# cannot end the lease before the proof. Transfer thread only: sending calls the NIXL agent.
 
 # A failed load that waited this long for its peer's handshake names the handshake's phases.
 HANDSHAKE_NOTE_S = 1.0
 
 
-def free_notif(load: Load, remote_rank: int) -> bytes:
-    """The free notification for ``remote_rank``, naming the lease (``lease_key``); its count
-    is the peer's duty, the one source (every rank read or notified is one this rank covers)."""
-    source = load.source
-    key = lease_key(source.remote_request_id, source.lease_id)
-    return encode_free_notif(key, load.peer.duty[remote_rank])
-
-
 def notify(agent: NixlAgent, load: Load, remote_rank: int) -> bool:
-    """Tell ``remote_rank`` it may free the request's blocks (best effort, logged); False if
+    """Tell ``remote_rank`` it may free the lease's blocks (best effort, logged); False if
     the agent could not send to it (its process died or closed its agent, say)."""
     link = load.peer.link
     agent_name = None if link is None else link.agent_names.get(remote_rank)
@@ -250,8 +238,9 @@ def notify(agent: NixlAgent, load: Load, remote_rank: int) -> bool:
             "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
         )
         return True
+    key = lease_key(load.source.remote_request_id, load.source.lease_id)
     try:
-        agent.send_notif(agent_name, free_notif(load, remote_rank))
+        agent.send_notif(agent_name, encode_free_notif(key, load.peer.duty[remote_rank]))
     except ConnectorError as error:
         logger.warning(
             "request %s: notifying remote rank %d failed: %s", load.request_id, remote_rank, error
@@ -346,11 +335,6 @@ class Staging(enum.Enum):
 # Held (True), not held (False), a staged lease's answer, or the error that kept it from being
 # asked (TokensMismatch: held, but for other tokens).
 Answer = bool | Staging | ConnectorError
-
-
-def is_held(answer: Answer) -> bool:
-    """Whether the holder said the lease is held and readable now."""
-    return answer is True or answer is Staging.HELD_AFTER_COPY
 
 
 # Failure messages start with these words, for people reading logs; code reads the kind.

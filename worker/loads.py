@@ -8,11 +8,9 @@ a held lease makes it a success. Then, success or not, every covered remote rank
 notification. It ends once, and only when no posted READ is live: decode blocks are never
 handed back under a READ.
 
-A READ past the transfer timeout is never released while NIXL says it is in progress (over
-UCX, release() of an unfinished READ returns success and the READ still lands): the load is
-failed but QUARANTINED, unreported, its blocks held, counted in nixl_pd_quarantined_* metrics,
-until every READ is DONE or in error. One longer than QUARANTINE_WARN_TIMEOUTS transfer
-timeouts is logged as an error once. A bug on a load's path fails it the same way.
+A READ past the transfer timeout leaves its load QUARANTINED (why: worker/load_lifecycle.py),
+counted in nixl_pd_quarantined_* metrics and, past QUARANTINE_WARN_TIMEOUTS transfer timeouts,
+logged as an error once. A bug on a load's path fails it the same way.
 
 An abort (ReleaseSpec) drops a not-yet-posted load, notifies every covered remote rank so
 prefill frees its blocks, and ends with reason "aborted"; an abort during a READ waits for it.
@@ -172,7 +170,7 @@ class LoadTable:
     def _new_load(
         self, request_id: str, remote: RemoteSource, peer: Peer, spec: LoadSpec | None
     ) -> Load:
-        peer.load_attached()  # the peer's agents stay loaded until this load ends
+        peer.num_loads += 1  # the peer's agents stay loaded until this load ends
         return Load(request_id, remote, peer, spec, self._clock(), self._on_move)
 
     def advance(self) -> list[Outcome]:
@@ -202,8 +200,9 @@ class LoadTable:
                 live[:8],
             )
         for load in self._loads.values():
-            self._drop_handles(load)
-            load.peer.load_detached()
+            for key in list(load.posted):
+                self._drop_handle(load, key)
+            load.peer.num_loads -= 1
         self._loads.clear()
 
     def _internal_error(self, load: Load, error: Exception) -> None:
@@ -232,17 +231,13 @@ class LoadTable:
         elif not load.ended:
             load.end()
 
-    def _drop_handles(self, load: Load) -> None:
-        for key in list(load.posted):
-            self._drop_handle(load, key)
-
     def _drop_handle(self, load: Load, key: ReadKey) -> None:
         try:
             self._release(load, key)
         except Exception:  # the agent is in an unknown state: forget the handle anyway
             logger.exception("request %s: dropping READ handle", load.request_id)
             del load.posted[key]
-            load.peer.transfer_ended()
+            load.peer.num_live_transfers -= 1
 
     def _step(self, load: Load) -> None:
         if load.chunk_read and load.queued:
@@ -350,9 +345,8 @@ class LoadTable:
         except ConnectorError as error:
             load.fail(LoadFailure(FailureKind.PLAN, f"cannot plan the transfer: {error}"))
             return
-        agents = link.agent_names
-        if any(plan.remote_rank not in agents for plan in plans):
-            unknown = sorted({plan.remote_rank for plan in plans} - set(agents))
+        unknown = sorted({plan.remote_rank for plan in plans} - set(link.agent_names))
+        if unknown:
             load.fail(
                 LoadFailure(
                     FailureKind.PLAN,
@@ -384,7 +378,7 @@ class LoadTable:
             self._transfer_failed(load, key[0], error)
             return False
         load.posted[key] = handle
-        load.peer.transfer_started()
+        load.peer.num_live_transfers += 1
         try:
             self._agent.post(handle)
         except ConnectorError as error:
@@ -441,7 +435,7 @@ class LoadTable:
 
     def _finish(self, load: Load) -> Outcome:
         del self._loads[load.request_id]
-        load.peer.load_detached()
+        load.peer.num_loads -= 1
         self._recent[load.request_id] = None
         if len(self._recent) > MAX_RECENT_IDS:
             self._recent.popitem(last=False)
@@ -484,7 +478,7 @@ class LoadTable:
         except ConnectorError as error:
             logger.warning("request %s: releasing READ handle failed: %s", load.request_id, error)
         del load.posted[key]
-        load.peer.transfer_ended()
+        load.peer.num_live_transfers -= 1
 
 
 def _wait_of(load: Load) -> Wait:

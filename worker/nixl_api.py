@@ -47,7 +47,6 @@ class NixlAgent(Protocol):
     ) -> Any:
         """Register (address, length_bytes) ranges of ``memory`` (DRAM, or VRAM on its device);
         returns a handle for deregister."""
-        ...
 
     def deregister(self, registration: Any) -> None: ...
 
@@ -55,7 +54,6 @@ class NixlAgent(Protocol):
 
     def add_remote_agent(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns the peer's agent name. Raises HandshakeError."""
-        ...
 
     def remove_remote_agent(self, agent_name: str) -> None: ...
 
@@ -73,7 +71,6 @@ class NixlAgent(Protocol):
 
         Each side's rows are of that side's memory kind (DRAM or VRAM), with its device id in
         the third column."""
-        ...
 
     def prepare_list(
         self, owner: str | None, rows: StridedRows, memory: Memory = HOST_MEMORY
@@ -82,7 +79,6 @@ class NixlAgent(Protocol):
 
         ``owner`` None: this agent's own memory (the local side); else a loaded remote agent's
         name (the remote side). Returns a handle for make_prepped_read and release_list."""
-        ...
 
     def make_prepped_read(
         self,
@@ -94,17 +90,14 @@ class NixlAgent(Protocol):
     ) -> Any:
         """Prepare a READ of remote entry remote_indices[i] into local entry local_indices[i];
         post, check and release it like make_read's. Adjacent entries may be merged."""
-        ...
 
     def release_list(self, prepared: Any) -> None:
         """Free a prepared list (its READs released first)."""
-        ...
 
     def post(self, transfer: Any) -> TransferState: ...
 
     def check(self, transfer: Any) -> TransferState:
         """Poll a posted transfer; raises TransferFailed if it failed."""
-        ...
 
     def release(self, transfer: Any) -> None: ...
 
@@ -112,6 +105,5 @@ class NixlAgent(Protocol):
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sending agent name."""
-        ...
 
     def close(self) -> None: ...

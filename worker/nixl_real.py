@@ -1,20 +1,17 @@
 """The NixlAgent Protocol over real NIXL: one agent on DRAM or VRAM, library errors translated.
 
-Measured on this 2-core machine (UCX over loopback, nixl 1.5.1; see the report of issue
-"Foundation" and benchmarks/nixl_bandwidth.py):
+Measured on loopback (nixl 1.5.1; benchmarks/README.md, nixl_bandwidth):
 
 - Progress thread. ``nixl_agent`` hard-codes the progress thread's delay to 0 us, and that
-  thread then spins a full core per agent (2.0 s of CPU per idle 2 s). We build the agent with
-  a delay instead (default 1000 us): idle CPU drops to ~1%, bandwidth and notification
-  latency are as good or better than with the spinning thread (the thread waits on UCX events,
-  so the delay does not add latency), and the side that is read from needs no driving.
+  thread then spins a full core per agent. We build the agent with a delay instead (default
+  1000 us): idle CPU drops to ~1%, and bandwidth and notification latency do not suffer (the
+  thread waits on UCX events); the side that is read from needs no driving.
 - With ``progress_delay_us=None`` there is no progress thread at all. Then the side that is
-  read from MUST be driven: it has to call ``get_new_notifs()`` (or ``check``) regularly, or a
-  READ against it stays IN_PROGRESS forever. The prefill side polls ``get_new_notifs()``
-  anyway to collect free notifications; keep that poll running while leases are held.
-- Creating the first agent of a process costs ~0.43 s (UCX context); later ones ~0.03 s.
-  Create one agent per worker rank, early, with a fresh name per process start: a peer that
-  restarts under the same name is refused (nixlNotAllowedError) until removed and re-added.
+  read from MUST call ``get_new_notifs()`` (or ``check``) regularly, or a READ against it
+  stays IN_PROGRESS forever (prefill polls ``get_new_notifs()`` anyway, for free notifications).
+- The first agent of a process is slow (the UCX context). Create one agent per worker rank,
+  early, with a fresh name per process start: a peer that restarts under the same name is
+  refused (nixlNotAllowedError) until removed and re-added.
 - Set ``UCX_NET_DEVICES=lo`` for loopback tests, or UCX also opens lanes on other interfaces.
 
 Threading: like every NixlAgent, one thread calls the methods (the progress thread is NIXL's).
@@ -341,6 +338,6 @@ def _state(status: str, transfer: RealRead) -> TransferState:
 
 
 def _region_rows(regions: Sequence[tuple[int, int]], memory: Memory) -> Descriptors:
-    """(address, length_bytes) pairs -> NIXL's (N, 3) registration rows on memory's device."""
-    pairs = np.asarray(checked_regions(regions), dtype=np.int64).reshape(-1, 2)
+    """Checked (address, length_bytes) pairs -> NIXL's (N, 3) rows on ``memory``'s device."""
+    pairs = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
     return np.column_stack([pairs, np.full(len(pairs), memory.device, dtype=np.int64)])

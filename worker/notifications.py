@@ -72,10 +72,6 @@ class NotificationCounter:
         self.num_stat_changes = 0  # bumped with every change to ``stats``: copy it only then
         self._log = RateLimitedLog(logger, clock=clock)  # peers' input: bounded log lines
 
-    @property
-    def num_expected(self) -> int:
-        return len(self._expected)
-
     def expect(self, keys: Iterable[str]) -> None:
         """Start counting for these lease keys (the scheduler put their blocks under a lease)."""
         for key in keys:

@@ -16,15 +16,15 @@ it. Its states and moves (``PEER_LIFECYCLE``):
     PROBING (a background re-check of a failed key) ──► READY | FAILED
 
 A READY peer always carries its PeerLink (plan, handshakes, agents, prepared lists): the one
-call that moves it to READY sets it. The peer counts its own loads and live READs; the table
-(``PeerTable``) decides when it moves.
+call that moves it to READY sets it. The peer carries the count of its loads and live READs;
+the table (``PeerTable``) decides when it moves.
 
 A failed handshake is remembered per key (a negative cache) while the failure is fresh:
 requests for that key then fail at once with the reason instead of waiting for a handshake of
-their own, and one background probe (a single attempt) per ``probe_interval_s`` looks for a
+their own, and one background probe (a single attempt) per ``PROBE_INTERVAL_S`` looks for a
 prefill that came back under the same engine id (a stopped one continued, say). A probe that
 has answered decides the next request, even before the transfer thread's next poll. A failure
-no attempt has confirmed for ``stale_after_s`` (no request asked for the key meanwhile, so
+no attempt has confirmed for ``STALE_AFTER_S`` (no request asked for the key meanwhile, so
 nobody probed) is no longer believed: the next request makes one fresh attempt, and it and the
 requests after it wait for that attempt instead of failing with a reason that may be stale. A
 restarted prefill normally has a new engine id: a new key, handshaken at once.
@@ -48,7 +48,6 @@ from connector.metadata import RemoteSource, SideChannelBoot
 from connector.observability.metrics import (
     HANDSHAKE_FAILURES,
     HANDSHAKE_SECONDS,
-    MetricsRecorder,
     default_recorder,
     handshake_failure_kind,
 )
@@ -120,7 +119,7 @@ class Peer:
     """One generation of a remote engine as this rank knows it.
 
     ``state`` moves only through PEER_LIFECYCLE (the methods below); ``link`` is set by the
-    same call that makes it READY. The peer counts the loads and posted READs that hold it.
+    same call that makes it READY. It carries the count of loads and posted READs holding it.
     """
 
     engine_id: str
@@ -135,8 +134,8 @@ class Peer:
     restarted: bool = False  # FAILED because the side channel is a later boot than the params'
     link: PeerLink | None = None  # set with READY, kept while RETIRED
     stale_reason: str = "a newer handshake superseded it"  # why it retired, for waiting loads
-    num_live_transfers: int = 0  # posted READs not yet released (transfer_started/ended)
-    num_loads: int = 0  # loads that hold this record (load_attached/detached)
+    num_live_transfers: int = 0  # posted READs not yet released (LoadTable counts them)
+    num_loads: int = 0  # loads that hold this record (LoadTable counts them)
     submitted_s: float = 0.0  # when its handshake was submitted (table's clock), for metrics
     handshake_phases: str = ""  # where its handshake's time went (worker/handshake.py)
     # The prefill boot the requests' params name ("": params without one). A prefill restarted
@@ -165,18 +164,6 @@ class Peer:
     def idle(self) -> bool:
         return self.num_live_transfers == 0 and self.num_loads == 0
 
-    def load_attached(self) -> None:
-        self.num_loads += 1
-
-    def load_detached(self) -> None:
-        self.num_loads -= 1
-
-    def transfer_started(self) -> None:
-        self.num_live_transfers += 1
-
-    def transfer_ended(self) -> None:
-        self.num_live_transfers -= 1
-
     def connect(self, link: PeerLink) -> None:
         """The handshake completed: READY, with what it gave."""
         self.state = PEER_LIFECYCLE.move(self._subject, self.state, _S.READY)
@@ -201,17 +188,12 @@ class Peer:
         return f"peer {self.engine_id} at {self.address}"
 
 
-def peer_key(source: RemoteSource) -> PeerKey:
-    return (source.side_channel, source.tp_size)
-
-
 @dataclass
 class _Failure:
-    """A key whose last handshake failed: why, when, and when it may be probed again."""
+    """A key whose last handshake failed: why, and when (it may be probed PROBE_INTERVAL_S on)."""
 
     reason: str
     failed_s: float
-    probe_after_s: float
     probing: bool = False
     restarted: bool = False  # the side channel answered as a later boot than the params name
 
@@ -231,12 +213,9 @@ class PeerTable:
         enforce_compat: bool,
         clock: Callable[[], float],
         local_backends: Sequence[str] = ("UCX",),
-        probe_interval_s: float = PROBE_INTERVAL_S,
-        stale_after_s: float = STALE_AFTER_S,
-        metrics: MetricsRecorder | None = None,  # None: the process's default_recorder()
     ) -> None:
         self._agent = agent
-        self._metrics = metrics or default_recorder()
+        self._metrics = default_recorder()
         self._client = client
         self._tp_rank = tp_rank
         self._tp_size = tp_size
@@ -246,8 +225,6 @@ class PeerTable:
         self._enforce_compat = enforce_compat
         self._local_backends = tuple(local_backends)
         self._clock = clock
-        self._probe_interval_s = probe_interval_s
-        self._stale_after_s = stale_after_s
         self._current: dict[PeerKey, Peer] = {}  # HANDSHAKING or READY
         self._failures: dict[PeerKey, _Failure] = {}  # the negative cache, oldest first
         self._pending: dict[int, Peer] = {}  # job id -> the peer its handshake is for
@@ -268,7 +245,7 @@ class PeerTable:
         failure, or one a background probe is re-checking), gives a FAILED peer at once,
         without a handshake. A stale failure gets one fresh attempt that the request waits for.
         """
-        key = peer_key(source)
+        key: PeerKey = (source.side_channel, source.tp_size)
         failure = self._failures.get(key)
         if failure is not None and failure.probing:
             self._take_results()  # a probe that has answered decides, not the cached failure
@@ -308,11 +285,9 @@ class PeerTable:
 
     def close(self) -> None:
         """Remove every loaded remote agent (at shutdown, once the transfer thread has stopped)."""
-        if self._lists is not None:
-            for peer in [*self._current.values(), *self._retired]:
-                for prepared in peer.link.prepared.values() if peer.link else ():
-                    self._lists.release(prepared)
-        for name in list(self._agent_refs):
+        for peer in [*self._current.values(), *self._retired]:
+            self._unlink(peer)
+        for name in list(self._agent_refs):  # none left unless a count went wrong: be sure
             self._remove_agent(name)
         self._agent_refs.clear()
 
@@ -337,13 +312,13 @@ class PeerTable:
             self._finished.append(peer)
 
     def _stale(self, failure: _Failure) -> bool:
-        """No attempt has confirmed ``failure`` for stale_after_s, and none is under way."""
-        return not failure.probing and self._clock() - failure.failed_s >= self._stale_after_s
+        """No attempt has confirmed ``failure`` for STALE_AFTER_S, and none is under way."""
+        return not failure.probing and self._clock() - failure.failed_s >= STALE_AFTER_S
 
     def _fail_fast(self, source: RemoteSource, duty: dict[int, int], failure: _Failure) -> Peer:
         """A FAILED peer for a key that failed recently; maybe start its background probe."""
         now_s = self._clock()
-        if not failure.probing and now_s >= failure.probe_after_s:
+        if not failure.probing and now_s >= failure.failed_s + PROBE_INTERVAL_S:
             failure.probing = True
             probe = Peer(
                 source.engine_id, source.host, source.port, source.tp_size, duty, PeerState.PROBING
@@ -353,7 +328,7 @@ class PeerTable:
         return _failed_peer(
             source,
             f"{failure.reason} (that was {now_s - failure.failed_s:.1f} s ago; until a "
-            f"background probe, at most one per {self._probe_interval_s} s, reaches it, "
+            f"background probe, at most one per {PROBE_INTERVAL_S} s, reaches it, "
             "requests for it fail at once)",
             restarted=failure.restarted,
         )
@@ -484,12 +459,10 @@ class PeerTable:
             self._remember_failure(peer.key, reason, restarted)
 
     def _remember_failure(self, key: PeerKey, reason: str, restarted: bool) -> None:
-        now_s = self._clock()
         self._failures.pop(key, None)  # re-insert: the dict stays ordered oldest first
         while len(self._failures) >= MAX_FAILED_KEYS:
             del self._failures[next(iter(self._failures))]
-        failure = _Failure(reason, now_s, now_s + self._probe_interval_s, restarted=restarted)
-        self._failures[key] = failure
+        self._failures[key] = _Failure(reason, self._clock(), restarted=restarted)
 
     def _retire_replaced(self, ready: Peer) -> None:
         """Another engine id, or another boot of the same one, at the same address is gone:

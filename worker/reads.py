@@ -159,7 +159,6 @@ def make_range_read(
     link: PeerLink,
     remote_rank: int,
     runs: ByteRuns,
-    notif: bytes,
     *,
     local_addresses: Sequence[int],
     local_memory: Memory,
@@ -180,7 +179,6 @@ def make_range_read(
         link.agent_names[remote_rank],
         local,
         remote,
-        notif,
         local_memory=local_memory,
         remote_memory=handshake.memory,
     )
@@ -196,18 +194,17 @@ def read_makers(
 ) -> list[tuple[tuple[int, int], MakeRead]]:
     """(read key, maker) of each READ of ``plan``: by index first, then byte ranges. They
     carry no notification."""
-    notif = b""
     rank = plan.remote_rank
     makers: list[tuple[tuple[int, int], MakeRead]] = []
     if plan.by_index is not None:
         prepared = link.prepared[rank]
         makers.append(((rank, BY_INDEX), functools.partial(
             agent.make_prepped_read, prepared.local_list, plan.by_index.local_indices,
-            prepared.remote_list, plan.by_index.remote_indices, notif,
+            prepared.remote_list, plan.by_index.remote_indices,
         )))  # fmt: skip
     if plan.ranges is not None:
         makers.append(((rank, BY_RANGES), functools.partial(
-            make_range_read, agent, link, rank, plan.ranges, notif,
+            make_range_read, agent, link, rank, plan.ranges,
             local_addresses=local_addresses, local_memory=local_memory,
         )))  # fmt: skip
     return makers
@@ -230,12 +227,11 @@ def keep_plan_memory_mapped() -> bool:
     mapped. Returns False where there is no glibc (nothing changes).
     """
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
+    if name is None:
         return False
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
         return False
     return bool(
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)

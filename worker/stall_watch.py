@@ -119,10 +119,9 @@ class StallWatch:
             since: dict[str, tuple[Wait, float]] = {}
             for wait in waits:
                 previous = self._since.get(wait.request_id)
-                kept = previous is not None and previous[0] == wait
-                since[wait.request_id] = (
-                    previous if previous is not None and kept else (wait, now_s)
-                )
+                if previous is None or previous[0] != wait:
+                    previous = (wait, now_s)  # a new wait starts now
+                since[wait.request_id] = previous
             self._since = since
             if self._reported:
                 self._reported = {wait for wait in self._reported if wait.request_id in since}
@@ -174,12 +173,10 @@ class StallWatchdog:
         watch: StallWatch,
         *,
         clock: Callable[[], float],
-        interval_s: float = CHECK_INTERVAL_S,
         context: str = "",  # names the rank in the warning
     ) -> None:
         self._watch = watch
         self._clock = clock
-        self._interval_s = interval_s
         self._context = context
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -206,7 +203,7 @@ class StallWatchdog:
         return True
 
     def _run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
+        while not self._stopping.wait(CHECK_INTERVAL_S):
             try:
                 self.check()
             except Exception:  # a diagnostic must never take the rank down

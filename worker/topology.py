@@ -49,20 +49,12 @@ def tp_ratio(local_tp: int, remote_tp: int) -> int:
             f"tensor-parallel sizes must be in 1..{MAX_TP_SIZE}, got local {short_repr(local_tp)} "
             f"and remote {short_repr(remote_tp)}; pass each engine's tensor_parallel_size"
         )
-    if local_tp >= remote_tp:
-        if local_tp % remote_tp != 0:
-            raise UnsupportedConfiguration(_non_divisible(local_tp, remote_tp))
-        return local_tp // remote_tp
-    if remote_tp % local_tp != 0:
-        raise UnsupportedConfiguration(_non_divisible(local_tp, remote_tp))
-    return -(remote_tp // local_tp)
-
-
-def _non_divisible(local_tp: int, remote_tp: int) -> str:
-    return (
-        f"decode TP {local_tp} and prefill TP {remote_tp} do not divide one another; "
-        "choose sizes where the larger is a multiple of the smaller"
-    )
+    if max(local_tp, remote_tp) % min(local_tp, remote_tp) != 0:
+        raise UnsupportedConfiguration(
+            f"decode TP {local_tp} and prefill TP {remote_tp} do not divide one another; "
+            "choose sizes where the larger is a multiple of the smaller"
+        )
+    return local_tp // remote_tp if local_tp >= remote_tp else -(remote_tp // local_tp)
 
 
 @dataclass(frozen=True)
