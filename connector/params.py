@@ -128,40 +128,21 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     def awaited_lease(self) -> AwaitedLease | None:
         """Overlapped dispatch, decode: the prefill engine whose side channel will announce
         this request's lease under ``transfer_key``; None for any other params."""
-        engine_id, host, port, key = (
-            self.remote_engine_id,
-            self.remote_host,
-            self.remote_port,
-            self.transfer_key,
-        )
+        host, port, key = self.remote_host, self.remote_port, self.transfer_key
         if not self.do_remote_prefill or key is None:
             return None
         if host is None or port is None:  # __post_init__ refused these
             raise InvalidTransferParams("kv_transfer_params: a remote_* key is missing")
-        return AwaitedLease(key, engine_id, host, port)
+        return AwaitedLease(key, self.remote_engine_id, host, port)
 
     def remote_source(self) -> RemoteSource:
         """Where decode reads this request's KV from; only for do_remote_prefill params."""
         if not self.do_remote_prefill:
             raise InvalidTransferParams("kv_transfer_params: do_remote_prefill is not set")
-        # __post_init__ guarantees these are set when do_remote_prefill is (narrowed for mypy).
-        engine_id, host, port = self.remote_engine_id, self.remote_host, self.remote_port
-        request_id, block_ids = self.remote_request_id, self.remote_block_ids
-        if engine_id is None or host is None or port is None or request_id is None:
+        source = self._source(None)
+        if source is None:  # __post_init__ refused these (narrowed for mypy)
             raise InvalidTransferParams("kv_transfer_params: a remote_* key is missing")
-        if block_ids is None:
-            raise InvalidTransferParams("kv_transfer_params: remote_block_ids is missing")
-        tp_size = 1 if self.tp_size is None else self.tp_size
-        return RemoteSource(
-            engine_id,
-            host,
-            port,
-            tp_size,
-            request_id,
-            block_ids,
-            boot_id=self.remote_boot_id or "",
-            lease_id=self.remote_lease_id or "",
-        )
+        return source
 
     def pull_source(self) -> RemoteSource | None:
         """Prefill (bidirectional mode): where an earlier turn's KV is held, or None.
@@ -171,11 +152,17 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         of them ask for no pull (a first turn). The expiry time is not trusted: the pull is
         lease-proven like any load, so a lapsed hold fails it and prefill recomputes.
         """
+        if not self.do_remote_decode or not any(self.remote_block_ids or ()):
+            return None
+        return self._source(self.remote_num_tokens)
+
+    def _source(self, remote_num_tokens: int | None) -> RemoteSource | None:
+        """The remote_* keys as a RemoteSource; None when one of them is missing."""
         engine_id, host, port = self.remote_engine_id, self.remote_host, self.remote_port
         request_id, block_ids = self.remote_request_id, self.remote_block_ids
-        if not self.do_remote_decode or block_ids is None or not any(block_ids):
-            return None
         if engine_id is None or host is None or port is None or request_id is None:
+            return None
+        if block_ids is None:
             return None
         return RemoteSource(
             engine_id,
@@ -186,7 +173,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             block_ids,
             boot_id=self.remote_boot_id or "",
             lease_id=self.remote_lease_id or "",
-            remote_num_tokens=self.remote_num_tokens,
+            remote_num_tokens=remote_num_tokens,
         )
 
 
