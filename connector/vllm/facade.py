@@ -69,7 +69,6 @@ from connector.vllm.scales import kv_scales_of
 from connector.vllm.scheduler import (
     NixlPDMetadata,
     SchedulerSide,
-    kv_transfer_params,
     offers_to_decode,
     prefill_backoff_tokens,
     truncate_for_prefill,
@@ -272,7 +271,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         if scheduler.connector.chunk_leases is not None:  # chunked pulls: prefill follows it
             scheduler.track_chunks(request)
-        if self._saves is not None and offers_to_decode(kv_transfer_params(request)):
+        if self._saves is not None and offers_to_decode(request.kv_transfer_params):
             self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -291,10 +290,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        scheduler = self._scheduler or self._require_scheduler()
-        if self._saves is not None:
-            self._saves.forget(request.request_id)  # aborted mid-prefill: nothing to stage
-        return scheduler.request_finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -135,9 +135,8 @@ class SchedulerSide:
         self.connector = connector
         self._holds_finished = connector.holds_finished_requests  # fixed by its config
         self._kv_cache_config = kv_cache_config
-        self._backoff = (
-            backoff_tokens  # prompt tokens prefill leaves to decode (prefill_backoff_tokens, below)
-        )
+        # Prompt tokens prefill leaves to decode (prefill_backoff_tokens, below).
+        self._backoff = backoff_tokens
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
         self._has_ssm = any(scratch is not None for scratch in self._ssm_scratch)
         self._num_groups = len(kv_cache_config.kv_cache_groups)
@@ -152,7 +151,7 @@ class SchedulerSide:
         already): a decode load covers the prompt tokens prefill computed for it
         (``transferred_prompt_tokens``, whatever either request asked)."""
         if params is None:
-            params = kv_transfer_params(request)
+            params = request.kv_transfer_params
         num_tokens = request.num_prompt_tokens
         if self._backoff and loads_from_remote(params):  # prefill counted it the same way
             num_tokens = transferred_prompt_tokens(num_tokens, self._backoff)
@@ -183,7 +182,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params  # kv_transfer_params(request), inlined: every ask
+        params = request.kv_transfer_params  # unvalidated: SchedulerConnector parses them
         if params is None:
             return 0, False  # most requests: no call further
         return self.connector.get_num_new_matched_tokens(
@@ -262,7 +261,7 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params  # kv_transfer_params(request), inlined
+        params = request.kv_transfer_params
         aborted = request.status not in _COMPLETE
         request_id, num_prompt_tokens = request.request_id, request.num_prompt_tokens
         num_computed_tokens = request.num_computed_tokens
@@ -372,13 +371,6 @@ def kv_salt(request: Request) -> KVSalt:
     return tuple(parts)
 
 
-def kv_transfer_params(request: Request) -> dict[str, Any] | None:
-    """The request's raw kv_transfer_params: the adapter's one reading of them. Unvalidated:
-    our SchedulerConnector parses them; flags are read with ``loads_from_remote`` and
-    ``offers_to_decode`` (a literal JSON true, connector.params.raw_flag)."""
-    return request.kv_transfer_params
-
-
 def loads_from_remote(params: Mapping[str, Any] | None) -> bool:
     """Decode side: do these params say ``do_remote_prefill: true``?"""
     return raw_flag(params, "do_remote_prefill")
@@ -409,7 +401,7 @@ def truncate_for_prefill(request: Request, backoff: int) -> bool:
     num_tokens = transferred_prompt_tokens(request.num_prompt_tokens, backoff)
     if (
         num_tokens in (0, request.num_prompt_tokens)
-        or not offers_to_decode(kv_transfer_params(request))
+        or not offers_to_decode(request.kv_transfer_params)
         or (request.prompt_token_ids is None and request.prompt_embeds is None)
     ):
         return False
