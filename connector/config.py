@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from connector.errors import UnsupportedConfiguration
+from connector.errors import UnsupportedConfiguration, clipped
 
 ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
@@ -184,7 +184,7 @@ def _extra_key_rule(key: object) -> tuple[str, Any, str]:
 def _convert(
     where: str, value: object, value_type: Any, accepted: str, *, shown: str | None = None
 ) -> Any:
-    seen = shown if shown is not None else _show(value)
+    seen = shown if shown is not None else clipped(repr(value), 80)
     try:
         converted = msgspec.convert(value, value_type)
     except msgspec.ValidationError as exc:
@@ -231,8 +231,3 @@ def _check_cross_field(config: ConnectorConfig) -> None:
             f"is not shorter than kv_lease_duration ({config.kv_lease_duration_s}); leases would "
             "expire between heartbeats: choose a heartbeat interval below the lease duration"
         )
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

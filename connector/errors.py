@@ -5,6 +5,12 @@ fails that one request; the engine keeps serving.
 """
 
 
+def clipped(text: str, max_chars: int) -> str:
+    """``text`` cut to at most ``max_chars`` characters, ending in "...": a value a peer or a
+    user sent goes into our messages and logs whole only when it is short."""
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
 class ConnectorError(Exception):
     """Base of every error this package raises on purpose."""
 

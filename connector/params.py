@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 import msgspec
 
-from connector.errors import InvalidTransferParams
+from connector.errors import InvalidTransferParams, clipped
 from connector.metadata import MAX_BLOCK_ID, BlockIds, RemoteSource
 
 TRANSFER_MODE = "pull"
@@ -511,7 +511,7 @@ def short_repr(value: object) -> str:
         text = _SHORT.repr(value)
     except (RecursionError, ValueError):
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= 80 else text[:77] + "..."
+    return clipped(text, 80)
 
 
 _SHORT = reprlib.Repr()

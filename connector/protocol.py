@@ -51,7 +51,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from connector.errors import InvalidNotification, ProtocolError
+from connector.errors import InvalidNotification, ProtocolError, clipped
 from connector.layout import RankLayout
 from connector.memory import HOST_MEMORY, Memory
 
@@ -405,7 +405,7 @@ def decode_reply(frame: bytes, *, secret: str | None, request_nonce: bytes) -> R
     ):
         return reply
     # Never trust an unauthenticated reply; an error's reason is still worth showing.
-    said = f": it said {_short_text(reply.reason)!r}" if isinstance(reply, ErrorReply) else ""
+    said = f": it said {clipped(reply.reason, 200)!r}" if isinstance(reply, ErrorReply) else ""
     raise ProtocolError(
         "reply failed authentication: the server does not hold our side_channel_secret "
         f"(configure the same secret on both engines){said}"
@@ -422,16 +422,12 @@ def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, what: str) -> _T:
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # Bad UTF-8: msgspec 0.23 says so in a DecodeError, older ones raise UnicodeDecodeError.
         bad_utf8 = isinstance(exc, UnicodeDecodeError) or "UTF-8" in str(exc)
-        reason = "a string is not valid UTF-8" if bad_utf8 else _short_text(str(exc))
+        reason = "a string is not valid UTF-8" if bad_utf8 else clipped(str(exc), 200)
         raise ProtocolError(f"{what} ({reason})") from None
     except RecursionError:
         raise ProtocolError(f"{what} (nested too deeply)") from None
     except Exception as exc:  # any other failure on a peer's bytes is still malformed input
-        raise ProtocolError(f"{what} ({type(exc).__name__}: {_short_text(str(exc))})") from None
-
-
-def _short_text(text: str) -> str:
-    return text if len(text) <= 200 else text[:197] + "..."
+        raise ProtocolError(f"{what} ({type(exc).__name__}: {clipped(str(exc), 200)})") from None
 
 
 # Free notifications: b"<remote_request_id>:<consumers>", sent by NIXL once a READ's data landed.
@@ -497,5 +493,4 @@ def decode_free_notif(msg: bytes) -> tuple[str, int]:
 
 
 def _show(msg: bytes | bytearray) -> str:
-    text = repr(bytes(msg))
-    return text if len(text) <= 80 else text[:77] + "..."
+    return clipped(repr(bytes(msg)), 80)

@@ -27,7 +27,13 @@ from typing import TypeVar
 
 import zmq
 
-from connector.errors import HandshakeError, PeerRestarted, ProtocolError, SideChannelTimeout
+from connector.errors import (
+    HandshakeError,
+    PeerRestarted,
+    ProtocolError,
+    SideChannelTimeout,
+    clipped,
+)
 from connector.protocol import (
     MAX_AWAIT_HOLD_MS,
     NONCE_BYTES,
@@ -234,7 +240,7 @@ def check_leases_status(
     ):
         raise HandshakeError(
             f"side channel {host}:{port} answered a lease check of {len(refs)} lease(s) with "
-            f"{_short(repr(reply))}"
+            f"{clipped(repr(reply), 500)}"
         )
     return reply
 
@@ -340,7 +346,7 @@ def _call(
         raise HandshakeError(f"side channel {host}:{port}: {exc}") from None
     if isinstance(reply, ErrorReply):
         error = PeerRestarted if reply.code == STALE_BOOT else HandshakeError
-        raise error(f"side channel {host}:{port} refused the request: {_short(reply.reason)}")
+        raise error(f"side channel {host}:{port} refused the request: {clipped(reply.reason, 500)}")
     return reply
 
 
@@ -428,8 +434,3 @@ def _receive(socket: zmq.Socket, timeout_s: float) -> bytes | None:
         if waited_s >= timeout_s:
             return None
     return None
-
-
-def _short(text: str) -> str:
-    """A peer's text, bounded: it goes into our error messages and logs."""
-    return text if len(text) <= 500 else text[:497] + "..."
