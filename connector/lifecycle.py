@@ -84,7 +84,7 @@ class Book(Generic[State, Record]):
         self._what = what  # names the record in errors, e.g. "load"
         self._on_move = on_move
         self._watched = frozenset(watched) if on_leave is not None else frozenset()
-        self._on_leave: Callable[[str], None] = on_leave or _ignore
+        self._on_leave: Callable[[str], None] = on_leave or (lambda request_id: None)
         self._terminal = table.terminal
         self._moves = table.moves  # read on every move: one dict lookup, no call
         self._records: dict[str, Record] = {}
@@ -155,7 +155,3 @@ class Book(Generic[State, Record]):
 
     def __len__(self) -> int:
         return len(self._records)
-
-
-def _ignore(request_id: str) -> None:
-    """A Book's on_leave when nothing watches."""

@@ -307,15 +307,12 @@ def prefill_backoff_tokens(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
     tokens and keeps the window of token N - 1, the first token decode computes.
     """
     lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 1)
-    return max(1 if _keeps_only_the_end(kv_cache_config) else 0, lookahead - 1)
-
-
-def _keeps_only_the_end(kv_cache_config: KVCacheConfig) -> bool:
-    """Does a transferred group hold the sequence's end only (SSM state, sliding window)?"""
-    return kv_cache_config.has_mamba_layers or any(
+    # Does a transferred group hold the sequence's end only (SSM state, sliding window)?
+    keeps_only_the_end = kv_cache_config.has_mamba_layers or any(
         isinstance(group.kv_cache_spec, SlidingWindowSpec)
         for group in kv_cache_config.transfer_groups
     )
+    return max(1 if keeps_only_the_end else 0, lookahead - 1)
 
 
 def ssm_scratch_blocks(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]:
