@@ -133,9 +133,10 @@ def fetch_handshake(
     another boot raises PeerRestarted at once (the KV the params name died with that boot).
     Without, two: Hello for the boot id, then the handshake request naming it.
     """
-    boot_id = boot_id or _ask_boot_id(host, port, secret, timeout_s, max_message_bytes)
     request = HandshakeRequest(tp_rank)
-    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
+    reply = _call(
+        host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id or None
+    )
     reply = _expect(HandshakeReply, reply, host, port, "a handshake request")
     if reply.handshake.tp_rank != tp_rank:
         raise HandshakeError(
@@ -299,21 +300,8 @@ def _expect_ack(
     max_message_bytes: int,
     boot_id: str | None,
 ) -> int:
-    if boot_id is None:
-        # The server, not Hello, checks the engine id: one refusal, naming both engines.
-        boot_id = _ask_boot_id(host, port, secret, timeout_s, max_message_bytes)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
     return _expect(Ack, reply, host, port, f"a {type(request).__name__}").num_known
-
-
-def _ask_boot_id(
-    host: str, port: int, secret: str | None, timeout_s: float, max_message_bytes: int
-) -> str:
-    """The server's boot id from Hello, whichever engine it is."""
-    return fetch_boot_id(
-        host, port, engine_id=None, secret=secret, timeout_s=timeout_s,
-        max_message_bytes=max_message_bytes,
-    )  # fmt: skip
 
 
 def _expect(reply_type: type[_R], reply: Reply, host: str, port: int, asked: str) -> _R:
@@ -333,8 +321,16 @@ def _call(
     timeout_s: float,
     max_message_bytes: int,
     *,
-    boot_id: str,
+    boot_id: str | None,
 ) -> Reply:
+    """One exchange for server boot ``boot_id``; None: ask the server's Hello for it first,
+    whichever engine it is (the server, not Hello, checks a request's engine id: one refusal,
+    naming both engines)."""
+    if boot_id is None:
+        boot_id = fetch_boot_id(
+            host, port, engine_id=None, secret=secret, timeout_s=timeout_s,
+            max_message_bytes=max_message_bytes,
+        )  # fmt: skip
     nonce = os.urandom(NONCE_BYTES)
     frame = encode_request(
         request, secret=secret, nonce=nonce, timestamp_s=time.time(), boot_id=boot_id
