@@ -108,6 +108,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0)]
+_SECONDS = "a number of seconds > 0"
+_FLAG = "true or false"
 
 # extra_config key -> (ConnectorConfig field, msgspec type, accepted values for the error message)
 _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
@@ -123,15 +125,15 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         Annotated[int, msgspec.Meta(ge=1, le=1024)],
         "an integer in 1..1024",
     ),
-    "kv_lease_duration": ("kv_lease_duration_s", PositiveSeconds, "a number of seconds > 0"),
-    "enforce_handshake_compat": ("enforce_handshake_compat", bool, "true or false"),
-    "handshake_timeout": ("handshake_timeout_s", PositiveSeconds, "a number of seconds > 0"),
+    "kv_lease_duration": ("kv_lease_duration_s", PositiveSeconds, _SECONDS),
+    "enforce_handshake_compat": ("enforce_handshake_compat", bool, _FLAG),
+    "handshake_timeout": ("handshake_timeout_s", PositiveSeconds, _SECONDS),
     "handshake_retries": (
         "handshake_retries",
         Annotated[int, msgspec.Meta(ge=0, le=100)],
         "an integer in 0..100",
     ),
-    "heartbeat_interval": ("heartbeat_interval_s", PositiveSeconds, "a number of seconds > 0"),
+    "heartbeat_interval": ("heartbeat_interval_s", PositiveSeconds, _SECONDS),
     "lease_precheck_skip": (
         "lease_precheck_skip_s",
         Annotated[float, msgspec.Meta(ge=0.0)],
@@ -147,20 +149,16 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         Annotated[int, msgspec.Meta(ge=2**16, le=2**31 - 1)],
         f"an integer number of bytes in {2**16}..{2**31 - 1}",
     ),
-    "verify_kv": ("verify_kv", bool, "true or false"),
-    "bidirectional_kv_xfer": ("bidirectional_kv_xfer", bool, "true or false"),
+    "verify_kv": ("verify_kv", bool, _FLAG),
+    "bidirectional_kv_xfer": ("bidirectional_kv_xfer", bool, _FLAG),
     "kv_recompute_threshold": (
         "kv_recompute_threshold",
         Annotated[int, msgspec.Meta(ge=0, le=2**40)],
         "an integer number of tokens >= 0 (0: pull whatever decode holds)",
     ),
-    "overlap_wait_timeout": ("overlap_wait_timeout_s", PositiveSeconds, "a number of seconds > 0"),
-    "chunked_pull": ("chunked_pull", bool, "true or false"),
-    "decoder_kv_blocks_ttl": (
-        "decoder_kv_blocks_ttl_s",
-        PositiveSeconds,
-        "a number of seconds > 0",
-    ),
+    "overlap_wait_timeout": ("overlap_wait_timeout_s", PositiveSeconds, _SECONDS),
+    "chunked_pull": ("chunked_pull", bool, _FLAG),
+    "decoder_kv_blocks_ttl": ("decoder_kv_blocks_ttl_s", PositiveSeconds, _SECONDS),
     "kv_buffer_device": (
         "kv_buffer_device",
         Literal["cpu", "cuda", "xpu"],
