@@ -146,10 +146,16 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         # Prefill with host staging: requests whose blocks go device->host when prefill ends.
         self._saves: SaveTracker | None = SaveTracker() if staging else None
         if role is KVConnectorRole.SCHEDULER:
+            connector = SchedulerConnector(
+                config,
+                engine_id=self._engine_id,
+                role=_ROLES[transfer.kv_role],
+                spec=self.kv_cache_spec(),
+                tp_size=self._tp_size,
+                host_staging=staging,
+            )
             self._scheduler = SchedulerSide(
-                self._connector(config, _ROLES[transfer.kv_role], host_staging=staging),
-                kv_cache_config,
-                backoff_tokens=self._backoff,
+                connector, kv_cache_config, backoff_tokens=self._backoff
             )
         else:
             rank = _tp_rank(self._tp_size) if tp_rank is None else tp_rank
@@ -215,18 +221,6 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             kernel_block_sizes=kernel_block_sizes,
             block_formats=block_formats,
             kv_scales=kv_scales,
-        )
-
-    def _connector(
-        self, config: ConnectorConfig, role: Role, *, host_staging: bool
-    ) -> SchedulerConnector:
-        return SchedulerConnector(
-            config,
-            engine_id=self._engine_id,
-            role=role,
-            spec=self.kv_cache_spec(),
-            tp_size=self._tp_size,
-            host_staging=host_staging,
         )
 
     def _create_agent(self, tp_rank: int) -> NixlAgent:

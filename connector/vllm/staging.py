@@ -169,7 +169,7 @@ class HostBuffer:
         READs brought, and prefill's digests proved, behind in host memory only)."""
         differ = []
         for index, entry in enumerate(entries):
-            kernel_ids = self._kernel_ids([entry])
+            kernel_ids = kernel_block_ids([entry], self._ratios)
             for names, ids in zip(self._groups, kernel_ids, strict=True):
                 if len(ids) and not all(self._same(name, ids) for name in names):
                     differ.append(index)
@@ -192,12 +192,13 @@ class HostBuffer:
         source, target = (
             (self.device, self.host) if direction == "d2h" else (self.host, self.device)
         )
+        kernel_ids = kernel_block_ids(entries, self._ratios)
         copied = 0
         # Synchronous on purpose, as in vLLM's NixlConnector: a d2h copy must have landed
         # before the step ends (decode may READ right after), an h2d one before the load is
         # reported. vLLM's GPU-sync checker (a debug mode) is told these syncs are meant.
         with gpu_sync_allowed():
-            for names, ids in zip(self._groups, self._kernel_ids(entries), strict=True):
+            for names, ids in zip(self._groups, kernel_ids, strict=True):
                 if len(ids) == 0:
                     continue
                 id_list = ids.tolist()
@@ -210,9 +211,6 @@ class HostBuffer:
                 )
                 copied += len(id_list)
         return copied
-
-    def _kernel_ids(self, entries: Sequence[BlockIds]) -> tuple[KernelIds, ...]:
-        return kernel_block_ids(entries, self._ratios)
 
 
 def _host_mirrors(device: Mapping[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
