@@ -27,14 +27,10 @@ boot id from ``Hello`` (whose reply is signed and bound to the client's nonce); 
 captured before a restart names the old boot id and is refused by the restarted engine even
 when it reuses the engine id and port. ``Hello`` is harmless to replay: it changes nothing.
 
-Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
-reading engine's id and its process's boot id, so the holder can tell a reader that
-restarted under its engine id (scheduler/readers.py). A LeaseRef carries the digest of the
-tokens the reader expects the lease's blocks to hold and of the blocks and token count it
-reads (connector/lease_binding.py); the holder refuses a held lease
-to a reader whose ref says other tokens or other blocks, or says neither
-(``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
-decode, but an older reader's refs are refused.
+Lease messages name their sender (``ReaderId``: a reader restarted under its engine id is
+another reader, scheduler/readers.py), and a LeaseRef the tokens and blocks it reads
+(connector/lease_binding.py). The fields are optional on the wire, so an older peer's
+messages decode, but an older reader's refs are refused (``LeaseStatus.refused``).
 
 Overlapped dispatch (docs/overlap.md): AwaitLease awaits a transfer key's lease (chunked
 pulls: its partials too), CancelTransfer ends it. Decoders raise only ProtocolError (and
