@@ -404,16 +404,12 @@ def _convert_key(key: str, value: object) -> Any:
     try:
         converted = msgspec.convert(value, value_type)
     except msgspec.ValidationError as exc:
-        raise _bad_value(key, value, exc, _ACCEPTED[key]) from None
+        detail = str(exc).replace("`$", "`" + key)
+        raise InvalidTransferParams(
+            f"kv_transfer_params[{key!r}]: value {short_repr(value)} is not accepted ({detail}); "
+            f"expected {_ACCEPTED[key]}"
+        ) from None
     return (converted,) if value_type is _BlockGroup else converted
-
-
-def _bad_value(key: str, value: object, exc: msgspec.ValidationError, accepted: str) -> Exception:
-    detail = str(exc).replace("`$", "`" + key)
-    return InvalidTransferParams(
-        f"kv_transfer_params[{key!r}]: value {short_repr(value)} is not accepted ({detail}); "
-        f"expected {accepted}"
-    )
 
 
 # JSON-like data that can travel on: one bounded walk that names where a problem is.
