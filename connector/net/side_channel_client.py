@@ -83,10 +83,7 @@ def fetch_boot_id(
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> str:
-    """The boot id of the side channel at host:port (Hello).
-
-    With ``engine_id``, a server that is another engine raises HandshakeError.
-    """
+    """The boot id of the side channel at host:port: ``fetch_identity``'s."""
     return fetch_identity(
         host, port, engine_id=engine_id, secret=secret, timeout_s=timeout_s,
         max_message_bytes=max_message_bytes,
