@@ -162,7 +162,8 @@ def send_heartbeat(
     boot ``boot_id`` raises PeerRestarted. ``boot_id`` None: ask the server for it first.
     """
     request = Heartbeat(engine_id, tuple(lease_keys), reader)
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
+    return _expect(Ack, reply, host, port, "a Heartbeat").num_known
 
 
 def send_release(
@@ -183,7 +184,8 @@ def send_release(
     or (PeerRestarted) not boot ``boot_id``. ``boot_id`` None: ask the server for it first.
     """
     request = Release(engine_id, tuple(lease_keys), reader)
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
+    return _expect(Ack, reply, host, port, "a Release").num_known
 
 
 def check_leases(
@@ -285,20 +287,8 @@ def cancel_transfer(
     """Overlapped dispatch: decode will never read ``transfer_key``'s lease on prefill
     ``engine_id``; returns 1 if a lease was ended, 0 if the cancel was remembered for later."""
     request = CancelTransfer(engine_id, transfer_key, reader)
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
-
-
-def _expect_ack(
-    host: str,
-    port: int,
-    request: Heartbeat | Release | CancelTransfer,
-    secret: str | None,
-    timeout_s: float,
-    max_message_bytes: int,
-    boot_id: str | None,
-) -> int:
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
-    return _expect(Ack, reply, host, port, f"a {type(request).__name__}").num_known
+    return _expect(Ack, reply, host, port, "a CancelTransfer").num_known
 
 
 def _expect(reply_type: type[_R], reply: Reply, host: str, port: int, asked: str) -> _R:
