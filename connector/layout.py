@@ -50,9 +50,8 @@ def window_read_start(num_tokens: int, window: int) -> int:
 class MemoryLayout(enum.Enum):
     NHD = "nhd"  # per layer: (planes, kernel blocks, tokens, heads, head_dim)
     HND = "hnd"  # per layer: (planes, kernel blocks, heads, tokens, head_dim)
-    BLOCK_OUTERMOST = (
-        "block_outermost"  # per group: (kernel blocks, layers, planes, tokens, heads, head_dim)
-    )
+    # Per group: (kernel blocks, layers, planes, tokens, heads, head_dim).
+    BLOCK_OUTERMOST = "block_outermost"
     # Per layer, K and V packed into one cell per (token, head), as vLLM >= 0.33 stores them
     # (its layouts LBNHC and LBHNC, cell C = K then V): planes sit head_bytes apart in a cell.
     NHD_PACKED = "nhd_packed"  # per layer: (kernel blocks, tokens, heads, planes * head_dim)

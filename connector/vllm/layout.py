@@ -426,12 +426,9 @@ def _layer_tensor(kv_caches: Mapping[str, torch.Tensor], name: str, group: int) 
 
 def _check_span(tensor: torch.Tensor, name: str, region_bytes: int) -> None:
     """The tensor must cover exactly the region: dense bytes from its data pointer."""
-    span_bytes = tensor.element_size() * (
-        1
-        + sum(
-            (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-        )
-    )
+    shape, strides = tensor.shape, tensor.stride()
+    last_element = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+    span_bytes = tensor.element_size() * (last_element + 1)
     if tensor.numel() * tensor.element_size() != region_bytes or span_bytes != region_bytes:
         raise UnsupportedConfiguration(
             f"layer {name!r}: its tensor spans {span_bytes} bytes ({tuple(tensor.shape)}, "
