@@ -155,13 +155,13 @@ class HostBuffer:
         self._ratios = [group.ratio for group in spec.groups]
         self.copy_op: CopyBlocksOp = torch_copy_blocks
 
-    def to_host(self, entries: Sequence[BlockIds]) -> int:
-        """Copy these logical blocks device->host; returns the kernel blocks copied."""
-        return self._copy(entries, "d2h")
+    def to_host(self, entries: Sequence[BlockIds]) -> None:
+        """Copy these logical blocks device->host."""
+        self._copy(entries, "d2h")
 
-    def to_device(self, entries: Sequence[BlockIds]) -> int:
-        """Copy these logical blocks host->device; returns the kernel blocks copied."""
-        return self._copy(entries, "h2d")
+    def to_device(self, entries: Sequence[BlockIds]) -> None:
+        """Copy these logical blocks host->device."""
+        self._copy(entries, "h2d")
 
     def copies_differ(self, entries: Sequence[BlockIds]) -> list[int]:
         """Indexes of ``entries`` whose device blocks are not, byte for byte, their host
@@ -186,14 +186,13 @@ class HostBuffer:
             on_device.view(torch.uint8), host.index_select(0, index).view(torch.uint8)
         )
 
-    def _copy(self, entries: Sequence[BlockIds], direction: Direction) -> int:
+    def _copy(self, entries: Sequence[BlockIds], direction: Direction) -> None:
         if not entries:
-            return 0
+            return
         source, target = (
             (self.device, self.host) if direction == "d2h" else (self.host, self.device)
         )
         kernel_ids = kernel_block_ids(entries, self._ratios)
-        copied = 0
         # Synchronous on purpose, as in vLLM's NixlConnector: a d2h copy must have landed
         # before the step ends (decode may READ right after), an h2d one before the load is
         # reported. vLLM's GPU-sync checker (a debug mode) is told these syncs are meant.
@@ -209,8 +208,6 @@ class HostBuffer:
                     id_list,
                     direction,
                 )
-                copied += len(id_list)
-        return copied
 
 
 def _host_mirrors(device: Mapping[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
