@@ -64,7 +64,7 @@ from connector.vllm.layout import (
     kv_cache_spec_from_vllm,
     memory_layout_of,
 )
-from connector.vllm.metrics import NixlPDStats, build_prom_metrics
+from connector.vllm.metrics import NixlPDPromMetrics, NixlPDStats
 from connector.vllm.scales import kv_scales_of
 from connector.vllm.scheduler import (
     NixlPDMetadata,
@@ -381,7 +381,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         """connector.observability.metrics on vLLM's /metrics (see connector/vllm/metrics.py)."""
-        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return NixlPDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The local blocks of this rank's loads that failed since the last call: vLLM marks
