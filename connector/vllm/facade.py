@@ -57,6 +57,7 @@ from connector.errors import UnsupportedConfiguration
 from connector.layout import BlockFormat, KVCacheSpec
 from connector.observability.freeze_watch import start_freeze_watch
 from connector.observability.metrics import default_recorder
+from connector.params import raw_flag
 from connector.staging import SaveTracker
 from connector.vllm.backends import block_formats_of
 from connector.vllm.layout import (
@@ -69,7 +70,6 @@ from connector.vllm.scales import kv_scales_of
 from connector.vllm.scheduler import (
     NixlPDMetadata,
     SchedulerSide,
-    offers_to_decode,
     prefill_backoff_tokens,
     truncate_for_prefill,
 )
@@ -265,7 +265,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         if scheduler.connector.chunk_leases is not None:  # chunked pulls: prefill follows it
             scheduler.track_chunks(request)
-        if self._saves is not None and offers_to_decode(request.kv_transfer_params):
+        if self._saves is not None and raw_flag(request.kv_transfer_params, "do_remote_decode"):
             self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

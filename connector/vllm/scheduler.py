@@ -23,7 +23,7 @@ changing its ids: ``kv_salt`` names them for the lease's token binding
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -153,7 +153,7 @@ class SchedulerSide:
         if params is None:
             params = request.kv_transfer_params
         num_tokens = request.num_prompt_tokens
-        if self._backoff and loads_from_remote(params):  # prefill counted it the same way
+        if self._backoff and raw_flag(params, "do_remote_prefill"):  # as prefill counted it
             num_tokens = transferred_prompt_tokens(num_tokens, self._backoff)
         # A load's ids: it covers prompt tokens only, and vLLM's own prompt list (a plain
         # list, the ids ``all_token_ids`` begins with) packs without ConstantList's slice.
@@ -267,10 +267,10 @@ class SchedulerSide:
         num_computed_tokens = request.num_computed_tokens
         if params is None or (
             not self._holds_finished
-            and (  # loads_from_remote(params), inlined for the usual dict
+            and (  # raw_flag(params, "do_remote_prefill"), inlined for the usual dict
                 params.get("do_remote_prefill") is True
                 if type(params) is dict
-                else loads_from_remote(params)
+                else raw_flag(params, "do_remote_prefill")
             )
         ):
             # A decode keeps no lease: no blocks, and no ids to bind one to.
@@ -368,16 +368,6 @@ def kv_salt(request: Request) -> KVSalt:
     return tuple(parts)
 
 
-def loads_from_remote(params: Mapping[str, Any] | None) -> bool:
-    """Decode side: do these params say ``do_remote_prefill: true``?"""
-    return raw_flag(params, "do_remote_prefill")
-
-
-def offers_to_decode(params: Mapping[str, Any] | None) -> bool:
-    """Prefill side: do these params say ``do_remote_decode: true``?"""
-    return raw_flag(params, "do_remote_decode")
-
-
 def transferred_prompt_tokens(num_prompt_tokens: int, backoff: int) -> int:
     """The prompt tokens a prefill->decode transfer covers: prefill computes them, decode loads
     them. All but the last ``backoff``; none when the prompt has no more than that (decode
@@ -398,7 +388,7 @@ def truncate_for_prefill(request: Request, backoff: int) -> bool:
     num_tokens = transferred_prompt_tokens(request.num_prompt_tokens, backoff)
     if (
         num_tokens in (0, request.num_prompt_tokens)
-        or not offers_to_decode(request.kv_transfer_params)
+        or not raw_flag(request.kv_transfer_params, "do_remote_decode")
         or (request.prompt_token_ids is None and request.prompt_embeds is None)
     ):
         return False
