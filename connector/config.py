@@ -71,12 +71,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __repr__(self) -> str:
         """Every field, with the secret masked: configs get logged."""
-        shown = {
-            field: "<hidden>" if field == "side_channel_secret" and value is not None else value
-            for field, value in zip(
-                self.__struct_fields__, msgspec.structs.astuple(self), strict=True
-            )
-        }
+        shown = msgspec.structs.asdict(self)
+        if self.side_channel_secret is not None:
+            shown["side_channel_secret"] = "<hidden>"
         return f"ConnectorConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
