@@ -433,7 +433,19 @@ def check_transportable(raw: Mapping[Any, Any]) -> None:
                     f"kv_transfer_params{path}: nested more than {MAX_DEPTH} levels deep; "
                     "send flat JSON values (block ids are a list of lists of integers)"
                 )
-            stack.extend(_children(path, value, depth + 1))
+            if not isinstance(value, Mapping):
+                stack.extend(
+                    (f"{path}[{index}]", item, depth + 1) for index, item in enumerate(value)
+                )
+                continue
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise InvalidTransferParams(
+                        f"kv_transfer_params{path}: key {short_repr(key)} is not a string; "
+                        "kv_transfer_params must be a JSON object"
+                    )
+                check_utf8(f"{path} key", key)
+                stack.append((f"{path}[{short_repr(key)}]", item, depth + 1))
 
 
 def _is_plain(raw: Mapping[Any, Any]) -> bool:
@@ -471,23 +483,6 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _children(
-    path: str, value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], depth: int
-) -> list[tuple[str, object, int]]:
-    if not isinstance(value, Mapping):
-        return [(f"{path}[{index}]", item, depth) for index, item in enumerate(value)]
-    children: list[tuple[str, object, int]] = []
-    for key, item in value.items():
-        if not isinstance(key, str):
-            raise InvalidTransferParams(
-                f"kv_transfer_params{path}: key {short_repr(key)} is not a string; "
-                "kv_transfer_params must be a JSON object"
-            )
-        check_utf8(f"{path} key", key)
-        children.append((f"{path}[{short_repr(key)}]", item, depth))
-    return children
 
 
 def check_utf8(path: str, text: str) -> None:
