@@ -262,12 +262,9 @@ def parse_kv_transfer_params(raw: Mapping[Any, Any] | None) -> KVTransferParams 
 
 
 def _convert_whole(raw: dict[Any, Any]) -> KVTransferParams | None:
-    """``raw`` as KVTransferParams in one convert, or None to leave it to the key-by-key path.
-
-    The convert applies every rule, joint ones included (``__post_init__``). Unknown keys,
-    nulls for flags, a string port and a flat block list fail it and go the long way, as
-    does any refusal: that path names what is wrong.
-    """
+    """``raw`` as KVTransferParams in one convert (every rule, ``__post_init__``'s too), or None
+    to leave it to the key-by-key path: unknown keys, nulls for flags, a string port, a flat
+    block list and any refusal go the long way."""
     if "ignored_keys" in raw:  # a router's key of that name is unknown to us, not our field
         return None
     try:
