@@ -427,7 +427,6 @@ def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, what: str) -> _T:
 
 
 # Free notifications: b"<remote_request_id>:<consumers>", sent by NIXL once a READ's data landed.
-LEASE_KEY_SEPARATOR = "@"
 
 
 def lease_key(remote_request_id: str, lease_id: str) -> str:
@@ -438,7 +437,7 @@ def lease_key(remote_request_id: str, lease_id: str) -> str:
     an ended lease, or one meant for an earlier boot, can never count towards a live lease.
     Params without a lease id (an older prefill) name the bare request id.
     """
-    return f"{remote_request_id}{LEASE_KEY_SEPARATOR}{lease_id}" if lease_id else remote_request_id
+    return f"{remote_request_id}@{lease_id}" if lease_id else remote_request_id
 
 
 _COUNT_PATTERN = re.compile(rb"[0-9]{1,9}")
