@@ -146,12 +146,10 @@ class SchedulerSide:
         # Outcomes decided here, not yet sent to the ranks to echo.
         self._announce = FinishedRequests()
 
-    def _request_info(self, request: Request, params: dict[str, Any] | None = None) -> RequestInfo:
-        """The request as our connector sees it (``params``: its kv_transfer_params, if read
-        already): a decode load covers the prompt tokens prefill computed for it
-        (``transferred_prompt_tokens``, whatever either request asked)."""
-        if params is None:
-            params = request.kv_transfer_params
+    def _request_info(self, request: Request) -> RequestInfo:
+        """The request as our connector sees it: a decode load covers the prompt tokens
+        prefill computed for it (``transferred_prompt_tokens``, whatever either request asked)."""
+        params = request.kv_transfer_params
         num_tokens = request.num_prompt_tokens
         if self._backoff and raw_flag(params, "do_remote_prefill"):  # as prefill counted it
             num_tokens = transferred_prompt_tokens(num_tokens, self._backoff)
@@ -182,11 +180,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params  # unvalidated: SchedulerConnector parses them
-        if params is None:
+        if request.kv_transfer_params is None:
             return 0, False  # most requests: no call further
         return self.connector.get_num_new_matched_tokens(
-            self._request_info(request, params), num_computed_tokens
+            self._request_info(request), num_computed_tokens
         )
 
     def update_state_after_alloc(
