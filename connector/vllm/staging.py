@@ -61,12 +61,11 @@ def scheduled_rows(
     transfers may come first (vLLM 0.33's HiSparse layout). Groups (hot, source, indexer) with
     transfer ids (1, 2) -> rows of (source, indexer) blocks, as the lease names them.
     """
-    picks = _TransferGroups(kv_cache_config)
     tokens = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
         yield ScheduledRow(
             new.req_id,
-            picks.of(new.req_id, new.block_ids),
+            _transfer_blocks(kv_cache_config, new.req_id, new.block_ids),
             True,
             int(new.num_computed_tokens),
             int(tokens.get(new.req_id, 0)),
@@ -75,31 +74,30 @@ def scheduled_rows(
     for index, request_id in enumerate(cached.req_ids):
         yield ScheduledRow(
             request_id,
-            picks.of(request_id, cached.new_block_ids[index]),
+            _transfer_blocks(kv_cache_config, request_id, cached.new_block_ids[index]),
             request_id in cached.resumed_req_ids,
             int(cached.num_computed_tokens[index]),
             int(tokens.get(request_id, 0)),
         )
 
 
-class _TransferGroups:
-    """Picks the transfer groups' block lists out of a row of every cache group's."""
-
-    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
-        self.group_ids = kv_cache_config.transfer_group_ids
-        self.num_groups = len(kv_cache_config.kv_cache_groups)
-
-    def of(self, request_id: str, groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
-        if groups is None:
-            return None
-        if len(groups) != self.num_groups:
-            raise UnsupportedConfiguration(
-                f"vLLM's scheduler output gives request {request_id!r} block lists for "
-                f"{len(groups)} KV cache groups, but the KV cache config has {self.num_groups}; "
-                "cannot tell which are the transfer groups to stage: run the vLLM version this "
-                "connector supports (0.33)"
-            )
-        return tuple(tuple(int(b) for b in groups[group]) for group in self.group_ids)
+def _transfer_blocks(
+    kv_cache_config: KVCacheConfig, request_id: str, groups: Sequence[Sequence[int]] | None
+) -> BlockIds | None:
+    """The transfer groups' block lists out of a row of every cache group's."""
+    if groups is None:
+        return None
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    if len(groups) != num_groups:
+        raise UnsupportedConfiguration(
+            f"vLLM's scheduler output gives request {request_id!r} block lists for "
+            f"{len(groups)} KV cache groups, but the KV cache config has {num_groups}; "
+            "cannot tell which are the transfer groups to stage: run the vLLM version this "
+            "connector supports (0.33)"
+        )
+    return tuple(
+        tuple(int(b) for b in groups[group]) for group in kv_cache_config.transfer_group_ids
+    )
 
 
 # Copy run by run (slices, no gather buffer) while a layer needs at most one slice copy per
