@@ -1,7 +1,7 @@
 """The typed errors every module raises: one hierarchy, rooted at ConnectorError.
 
-Messages say what was wrong, the value seen, and what to do about it. A request-level error
-fails that one request; the engine keeps serving.
+Messages say what was wrong, the value seen (``clipped`` when long), and what to do about
+it. A request-level error fails that one request; the engine keeps serving.
 """
 
 
