@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from connector.errors import UnsupportedConfiguration
+from connector.errors import UnsupportedConfiguration, clipped
 
 ENV_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 ENV_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
@@ -71,12 +71,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __repr__(self) -> str:
         """Every field, with the secret masked: configs get logged."""
-        shown = {
-            field: "<hidden>" if field == "side_channel_secret" and value is not None else value
-            for field, value in zip(
-                self.__struct_fields__, msgspec.structs.astuple(self), strict=True
-            )
-        }
+        shown = msgspec.structs.asdict(self)
+        if self.side_channel_secret is not None:
+            shown["side_channel_secret"] = "<hidden>"
         return f"ConnectorConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
@@ -108,6 +105,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0)]
+_SECONDS = "a number of seconds > 0"
+_FLAG = "true or false"
 
 # extra_config key -> (ConnectorConfig field, msgspec type, accepted values for the error message)
 _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
@@ -123,15 +122,15 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         Annotated[int, msgspec.Meta(ge=1, le=1024)],
         "an integer in 1..1024",
     ),
-    "kv_lease_duration": ("kv_lease_duration_s", PositiveSeconds, "a number of seconds > 0"),
-    "enforce_handshake_compat": ("enforce_handshake_compat", bool, "true or false"),
-    "handshake_timeout": ("handshake_timeout_s", PositiveSeconds, "a number of seconds > 0"),
+    "kv_lease_duration": ("kv_lease_duration_s", PositiveSeconds, _SECONDS),
+    "enforce_handshake_compat": ("enforce_handshake_compat", bool, _FLAG),
+    "handshake_timeout": ("handshake_timeout_s", PositiveSeconds, _SECONDS),
     "handshake_retries": (
         "handshake_retries",
         Annotated[int, msgspec.Meta(ge=0, le=100)],
         "an integer in 0..100",
     ),
-    "heartbeat_interval": ("heartbeat_interval_s", PositiveSeconds, "a number of seconds > 0"),
+    "heartbeat_interval": ("heartbeat_interval_s", PositiveSeconds, _SECONDS),
     "lease_precheck_skip": (
         "lease_precheck_skip_s",
         Annotated[float, msgspec.Meta(ge=0.0)],
@@ -147,20 +146,16 @@ _EXTRA_KEYS: dict[str, tuple[str, Any, str]] = {
         Annotated[int, msgspec.Meta(ge=2**16, le=2**31 - 1)],
         f"an integer number of bytes in {2**16}..{2**31 - 1}",
     ),
-    "verify_kv": ("verify_kv", bool, "true or false"),
-    "bidirectional_kv_xfer": ("bidirectional_kv_xfer", bool, "true or false"),
+    "verify_kv": ("verify_kv", bool, _FLAG),
+    "bidirectional_kv_xfer": ("bidirectional_kv_xfer", bool, _FLAG),
     "kv_recompute_threshold": (
         "kv_recompute_threshold",
         Annotated[int, msgspec.Meta(ge=0, le=2**40)],
         "an integer number of tokens >= 0 (0: pull whatever decode holds)",
     ),
-    "overlap_wait_timeout": ("overlap_wait_timeout_s", PositiveSeconds, "a number of seconds > 0"),
-    "chunked_pull": ("chunked_pull", bool, "true or false"),
-    "decoder_kv_blocks_ttl": (
-        "decoder_kv_blocks_ttl_s",
-        PositiveSeconds,
-        "a number of seconds > 0",
-    ),
+    "overlap_wait_timeout": ("overlap_wait_timeout_s", PositiveSeconds, _SECONDS),
+    "chunked_pull": ("chunked_pull", bool, _FLAG),
+    "decoder_kv_blocks_ttl": ("decoder_kv_blocks_ttl_s", PositiveSeconds, _SECONDS),
     "kv_buffer_device": (
         "kv_buffer_device",
         Literal["cpu", "cuda", "xpu"],
@@ -184,7 +179,7 @@ def _extra_key_rule(key: object) -> tuple[str, Any, str]:
 def _convert(
     where: str, value: object, value_type: Any, accepted: str, *, shown: str | None = None
 ) -> Any:
-    seen = shown if shown is not None else _show(value)
+    seen = shown if shown is not None else clipped(repr(value), 80)
     try:
         converted = msgspec.convert(value, value_type)
     except msgspec.ValidationError as exc:
@@ -231,8 +226,3 @@ def _check_cross_field(config: ConnectorConfig) -> None:
             f"is not shorter than kv_lease_duration ({config.kv_lease_duration_s}); leases would "
             "expire between heartbeats: choose a heartbeat interval below the lease duration"
         )
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,8 +1,14 @@
 """The typed errors every module raises: one hierarchy, rooted at ConnectorError.
 
-Messages say what was wrong, the value seen, and what to do about it. A request-level error
-fails that one request; the engine keeps serving.
+Messages say what was wrong, the value seen (``clipped`` when long), and what to do about
+it. A request-level error fails that one request; the engine keeps serving.
 """
+
+
+def clipped(text: str, max_chars: int) -> str:
+    """``text`` cut to at most ``max_chars`` characters, ending in "...": a value a peer or a
+    user sent goes into our messages and logs whole only when it is short."""
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 class ConnectorError(Exception):

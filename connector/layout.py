@@ -50,9 +50,8 @@ def window_read_start(num_tokens: int, window: int) -> int:
 class MemoryLayout(enum.Enum):
     NHD = "nhd"  # per layer: (planes, kernel blocks, tokens, heads, head_dim)
     HND = "hnd"  # per layer: (planes, kernel blocks, heads, tokens, head_dim)
-    BLOCK_OUTERMOST = (
-        "block_outermost"  # per group: (kernel blocks, layers, planes, tokens, heads, head_dim)
-    )
+    # Per group: (kernel blocks, layers, planes, tokens, heads, head_dim).
+    BLOCK_OUTERMOST = "block_outermost"
     # Per layer, K and V packed into one cell per (token, head), as vLLM >= 0.33 stores them
     # (its layouts LBNHC and LBHNC, cell C = K then V): planes sit head_bytes apart in a cell.
     NHD_PACKED = "nhd_packed"  # per layer: (kernel blocks, tokens, heads, planes * head_dim)
@@ -62,34 +61,21 @@ class MemoryLayout(enum.Enum):
     BLOCK_NHD_PACKED = "block_nhd_packed"  # per group: (kernel blocks, layers, tokens, heads, C)
     BLOCK_HND_PACKED = "block_hnd_packed"  # per group: (kernel blocks, layers, heads, tokens, C)
 
+    # Each value names its properties: "block_" rows, "_packed" cells, "hnd" head-major.
     @property
     def block_outermost(self) -> bool:
         """One kernel block of every layer of a group is one contiguous row."""
-        return self in _BLOCK_OUTERMOST
+        return self.value.startswith("block_")
 
     @property
     def packed(self) -> bool:
         """K and V of one (token, head) sit side by side in one cell."""
-        return self in _PACKED
+        return self.value.endswith("_packed")
 
     @property
     def head_major(self) -> bool:
         """Inside a layer's block, each head's tokens are contiguous."""
-        return self in _HEAD_MAJOR
-
-
-_BLOCK_OUTERMOST = frozenset(
-    {MemoryLayout.BLOCK_OUTERMOST, MemoryLayout.BLOCK_NHD_PACKED, MemoryLayout.BLOCK_HND_PACKED}
-)
-_PACKED = frozenset(
-    {
-        MemoryLayout.NHD_PACKED,
-        MemoryLayout.HND_PACKED,
-        MemoryLayout.BLOCK_NHD_PACKED,
-        MemoryLayout.BLOCK_HND_PACKED,
-    }
-)
-_HEAD_MAJOR = frozenset({MemoryLayout.HND, MemoryLayout.HND_PACKED, MemoryLayout.BLOCK_HND_PACKED})
+        return "hnd" in self.value
 
 
 class BlockFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -11,7 +11,7 @@ record that reaches a terminal state leaves the book: deleting it is the cleanup
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from connector.errors import IllegalTransition
@@ -48,7 +48,7 @@ class TransitionTable(Generic[State]):
         """``target`` if the table allows current -> target; else raise IllegalTransition
         naming ``subject`` (the record, e.g. "load of request r1")."""
         if target not in self.moves.get(current, _NOWHERE):
-            allowed = sorted(state.name for state in self.moves.get(current, frozenset()))
+            allowed = sorted(state.name for state in self.moves.get(current, _NOWHERE))
             raise IllegalTransition(
                 f"{self.name}: {subject} cannot go from {current.name} to {target.name} "
                 f"(allowed from {current.name}: {', '.join(allowed) or 'nothing'}); this is "
@@ -84,7 +84,7 @@ class Book(Generic[State, Record]):
         self._what = what  # names the record in errors, e.g. "load"
         self._on_move = on_move
         self._watched = frozenset(watched) if on_leave is not None else frozenset()
-        self._on_leave: Callable[[str], None] = on_leave or _ignore
+        self._on_leave: Callable[[str], None] = on_leave or (lambda request_id: None)
         self._terminal = table.terminal
         self._moves = table.moves  # read on every move: one dict lookup, no call
         self._records: dict[str, Record] = {}
@@ -150,19 +150,8 @@ class Book(Generic[State, Record]):
         records = self._records
         return [(request_id, records[request_id]) for request_id in self._by_state[state]]
 
-    def records(self, *states: State) -> Iterator[tuple[str, Record]]:
-        """The records in any of ``states``, oldest arrival first (a walk over every record)."""
-        wanted = frozenset(states)
-        for request_id, record in self._records.items():
-            if record.state in wanted:
-                yield request_id, record
-
     def count(self, *states: State) -> int:
         return sum(len(self._by_state[state]) for state in states)
 
     def __len__(self) -> int:
         return len(self._records)
-
-
-def _ignore(request_id: str) -> None:
-    """A Book's on_leave when nothing watches."""

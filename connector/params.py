@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 import msgspec
 
-from connector.errors import InvalidTransferParams
+from connector.errors import InvalidTransferParams, clipped
 from connector.metadata import MAX_BLOCK_ID, BlockIds, RemoteSource
 
 TRANSFER_MODE = "pull"
@@ -128,40 +128,21 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     def awaited_lease(self) -> AwaitedLease | None:
         """Overlapped dispatch, decode: the prefill engine whose side channel will announce
         this request's lease under ``transfer_key``; None for any other params."""
-        engine_id, host, port, key = (
-            self.remote_engine_id,
-            self.remote_host,
-            self.remote_port,
-            self.transfer_key,
-        )
+        host, port, key = self.remote_host, self.remote_port, self.transfer_key
         if not self.do_remote_prefill or key is None:
             return None
         if host is None or port is None:  # __post_init__ refused these
             raise InvalidTransferParams("kv_transfer_params: a remote_* key is missing")
-        return AwaitedLease(key, engine_id, host, port)
+        return AwaitedLease(key, self.remote_engine_id, host, port)
 
     def remote_source(self) -> RemoteSource:
         """Where decode reads this request's KV from; only for do_remote_prefill params."""
         if not self.do_remote_prefill:
             raise InvalidTransferParams("kv_transfer_params: do_remote_prefill is not set")
-        # __post_init__ guarantees these are set when do_remote_prefill is (narrowed for mypy).
-        engine_id, host, port = self.remote_engine_id, self.remote_host, self.remote_port
-        request_id, block_ids = self.remote_request_id, self.remote_block_ids
-        if engine_id is None or host is None or port is None or request_id is None:
+        source = self._source(None)
+        if source is None:  # __post_init__ refused these (narrowed for mypy)
             raise InvalidTransferParams("kv_transfer_params: a remote_* key is missing")
-        if block_ids is None:
-            raise InvalidTransferParams("kv_transfer_params: remote_block_ids is missing")
-        tp_size = 1 if self.tp_size is None else self.tp_size
-        return RemoteSource(
-            engine_id,
-            host,
-            port,
-            tp_size,
-            request_id,
-            block_ids,
-            boot_id=self.remote_boot_id or "",
-            lease_id=self.remote_lease_id or "",
-        )
+        return source
 
     def pull_source(self) -> RemoteSource | None:
         """Prefill (bidirectional mode): where an earlier turn's KV is held, or None.
@@ -171,11 +152,17 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         of them ask for no pull (a first turn). The expiry time is not trusted: the pull is
         lease-proven like any load, so a lapsed hold fails it and prefill recomputes.
         """
+        if not self.do_remote_decode or not any(self.remote_block_ids or ()):
+            return None
+        return self._source(self.remote_num_tokens)
+
+    def _source(self, remote_num_tokens: int | None) -> RemoteSource | None:
+        """The remote_* keys as a RemoteSource; None when one of them is missing."""
         engine_id, host, port = self.remote_engine_id, self.remote_host, self.remote_port
         request_id, block_ids = self.remote_request_id, self.remote_block_ids
-        if not self.do_remote_decode or block_ids is None or not any(block_ids):
-            return None
         if engine_id is None or host is None or port is None or request_id is None:
+            return None
+        if block_ids is None:
             return None
         return RemoteSource(
             engine_id,
@@ -186,7 +173,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             block_ids,
             boot_id=self.remote_boot_id or "",
             lease_id=self.remote_lease_id or "",
-            remote_num_tokens=self.remote_num_tokens,
+            remote_num_tokens=remote_num_tokens,
         )
 
 
@@ -275,12 +262,9 @@ def parse_kv_transfer_params(raw: Mapping[Any, Any] | None) -> KVTransferParams 
 
 
 def _convert_whole(raw: dict[Any, Any]) -> KVTransferParams | None:
-    """``raw`` as KVTransferParams in one convert, or None to leave it to the key-by-key path.
-
-    The convert applies every rule, joint ones included (``__post_init__``). Unknown keys,
-    nulls for flags, a string port and a flat block list fail it and go the long way, as
-    does any refusal: that path names what is wrong.
-    """
+    """``raw`` as KVTransferParams in one convert (every rule, ``__post_init__``'s too), or None
+    to leave it to the key-by-key path: unknown keys, nulls for flags, a string port, a flat
+    block list and any refusal go the long way."""
     if "ignored_keys" in raw:  # a router's key of that name is unknown to us, not our field
         return None
     try:
@@ -417,16 +401,12 @@ def _convert_key(key: str, value: object) -> Any:
     try:
         converted = msgspec.convert(value, value_type)
     except msgspec.ValidationError as exc:
-        raise _bad_value(key, value, exc, _ACCEPTED[key]) from None
+        detail = str(exc).replace("`$", "`" + key)
+        raise InvalidTransferParams(
+            f"kv_transfer_params[{key!r}]: value {short_repr(value)} is not accepted ({detail}); "
+            f"expected {_ACCEPTED[key]}"
+        ) from None
     return (converted,) if value_type is _BlockGroup else converted
-
-
-def _bad_value(key: str, value: object, exc: msgspec.ValidationError, accepted: str) -> Exception:
-    detail = str(exc).replace("`$", "`" + key)
-    return InvalidTransferParams(
-        f"kv_transfer_params[{key!r}]: value {short_repr(value)} is not accepted ({detail}); "
-        f"expected {accepted}"
-    )
 
 
 # JSON-like data that can travel on: one bounded walk that names where a problem is.
@@ -450,7 +430,19 @@ def check_transportable(raw: Mapping[Any, Any]) -> None:
                     f"kv_transfer_params{path}: nested more than {MAX_DEPTH} levels deep; "
                     "send flat JSON values (block ids are a list of lists of integers)"
                 )
-            stack.extend(_children(path, value, depth + 1))
+            if not isinstance(value, Mapping):
+                stack.extend(
+                    (f"{path}[{index}]", item, depth + 1) for index, item in enumerate(value)
+                )
+                continue
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise InvalidTransferParams(
+                        f"kv_transfer_params{path}: key {short_repr(key)} is not a string; "
+                        "kv_transfer_params must be a JSON object"
+                    )
+                check_utf8(f"{path} key", key)
+                stack.append((f"{path}[{short_repr(key)}]", item, depth + 1))
 
 
 def _is_plain(raw: Mapping[Any, Any]) -> bool:
@@ -490,23 +482,6 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _children(
-    path: str, value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], depth: int
-) -> list[tuple[str, object, int]]:
-    if not isinstance(value, Mapping):
-        return [(f"{path}[{index}]", item, depth) for index, item in enumerate(value)]
-    children: list[tuple[str, object, int]] = []
-    for key, item in value.items():
-        if not isinstance(key, str):
-            raise InvalidTransferParams(
-                f"kv_transfer_params{path}: key {short_repr(key)} is not a string; "
-                "kv_transfer_params must be a JSON object"
-            )
-        check_utf8(f"{path} key", key)
-        children.append((f"{path}[{short_repr(key)}]", item, depth))
-    return children
-
-
 def check_utf8(path: str, text: str) -> None:
     try:
         text.encode("utf-8")
@@ -524,7 +499,7 @@ def short_repr(value: object) -> str:
         text = _SHORT.repr(value)
     except (RecursionError, ValueError):
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= 80 else text[:77] + "..."
+    return clipped(text, 80)
 
 
 _SHORT = reprlib.Repr()

@@ -27,14 +27,10 @@ boot id from ``Hello`` (whose reply is signed and bound to the client's nonce); 
 captured before a restart names the old boot id and is refused by the restarted engine even
 when it reuses the engine id and port. ``Hello`` is harmless to replay: it changes nothing.
 
-Lease messages (LeaseCheck, Heartbeat, Release) may name their sender, ``reader``: the
-reading engine's id and its process's boot id, so the holder can tell a reader that
-restarted under its engine id (scheduler/readers.py). A LeaseRef carries the digest of the
-tokens the reader expects the lease's blocks to hold and of the blocks and token count it
-reads (connector/lease_binding.py); the holder refuses a held lease
-to a reader whose ref says other tokens or other blocks, or says neither
-(``LeaseStatus.refused``). The fields are optional on the wire, so an older peer's messages
-decode, but an older reader's refs are refused.
+Lease messages name their sender (``ReaderId``: a reader restarted under its engine id is
+another reader, scheduler/readers.py), and a LeaseRef the tokens and blocks it reads
+(connector/lease_binding.py). The fields are optional on the wire, so an older peer's
+messages decode, but an older reader's refs are refused (``LeaseStatus.refused``).
 
 Overlapped dispatch (docs/overlap.md): AwaitLease awaits a transfer key's lease (chunked
 pulls: its partials too), CancelTransfer ends it. Decoders raise only ProtocolError (and
@@ -51,7 +47,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-from connector.errors import InvalidNotification, ProtocolError
+from connector.errors import InvalidNotification, ProtocolError, clipped
 from connector.layout import RankLayout
 from connector.memory import HOST_MEMORY, Memory
 
@@ -405,7 +401,7 @@ def decode_reply(frame: bytes, *, secret: str | None, request_nonce: bytes) -> R
     ):
         return reply
     # Never trust an unauthenticated reply; an error's reason is still worth showing.
-    said = f": it said {_short_text(reply.reason)!r}" if isinstance(reply, ErrorReply) else ""
+    said = f": it said {clipped(reply.reason, 200)!r}" if isinstance(reply, ErrorReply) else ""
     raise ProtocolError(
         "reply failed authentication: the server does not hold our side_channel_secret "
         f"(configure the same secret on both engines){said}"
@@ -422,20 +418,15 @@ def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, what: str) -> _T:
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # Bad UTF-8: msgspec 0.23 says so in a DecodeError, older ones raise UnicodeDecodeError.
         bad_utf8 = isinstance(exc, UnicodeDecodeError) or "UTF-8" in str(exc)
-        reason = "a string is not valid UTF-8" if bad_utf8 else _short_text(str(exc))
+        reason = "a string is not valid UTF-8" if bad_utf8 else clipped(str(exc), 200)
         raise ProtocolError(f"{what} ({reason})") from None
     except RecursionError:
         raise ProtocolError(f"{what} (nested too deeply)") from None
     except Exception as exc:  # any other failure on a peer's bytes is still malformed input
-        raise ProtocolError(f"{what} ({type(exc).__name__}: {_short_text(str(exc))})") from None
-
-
-def _short_text(text: str) -> str:
-    return text if len(text) <= 200 else text[:197] + "..."
+        raise ProtocolError(f"{what} ({type(exc).__name__}: {clipped(str(exc), 200)})") from None
 
 
 # Free notifications: b"<remote_request_id>:<consumers>", sent by NIXL once a READ's data landed.
-LEASE_KEY_SEPARATOR = "@"
 
 
 def lease_key(remote_request_id: str, lease_id: str) -> str:
@@ -446,7 +437,7 @@ def lease_key(remote_request_id: str, lease_id: str) -> str:
     an ended lease, or one meant for an earlier boot, can never count towards a live lease.
     Params without a lease id (an older prefill) name the bare request id.
     """
-    return f"{remote_request_id}{LEASE_KEY_SEPARATOR}{lease_id}" if lease_id else remote_request_id
+    return f"{remote_request_id}@{lease_id}" if lease_id else remote_request_id
 
 
 _COUNT_PATTERN = re.compile(rb"[0-9]{1,9}")
@@ -497,5 +488,4 @@ def decode_free_notif(msg: bytes) -> tuple[str, int]:
 
 
 def _show(msg: bytes | bytearray) -> str:
-    text = repr(bytes(msg))
-    return text if len(text) <= 80 else text[:77] + "..."
+    return clipped(repr(bytes(msg)), 80)

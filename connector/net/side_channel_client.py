@@ -27,7 +27,13 @@ from typing import TypeVar
 
 import zmq
 
-from connector.errors import HandshakeError, PeerRestarted, ProtocolError, SideChannelTimeout
+from connector.errors import (
+    HandshakeError,
+    PeerRestarted,
+    ProtocolError,
+    SideChannelTimeout,
+    clipped,
+)
 from connector.protocol import (
     MAX_AWAIT_HOLD_MS,
     NONCE_BYTES,
@@ -77,10 +83,7 @@ def fetch_boot_id(
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> str:
-    """The boot id of the side channel at host:port (Hello).
-
-    With ``engine_id``, a server that is another engine raises HandshakeError.
-    """
+    """The boot id of the side channel at host:port: ``fetch_identity``'s."""
     return fetch_identity(
         host, port, engine_id=engine_id, secret=secret, timeout_s=timeout_s,
         max_message_bytes=max_message_bytes,
@@ -127,9 +130,10 @@ def fetch_handshake(
     another boot raises PeerRestarted at once (the KV the params name died with that boot).
     Without, two: Hello for the boot id, then the handshake request naming it.
     """
-    boot_id = boot_id or _ask_boot_id(host, port, secret, timeout_s, max_message_bytes)
     request = HandshakeRequest(tp_rank)
-    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
+    reply = _call(
+        host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id or None
+    )
     reply = _expect(HandshakeReply, reply, host, port, "a handshake request")
     if reply.handshake.tp_rank != tp_rank:
         raise HandshakeError(
@@ -158,7 +162,8 @@ def send_heartbeat(
     boot ``boot_id`` raises PeerRestarted. ``boot_id`` None: ask the server for it first.
     """
     request = Heartbeat(engine_id, tuple(lease_keys), reader)
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
+    return _expect(Ack, reply, host, port, "a Heartbeat").num_known
 
 
 def send_release(
@@ -179,7 +184,8 @@ def send_release(
     or (PeerRestarted) not boot ``boot_id``. ``boot_id`` None: ask the server for it first.
     """
     request = Release(engine_id, tuple(lease_keys), reader)
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
+    reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
+    return _expect(Ack, reply, host, port, "a Release").num_known
 
 
 def check_leases(
@@ -234,7 +240,7 @@ def check_leases_status(
     ):
         raise HandshakeError(
             f"side channel {host}:{port} answered a lease check of {len(refs)} lease(s) with "
-            f"{_short(repr(reply))}"
+            f"{clipped(repr(reply), 500)}"
         )
     return reply
 
@@ -281,33 +287,8 @@ def cancel_transfer(
     """Overlapped dispatch: decode will never read ``transfer_key``'s lease on prefill
     ``engine_id``; returns 1 if a lease was ended, 0 if the cancel was remembered for later."""
     request = CancelTransfer(engine_id, transfer_key, reader)
-    return _expect_ack(host, port, request, secret, timeout_s, max_message_bytes, boot_id)
-
-
-def _expect_ack(
-    host: str,
-    port: int,
-    request: Heartbeat | Release | CancelTransfer,
-    secret: str | None,
-    timeout_s: float,
-    max_message_bytes: int,
-    boot_id: str | None,
-) -> int:
-    if boot_id is None:
-        # The server, not Hello, checks the engine id: one refusal, naming both engines.
-        boot_id = _ask_boot_id(host, port, secret, timeout_s, max_message_bytes)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)
-    return _expect(Ack, reply, host, port, f"a {type(request).__name__}").num_known
-
-
-def _ask_boot_id(
-    host: str, port: int, secret: str | None, timeout_s: float, max_message_bytes: int
-) -> str:
-    """The server's boot id from Hello, whichever engine it is."""
-    return fetch_boot_id(
-        host, port, engine_id=None, secret=secret, timeout_s=timeout_s,
-        max_message_bytes=max_message_bytes,
-    )  # fmt: skip
+    return _expect(Ack, reply, host, port, "a CancelTransfer").num_known
 
 
 def _expect(reply_type: type[_R], reply: Reply, host: str, port: int, asked: str) -> _R:
@@ -327,8 +308,16 @@ def _call(
     timeout_s: float,
     max_message_bytes: int,
     *,
-    boot_id: str,
+    boot_id: str | None,
 ) -> Reply:
+    """One exchange for server boot ``boot_id``; None: ask the server's Hello for it first,
+    whichever engine it is (the server, not Hello, checks a request's engine id: one refusal,
+    naming both engines)."""
+    if boot_id is None:
+        boot_id = fetch_boot_id(
+            host, port, engine_id=None, secret=secret, timeout_s=timeout_s,
+            max_message_bytes=max_message_bytes,
+        )  # fmt: skip
     nonce = os.urandom(NONCE_BYTES)
     frame = encode_request(
         request, secret=secret, nonce=nonce, timestamp_s=time.time(), boot_id=boot_id
@@ -340,7 +329,7 @@ def _call(
         raise HandshakeError(f"side channel {host}:{port}: {exc}") from None
     if isinstance(reply, ErrorReply):
         error = PeerRestarted if reply.code == STALE_BOOT else HandshakeError
-        raise error(f"side channel {host}:{port} refused the request: {_short(reply.reason)}")
+        raise error(f"side channel {host}:{port} refused the request: {clipped(reply.reason, 500)}")
     return reply
 
 
@@ -428,8 +417,3 @@ def _receive(socket: zmq.Socket, timeout_s: float) -> bytes | None:
         if waited_s >= timeout_s:
             return None
     return None
-
-
-def _short(text: str) -> str:
-    """A peer's text, bounded: it goes into our error messages and logs."""
-    return text if len(text) <= 500 else text[:497] + "..."

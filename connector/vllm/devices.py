@@ -24,17 +24,7 @@ def memory_of(tensors: Iterable[torch.Tensor]) -> Memory:
             f"this rank's KV tensors live on {len(devices)} devices ({', '.join(devices)}); "
             "a worker rank registers one device's memory: give each rank one device"
         )
-    return _memory(torch.device(devices[0]))
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        return f"cuda:{index}"
-    return device.type
-
-
-def _memory(device: torch.device) -> Memory:
+    device = torch.device(devices[0])
     if device.type == "cpu":
         return HOST_MEMORY
     if device.type == "cuda":
@@ -44,3 +34,10 @@ def _memory(device: torch.device) -> Memory:
         'CUDA memory only); set kv_connector_extra_config {"kv_buffer_device": "cpu"} to '
         "stage KV through host memory"
     )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return f"cuda:{index}"
+    return device.type

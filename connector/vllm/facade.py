@@ -57,6 +57,7 @@ from connector.errors import UnsupportedConfiguration
 from connector.layout import BlockFormat, KVCacheSpec
 from connector.observability.freeze_watch import start_freeze_watch
 from connector.observability.metrics import default_recorder
+from connector.params import raw_flag
 from connector.staging import SaveTracker
 from connector.vllm.backends import block_formats_of
 from connector.vllm.layout import (
@@ -64,13 +65,11 @@ from connector.vllm.layout import (
     kv_cache_spec_from_vllm,
     memory_layout_of,
 )
-from connector.vllm.metrics import NixlPDStats, build_prom_metrics
+from connector.vllm.metrics import NixlPDPromMetrics, NixlPDStats
 from connector.vllm.scales import kv_scales_of
 from connector.vllm.scheduler import (
     NixlPDMetadata,
     SchedulerSide,
-    kv_transfer_params,
-    offers_to_decode,
     prefill_backoff_tokens,
     truncate_for_prefill,
 )
@@ -147,10 +146,16 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         # Prefill with host staging: requests whose blocks go device->host when prefill ends.
         self._saves: SaveTracker | None = SaveTracker() if staging else None
         if role is KVConnectorRole.SCHEDULER:
+            connector = SchedulerConnector(
+                config,
+                engine_id=self._engine_id,
+                role=_ROLES[transfer.kv_role],
+                spec=self.kv_cache_spec(),
+                tp_size=self._tp_size,
+                host_staging=staging,
+            )
             self._scheduler = SchedulerSide(
-                self._connector(config, _ROLES[transfer.kv_role], host_staging=staging),
-                kv_cache_config,
-                backoff_tokens=self._backoff,
+                connector, kv_cache_config, backoff_tokens=self._backoff
             )
         else:
             rank = _tp_rank(self._tp_size) if tp_rank is None else tp_rank
@@ -218,18 +223,6 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
             kv_scales=kv_scales,
         )
 
-    def _connector(
-        self, config: ConnectorConfig, role: Role, *, host_staging: bool
-    ) -> SchedulerConnector:
-        return SchedulerConnector(
-            config,
-            engine_id=self._engine_id,
-            role=role,
-            spec=self.kv_cache_spec(),
-            tp_size=self._tp_size,
-            host_staging=host_staging,
-        )
-
     def _create_agent(self, tp_rank: int) -> NixlAgent:
         from worker.nixl_real import RealNixlAgent  # imports nixl: only real worker ranks
 
@@ -272,7 +265,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         if scheduler.connector.chunk_leases is not None:  # chunked pulls: prefill follows it
             scheduler.track_chunks(request)
-        if self._saves is not None and offers_to_decode(kv_transfer_params(request)):
+        if self._saves is not None and raw_flag(request.kv_transfer_params, "do_remote_decode"):
             self._saves.track(request.request_id, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -291,10 +284,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        scheduler = self._scheduler or self._require_scheduler()
-        if self._saves is not None:
-            self._saves.forget(request.request_id)  # aborted mid-prefill: nothing to stage
-        return scheduler.request_finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -391,7 +381,7 @@ class NixlPDConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         """connector.observability.metrics on vLLM's /metrics (see connector/vllm/metrics.py)."""
-        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return NixlPDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The local blocks of this rank's loads that failed since the last call: vLLM marks

@@ -11,6 +11,7 @@ each layer's view striding over the rows). Only vLLM's own modules import this.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -194,17 +195,10 @@ def _model_wide_heads(rank_heads: int, model_kv_heads: int, tp_size: int) -> int
             f"vLLM's cache spec gives each rank {rank_heads} KV heads; an attention layer "
             "needs at least 1: check the model's num_key_value_heads"
         )
-    if model_kv_heads > 0 and _rank_share(model_kv_heads, tp_size) == rank_heads:
-        return model_kv_heads  # the one head-placement rule (geometry) gives what vLLM did
+    with contextlib.suppress(UnsupportedConfiguration):  # the rule cannot place the heads
+        if model_kv_heads > 0 and heads_per_rank(model_kv_heads, tp_size) == rank_heads:
+            return model_kv_heads  # the one head-placement rule (geometry) gives what vLLM did
     return rank_heads * tp_size
-
-
-def _rank_share(model_heads: int, tp_size: int) -> int | None:
-    """geometry.heads_per_rank, or None where that rule cannot place the heads."""
-    try:
-        return heads_per_rank(model_heads, tp_size)
-    except UnsupportedConfiguration:
-        return None
 
 
 def _mamba_layers(spec: MambaSpec, names: Sequence[str], tp_size: int) -> tuple[LayerSpec, ...]:
@@ -432,12 +426,9 @@ def _layer_tensor(kv_caches: Mapping[str, torch.Tensor], name: str, group: int) 
 
 def _check_span(tensor: torch.Tensor, name: str, region_bytes: int) -> None:
     """The tensor must cover exactly the region: dense bytes from its data pointer."""
-    span_bytes = tensor.element_size() * (
-        1
-        + sum(
-            (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-        )
-    )
+    shape, strides = tensor.shape, tensor.stride()
+    last_element = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+    span_bytes = tensor.element_size() * (last_element + 1)
     if tensor.numel() * tensor.element_size() != region_bytes or span_bytes != region_bytes:
         raise UnsupportedConfiguration(
             f"layer {name!r}: its tensor spans {span_bytes} bytes ({tuple(tensor.shape)}, "

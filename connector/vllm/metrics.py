@@ -101,6 +101,9 @@ class NixlPDPromMetrics(KVConnectorPromMetrics):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
+        # ``metric_types`` maps prometheus_client's classes to the ones vLLM wants used.
+        for required in (Gauge, Counter, Histogram):
+            metric_types.setdefault(required, required)  # type: ignore[arg-type]
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # metric name -> engine index -> label value ("" unlabelled) -> child
         self.children: dict[str, dict[int, dict[str, Any]]] = {
@@ -145,16 +148,3 @@ class NixlPDPromMetrics(KVConnectorPromMetrics):
                 child = children.get(label) or children.get("other")
                 if child is not None and count > 0:
                     child.inc(count)
-
-
-def build_prom_metrics(
-    vllm_config: VllmConfig,
-    metric_types: dict[type[PromMetric], type[PromMetricT]],
-    labelnames: list[str],
-    per_engine_labelvalues: dict[int, list[object]],
-) -> NixlPDPromMetrics:
-    """NixlPDConnector.build_prom_metrics; ``metric_types`` maps prometheus_client's
-    Gauge/Counter/Histogram to the classes vLLM wants used."""
-    for required in (Gauge, Counter, Histogram):
-        metric_types.setdefault(required, required)  # type: ignore[arg-type]
-    return NixlPDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -23,7 +23,7 @@ changing its ids: ``kv_salt`` names them for the lease's token binding
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -135,9 +135,8 @@ class SchedulerSide:
         self.connector = connector
         self._holds_finished = connector.holds_finished_requests  # fixed by its config
         self._kv_cache_config = kv_cache_config
-        self._backoff = (
-            backoff_tokens  # prompt tokens prefill leaves to decode (prefill_backoff_tokens, below)
-        )
+        # Prompt tokens prefill leaves to decode (prefill_backoff_tokens, below).
+        self._backoff = backoff_tokens
         self._ssm_scratch = ssm_scratch_blocks(kv_cache_config)
         self._has_ssm = any(scratch is not None for scratch in self._ssm_scratch)
         self._num_groups = len(kv_cache_config.kv_cache_groups)
@@ -147,14 +146,12 @@ class SchedulerSide:
         # Outcomes decided here, not yet sent to the ranks to echo.
         self._announce = FinishedRequests()
 
-    def _request_info(self, request: Request, params: dict[str, Any] | None = None) -> RequestInfo:
-        """The request as our connector sees it (``params``: its kv_transfer_params, if read
-        already): a decode load covers the prompt tokens prefill computed for it
-        (``transferred_prompt_tokens``, whatever either request asked)."""
-        if params is None:
-            params = kv_transfer_params(request)
+    def _request_info(self, request: Request) -> RequestInfo:
+        """The request as our connector sees it: a decode load covers the prompt tokens
+        prefill computed for it (``transferred_prompt_tokens``, whatever either request asked)."""
+        params = request.kv_transfer_params
         num_tokens = request.num_prompt_tokens
-        if self._backoff and loads_from_remote(params):  # prefill counted it the same way
+        if self._backoff and raw_flag(params, "do_remote_prefill"):  # as prefill counted it
             num_tokens = transferred_prompt_tokens(num_tokens, self._backoff)
         # A load's ids: it covers prompt tokens only, and vLLM's own prompt list (a plain
         # list, the ids ``all_token_ids`` begins with) packs without ConstantList's slice.
@@ -183,11 +180,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params  # kv_transfer_params(request), inlined: every ask
-        if params is None:
+        if request.kv_transfer_params is None:
             return 0, False  # most requests: no call further
         return self.connector.get_num_new_matched_tokens(
-            self._request_info(request, params), num_computed_tokens
+            self._request_info(request), num_computed_tokens
         )
 
     def update_state_after_alloc(
@@ -262,16 +258,16 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params  # kv_transfer_params(request), inlined
+        params = request.kv_transfer_params
         aborted = request.status not in _COMPLETE
         request_id, num_prompt_tokens = request.request_id, request.num_prompt_tokens
         num_computed_tokens = request.num_computed_tokens
         if params is None or (
             not self._holds_finished
-            and (  # loads_from_remote(params), inlined for the usual dict
+            and (  # raw_flag(params, "do_remote_prefill"), inlined for the usual dict
                 params.get("do_remote_prefill") is True
                 if type(params) is dict
-                else loads_from_remote(params)
+                else raw_flag(params, "do_remote_prefill")
             )
         ):
             # A decode keeps no lease: no blocks, and no ids to bind one to.
@@ -308,15 +304,12 @@ def prefill_backoff_tokens(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
     tokens and keeps the window of token N - 1, the first token decode computes.
     """
     lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 1)
-    return max(1 if _keeps_only_the_end(kv_cache_config) else 0, lookahead - 1)
-
-
-def _keeps_only_the_end(kv_cache_config: KVCacheConfig) -> bool:
-    """Does a transferred group hold the sequence's end only (SSM state, sliding window)?"""
-    return kv_cache_config.has_mamba_layers or any(
+    # Does a transferred group hold the sequence's end only (SSM state, sliding window)?
+    keeps_only_the_end = kv_cache_config.has_mamba_layers or any(
         isinstance(group.kv_cache_spec, SlidingWindowSpec)
         for group in kv_cache_config.transfer_groups
     )
+    return max(1 if keeps_only_the_end else 0, lookahead - 1)
 
 
 def ssm_scratch_blocks(kv_cache_config: KVCacheConfig) -> tuple[int | None, ...]:
@@ -372,23 +365,6 @@ def kv_salt(request: Request) -> KVSalt:
     return tuple(parts)
 
 
-def kv_transfer_params(request: Request) -> dict[str, Any] | None:
-    """The request's raw kv_transfer_params: the adapter's one reading of them. Unvalidated:
-    our SchedulerConnector parses them; flags are read with ``loads_from_remote`` and
-    ``offers_to_decode`` (a literal JSON true, connector.params.raw_flag)."""
-    return request.kv_transfer_params
-
-
-def loads_from_remote(params: Mapping[str, Any] | None) -> bool:
-    """Decode side: do these params say ``do_remote_prefill: true``?"""
-    return raw_flag(params, "do_remote_prefill")
-
-
-def offers_to_decode(params: Mapping[str, Any] | None) -> bool:
-    """Prefill side: do these params say ``do_remote_decode: true``?"""
-    return raw_flag(params, "do_remote_decode")
-
-
 def transferred_prompt_tokens(num_prompt_tokens: int, backoff: int) -> int:
     """The prompt tokens a prefill->decode transfer covers: prefill computes them, decode loads
     them. All but the last ``backoff``; none when the prompt has no more than that (decode
@@ -409,7 +385,7 @@ def truncate_for_prefill(request: Request, backoff: int) -> bool:
     num_tokens = transferred_prompt_tokens(request.num_prompt_tokens, backoff)
     if (
         num_tokens in (0, request.num_prompt_tokens)
-        or not offers_to_decode(kv_transfer_params(request))
+        or not raw_flag(request.kv_transfer_params, "do_remote_decode")
         or (request.prompt_token_ids is None and request.prompt_embeds is None)
     ):
         return False

@@ -61,12 +61,11 @@ def scheduled_rows(
     transfers may come first (vLLM 0.33's HiSparse layout). Groups (hot, source, indexer) with
     transfer ids (1, 2) -> rows of (source, indexer) blocks, as the lease names them.
     """
-    picks = _TransferGroups(kv_cache_config)
     tokens = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
         yield ScheduledRow(
             new.req_id,
-            picks.of(new.req_id, new.block_ids),
+            _transfer_blocks(kv_cache_config, new.req_id, new.block_ids),
             True,
             int(new.num_computed_tokens),
             int(tokens.get(new.req_id, 0)),
@@ -75,31 +74,30 @@ def scheduled_rows(
     for index, request_id in enumerate(cached.req_ids):
         yield ScheduledRow(
             request_id,
-            picks.of(request_id, cached.new_block_ids[index]),
+            _transfer_blocks(kv_cache_config, request_id, cached.new_block_ids[index]),
             request_id in cached.resumed_req_ids,
             int(cached.num_computed_tokens[index]),
             int(tokens.get(request_id, 0)),
         )
 
 
-class _TransferGroups:
-    """Picks the transfer groups' block lists out of a row of every cache group's."""
-
-    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
-        self.group_ids = kv_cache_config.transfer_group_ids
-        self.num_groups = len(kv_cache_config.kv_cache_groups)
-
-    def of(self, request_id: str, groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
-        if groups is None:
-            return None
-        if len(groups) != self.num_groups:
-            raise UnsupportedConfiguration(
-                f"vLLM's scheduler output gives request {request_id!r} block lists for "
-                f"{len(groups)} KV cache groups, but the KV cache config has {self.num_groups}; "
-                "cannot tell which are the transfer groups to stage: run the vLLM version this "
-                "connector supports (0.33)"
-            )
-        return tuple(tuple(int(b) for b in groups[group]) for group in self.group_ids)
+def _transfer_blocks(
+    kv_cache_config: KVCacheConfig, request_id: str, groups: Sequence[Sequence[int]] | None
+) -> BlockIds | None:
+    """The transfer groups' block lists out of a row of every cache group's."""
+    if groups is None:
+        return None
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    if len(groups) != num_groups:
+        raise UnsupportedConfiguration(
+            f"vLLM's scheduler output gives request {request_id!r} block lists for "
+            f"{len(groups)} KV cache groups, but the KV cache config has {num_groups}; "
+            "cannot tell which are the transfer groups to stage: run the vLLM version this "
+            "connector supports (0.33)"
+        )
+    return tuple(
+        tuple(int(b) for b in groups[group]) for group in kv_cache_config.transfer_group_ids
+    )
 
 
 # Copy run by run (slices, no gather buffer) while a layer needs at most one slice copy per
@@ -155,13 +153,13 @@ class HostBuffer:
         self._ratios = [group.ratio for group in spec.groups]
         self.copy_op: CopyBlocksOp = torch_copy_blocks
 
-    def to_host(self, entries: Sequence[BlockIds]) -> int:
-        """Copy these logical blocks device->host; returns the kernel blocks copied."""
-        return self._copy(entries, "d2h")
+    def to_host(self, entries: Sequence[BlockIds]) -> None:
+        """Copy these logical blocks device->host."""
+        self._copy(entries, "d2h")
 
-    def to_device(self, entries: Sequence[BlockIds]) -> int:
-        """Copy these logical blocks host->device; returns the kernel blocks copied."""
-        return self._copy(entries, "h2d")
+    def to_device(self, entries: Sequence[BlockIds]) -> None:
+        """Copy these logical blocks host->device."""
+        self._copy(entries, "h2d")
 
     def copies_differ(self, entries: Sequence[BlockIds]) -> list[int]:
         """Indexes of ``entries`` whose device blocks are not, byte for byte, their host
@@ -169,7 +167,7 @@ class HostBuffer:
         READs brought, and prefill's digests proved, behind in host memory only)."""
         differ = []
         for index, entry in enumerate(entries):
-            kernel_ids = self._kernel_ids([entry])
+            kernel_ids = kernel_block_ids([entry], self._ratios)
             for names, ids in zip(self._groups, kernel_ids, strict=True):
                 if len(ids) and not all(self._same(name, ids) for name in names):
                     differ.append(index)
@@ -186,18 +184,18 @@ class HostBuffer:
             on_device.view(torch.uint8), host.index_select(0, index).view(torch.uint8)
         )
 
-    def _copy(self, entries: Sequence[BlockIds], direction: Direction) -> int:
+    def _copy(self, entries: Sequence[BlockIds], direction: Direction) -> None:
         if not entries:
-            return 0
+            return
         source, target = (
             (self.device, self.host) if direction == "d2h" else (self.host, self.device)
         )
-        copied = 0
+        kernel_ids = kernel_block_ids(entries, self._ratios)
         # Synchronous on purpose, as in vLLM's NixlConnector: a d2h copy must have landed
         # before the step ends (decode may READ right after), an h2d one before the load is
         # reported. vLLM's GPU-sync checker (a debug mode) is told these syncs are meant.
         with gpu_sync_allowed():
-            for names, ids in zip(self._groups, self._kernel_ids(entries), strict=True):
+            for names, ids in zip(self._groups, kernel_ids, strict=True):
                 if len(ids) == 0:
                     continue
                 id_list = ids.tolist()
@@ -208,11 +206,6 @@ class HostBuffer:
                     id_list,
                     direction,
                 )
-                copied += len(id_list)
-        return copied
-
-    def _kernel_ids(self, entries: Sequence[BlockIds]) -> tuple[KernelIds, ...]:
-        return kernel_block_ids(entries, self._ratios)
 
 
 def _host_mirrors(device: Mapping[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
