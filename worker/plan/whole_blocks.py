@@ -35,11 +35,11 @@ import numpy.typing as npt
 from connector.layout import GroupKind
 from worker.plan.exact_runs import ByteRuns, class_runs
 from worker.plan.pairing import Int64Array
-from worker.plan.segments import Segments
+from worker.plan.segments import one_segment
 
 if TYPE_CHECKING:  # annotations only: no import at run time
     from worker.plan.pairing import GroupPairing, PlaneClass
-    from worker.plan.segments import Mask, RequestSegments
+    from worker.plan.segments import Mask, RequestSegments, Segments
 
 # The cost rule of choose_prepared, in nanoseconds, measured on the 2-core machine with real
 # NIXL (benchmarks/plan_bench.py, "prepared" rows): building and posting one index (numpy
@@ -56,8 +56,6 @@ TAIL_NS = 80_000  # the index path's second READ (initialize_xfer, post) for par
 
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
-
-
 MAX_LIST_ENTRIES = 2**31 - 1  # so every index of a prepared list fits in an int32
 
 
@@ -110,11 +108,8 @@ class PreparedRows:
 def _full_block_run(g: GroupPairing, cls: PlaneClass) -> tuple[int, int, int] | None:
     """(local offset, remote offset, length_bytes) of one whole kernel block of a plane, if it
     is one contiguous run on both sides; None otherwise."""
-    one = np.ones(1, dtype=np.int64)
-    zero = np.zeros(1, dtype=np.int64)
     tokens = 1 if g.kind is GroupKind.SSM else g.local.kernel_block_size
-    full = Segments(zero, zero, zero, zero, one * tokens)
-    local, remote, lengths = class_runs(full, cls)
+    local, remote, lengths = class_runs(one_segment(0, 0, num_tokens=tokens), cls)
     if len(lengths) != 1:
         return None
     return int(local[0]), int(remote[0]), int(lengths[0])
@@ -351,8 +346,6 @@ def _joined(parts: list[IndexArray]) -> IndexArray:
 
 
 BlockRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local first, remote first, blocks)
-
-
 RowGeometry = tuple[Int64Array, Int64Array, Int64Array]  # per row: region, offset, stride
 
 
@@ -361,16 +354,12 @@ def run_breaks(local: Int64Array, remote: Int64Array) -> npt.NDArray[np.bool_]:
     return (local[1:] - local[:-1] != 1) | (remote[1:] - remote[:-1] != 1)
 
 
-def block_runs(
-    local: Int64Array, remote: Int64Array, breaks: npt.NDArray[np.bool_] | None = None
-) -> BlockRuns:
+def block_runs(local: Int64Array, remote: Int64Array, breaks: npt.NDArray[np.bool_]) -> BlockRuns:
     """Runs of kernel blocks consecutive on both sides: local [7, 8, 9, 3], remote
     [1, 2, 5, 6] -> local firsts [7, 9, 3], remote firsts [1, 5, 6], lengths [2, 1, 1].
-    ``breaks``: run_breaks(local, remote), if at hand."""
+    ``breaks``: run_breaks(local, remote)."""
     if len(local) <= 1:
         return local, remote, np.ones(len(local), dtype=np.int64)
-    if breaks is None:
-        breaks = run_breaks(local, remote)
     firsts = np.concatenate((_ZERO, np.flatnonzero(breaks) + 1))
     counts = np.diff(np.concatenate((firsts, [len(local)])))
     return local[firsts], remote[firsts], counts
