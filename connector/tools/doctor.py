@@ -16,14 +16,12 @@ import errno
 import importlib.metadata
 import logging
 import os
-import signal
 import socket
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import msgspec
 
@@ -55,7 +53,7 @@ _ENV_PREFIXES = ("UCX_", "VLLM_NIXL_", "NIXL_")
 
 
 class DoctorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    side_channels: tuple[str, ...] = ()  # "HOST:PORT" of engines to check
+    side_channels: Sequence[str] = ()  # "HOST:PORT" of engines to check
     timeout_s: float = 3.0  # per side-channel exchange
     transfer: bool = True  # run the loopback READ
     transfer_timeout_s: float = 120.0  # for the whole loopback READ, start-up included
@@ -178,11 +176,6 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 def probe_nixl() -> NixlProbe:
     """Import NIXL, list its plugins, and create a UCX backend on an agent with no thread."""
-    with _stdout_to_stderr():  # the probe agent is gone before stdout is restored
-        return _probe_nixl()
-
-
-def _probe_nixl() -> NixlProbe:
     try:
         import nixl
         from nixl._api import nixl_agent, nixl_agent_config
@@ -306,37 +299,12 @@ def render(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
-def _raise_interrupt(signum: int, frame: object) -> NoReturn:
-    raise KeyboardInterrupt
-
-
-def main(
-    side_channels: Sequence[str],
-    *,
-    timeout_s: float,
-    transfer: bool,
-    strict: bool,
-    as_json: bool,
-    listen: str | None = None,
-    peer: str | None = None,
-) -> int:
-    """The `nixl-pd doctor` command: 0 when a deployment has what it needs, 1 if not, 2 on a
-    bad argument."""
-    options = DoctorOptions(
-        side_channels=tuple(side_channels),
-        timeout_s=timeout_s,
-        transfer=transfer,
-        strict=strict,
-        listen=listen,
-        peer=peer,
-    )
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the children like Ctrl-C
+def main(options: DoctorOptions, *, as_json: bool) -> int:
+    """The `nixl-pd doctor` command: 0 when a deployment has what it needs, 1 if not; a bad
+    argument raises UnsupportedConfiguration (connector.tools.cli prints it, exit code 2)."""
     try:
         with _stdout_to_stderr():  # whatever a library prints must not corrupt the report
             report = run_doctor(options)
-    except ConnectorError as exc:
-        print(f"nixl-pd doctor: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("nixl-pd doctor: interrupted", file=sys.stderr)
         return 130
