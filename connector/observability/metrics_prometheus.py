@@ -108,15 +108,15 @@ class MetricsServer:
                 "--metrics-port (0 picks one)"
             ) from None
         self._server = server
+        self.host = host
+        self.port = int(server.server_address[1])
         self._thread = threading.Thread(
             target=server.serve_forever,
             args=(SHUTDOWN_POLL_S,),
-            name=f"nixl-pd-metrics-{server.port}",
+            name=f"nixl-pd-metrics-{self.port}",
             daemon=True,
         )
         self._thread.start()
-        self.host = host
-        self.port = server.port
 
     @property
     def url(self) -> str:
@@ -167,10 +167,6 @@ class _HTTPServer(ThreadingHTTPServer):
         self.num_connections = 0
         self.num_refused = 0
         super().__init__((host, port), _MetricsHandler)
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
 
     def server_bind(self) -> None:
         # TCPServer's bind only: HTTPServer's also looks up the host's FQDN (DNS) for nothing.

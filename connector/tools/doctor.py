@@ -121,12 +121,9 @@ def _two_hosts_address(options: DoctorOptions) -> tuple[str, int] | None:
             "--listen and --peer are the two ends of one test: give one of them here and the "
             "other on the other host"
         )
-    address = options.listen or options.peer
-    return (
-        None
-        if address is None
-        else parse_address(address, "--listen" if options.listen else "--peer")
-    )
+    if options.listen:
+        return parse_address(options.listen, "--listen")
+    return None if options.peer is None else parse_address(options.peer, "--peer")
 
 
 def _two_hosts_read(

@@ -240,11 +240,7 @@ def _check_plane_fits(
 ) -> None:
     slots = 1 if group.kind is GroupKind.SSM else group.kernel_block_size
     strides = (plane.kernel_block_stride_bytes, plane.token_stride_bytes, plane.head_stride_bytes)
-    if (
-        not 0 <= plane.region < len(layout.region_bytes)
-        or min(strides) < 0
-        or plane.offset_bytes < 0
-    ):
+    if not 0 <= plane.region < len(layout.region_bytes) or min(*strides, plane.offset_bytes) < 0:
         raise UnsupportedConfiguration(
             f"{side} layout: layer {plane.layer} plane {plane.plane} has a bad region or stride"
         )

@@ -38,7 +38,7 @@ from worker.plan.pairing import Int64Array
 from worker.plan.segments import one_segment
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.plan.pairing import GroupPairing, PlaneClass
+    from worker.plan.pairing import GroupPairing
     from worker.plan.segments import Mask, RequestSegments, Segments
 
 # The cost rule of choose_prepared, in nanoseconds, measured on the 2-core machine with real
@@ -105,16 +105,6 @@ class PreparedRows:
         return len(self.local_rows)
 
 
-def _full_block_run(g: GroupPairing, cls: PlaneClass) -> tuple[int, int, int] | None:
-    """(local offset, remote offset, length_bytes) of one whole kernel block of a plane, if it
-    is one contiguous run on both sides; None otherwise."""
-    tokens = 1 if g.kind is GroupKind.SSM else g.local.kernel_block_size
-    local, remote, lengths = class_runs(one_segment(0, 0, num_tokens=tokens), cls)
-    if len(lengths) != 1:
-        return None
-    return int(local[0]), int(remote[0]), int(lengths[0])
-
-
 def _preparable(g: GroupPairing, rank: int) -> bool:
     same_blocks = g.local.kernel_block_size == g.remote.kernel_block_size
     classes = g.classes.get(rank, ())
@@ -163,16 +153,18 @@ def _prepared_group(
 ) -> PreparedGroup | None:
     """The group's rows, numbered on from (local_next, remote_next); None if a plane's whole
     kernel block is not one contiguous run on both sides."""
+    full_tokens = 1 if g.kind is GroupKind.SSM else g.local.kernel_block_size
+    full_block = one_segment(0, 0, num_tokens=full_tokens)
     local_count = g.local.num_blocks * g.local.ratio
     remote_count = g.remote.num_blocks * g.remote.ratio
     local_sides: list[SideRows] = []
     remote_sides: list[SideRows] = []
     row_bytes: list[Int64Array] = []
     for cls in g.classes.get(remote_rank, ()):
-        run = _full_block_run(g, cls)
-        if run is None:
+        local_run, remote_run, run_bytes = class_runs(full_block, cls)  # relative to the plane
+        if len(run_bytes) != 1:
             return None
-        local_offset, remote_offset, length_bytes = run
+        local_offset, remote_offset, length_bytes = local_run[0], remote_run[0], run_bytes[0]
         num_planes = len(cls.local_regions)
         local_sides.append(_side(
             local_next, local_count, cls.local_regions, cls.local_offsets + local_offset,
@@ -190,7 +182,7 @@ def _prepared_group(
     joining = (local.strides == lengths) & (remote.strides == lengths)
     return PreparedGroup(
         g.index,
-        1 if g.kind is GroupKind.SSM else g.local.kernel_block_size,
+        full_tokens,
         local,
         remote,
         lengths,
