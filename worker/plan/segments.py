@@ -213,9 +213,7 @@ def _cuts(start: int, end: int, local_kernel: int, remote_kernel: int) -> Int64A
             np.arange((start // small + 1) * small, end, small, dtype=np.int64),
             np.arange((start // large + 1) * large, end, large, dtype=np.int64),
         )
-    return np.concatenate(
-        (np.array([start], dtype=np.int64), inner, np.array([end], dtype=np.int64))
-    )
+    return np.concatenate(([start], inner, [end])).astype(np.int64, copy=False)
 
 
 def _kernel_blocks(
