@@ -48,6 +48,9 @@ from connector.tools.doctor_remote import run_listener, run_peer
 
 MAX_RANKS_PROBED = 64  # an engine's TP ranks asked for their handshake, at most
 PORT_PROBE_TIMEOUT_S = 1.0
+TRANSFER_TIMEOUT_S = 120.0  # for the whole READ test (loopback or two hosts), start-up included
+READ_BYTES = 32 * 2**20  # per READ
+NUM_READS = 4  # timed, after one warm-up
 NAME_COLUMN_CHARS = 16  # longer check names push their line's summary right
 _ENV_PREFIXES = ("UCX_", "VLLM_NIXL_", "NIXL_")
 
@@ -56,9 +59,6 @@ class DoctorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channels: Sequence[str] = ()  # "HOST:PORT" of engines to check
     timeout_s: float = 3.0  # per side-channel exchange
     transfer: bool = True  # run the loopback READ
-    transfer_timeout_s: float = 120.0  # for the whole loopback READ, start-up included
-    num_bytes: int = 32 * 2**20  # per READ
-    num_reads: int = 4
     strict: bool = False  # warnings fail too
     listen: str | None = None  # two-host mode: serve a READ target on HOST:PORT
     peer: str | None = None  # two-host mode: READ the target of a listener at HOST:PORT
@@ -77,7 +77,7 @@ class DoctorReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> DoctorReport:
     """Gather every fact ``options`` asks for and judge them. Raises UnsupportedConfiguration
     for a malformed ``--side-channel`` address (before doing anything slow)."""
-    if not (options.timeout_s > 0 and options.transfer_timeout_s > 0):
+    if not options.timeout_s > 0:
         raise UnsupportedConfiguration(
             f"--timeout {options.timeout_s} is not accepted; give a number of seconds > 0"
         )
@@ -93,10 +93,7 @@ def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> 
         checks += remote_checks
     elif options.transfer and "UCX" in nixl.backends:
         loopback = run_loopback(
-            env,
-            num_bytes=options.num_bytes,
-            num_reads=options.num_reads,
-            timeout_s=options.transfer_timeout_s,
+            env, num_bytes=READ_BYTES, num_reads=NUM_READS, timeout_s=TRANSFER_TIMEOUT_S
         )
         checks += check_loopback(loopback) + check_progress(loopback.idle_cpu_fraction)
     elif options.transfer:
@@ -135,13 +132,9 @@ def _two_hosts_read(
         return None, checks
     host, port = address
     if options.listen is not None:
-        read = run_listener(
-            host, port, env, num_bytes=options.num_bytes, timeout_s=options.transfer_timeout_s
-        )
+        read = run_listener(host, port, env, num_bytes=READ_BYTES, timeout_s=TRANSFER_TIMEOUT_S)
     else:
-        read = run_peer(
-            host, port, env, num_reads=options.num_reads, timeout_s=options.transfer_timeout_s
-        )
+        read = run_peer(host, port, env, num_reads=NUM_READS, timeout_s=TRANSFER_TIMEOUT_S)
     return read, checks + check_remote_read(read, _rdma_devices())
 
 
@@ -248,10 +241,8 @@ def gather_env(env: Mapping[str, str], secret: str | None) -> EnvFacts:
     engine = None
     if taken:
         with contextlib.suppress(ConnectorError):
-            handshake = fetch_handshake(
-                host, port, 0, secret=secret, timeout_s=PORT_PROBE_TIMEOUT_S
-            )
-            engine = handshake.engine_id
+            reply = fetch_handshake(host, port, 0, secret=secret, timeout_s=PORT_PROBE_TIMEOUT_S)
+            engine = reply.engine_id
     return EnvFacts(shown, _interfaces_up(), _rdma_devices(), None, taken, engine)
 
 
