@@ -354,29 +354,16 @@ def validate_pair(local: RankLayout, remote: RankLayout) -> None:
                 _check_plane_fits(side, layout, group, plane)
 
 
-def _shape(plane: PlaneGeometry) -> tuple[int | bool, ...]:
-    """Everything but the offset that fused planes must share."""
-    return (
-        plane.region,
-        plane.kernel_block_stride_bytes,
-        plane.token_stride_bytes,
-        plane.head_stride_bytes,
-        plane.head_bytes,
-        plane.num_heads,
-        plane.model_heads,
-        plane.replicated,
-    )
-
-
 def _interleaved(planes: Sequence[PlaneGeometry]) -> bool:
-    """True if the planes (of one layer) interleave per cell: plane i at offset + i * head_bytes."""
+    """True if the planes (of one layer) interleave per cell: plane i is plane 0 moved to
+    offset + i * head_bytes, with the same region, strides and heads."""
     if len(planes) < 2:
         return False
     first = planes[0]
+    base, step = first.offset_bytes, first.head_bytes
     return all(
-        _shape(plane) == _shape(first)
-        and plane.offset_bytes == first.offset_bytes + index * first.head_bytes
-        for index, plane in enumerate(planes)
+        plane == msgspec.structs.replace(first, plane=plane.plane, offset_bytes=base + i * step)
+        for i, plane in enumerate(planes)
     )
 
 
