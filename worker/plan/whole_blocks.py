@@ -124,27 +124,22 @@ def _strided(
     return rows
 
 
-def _side(
-    first: int, count: int, regions: Int64Array, offsets: Int64Array, stride: int
-) -> SideRows:
-    """Rows of one plane class on one side, numbered on from index ``first``."""
-    num_planes = len(regions)
+# One plane class on one side: its planes' regions, the offsets of their whole kernel blocks,
+# and the class's kernel block bytes (the rows' stride).
+ClassRows = tuple[Int64Array, Int64Array, int]
+
+
+def _side(first: int, count: int, classes: list[ClassRows]) -> SideRows:
+    """One side's rows of a group, one per plane, numbered on from index ``first``
+    (``count`` entries per row)."""
+    num_planes = [len(regions) for regions, _, _ in classes]
+    firsts = first + count * np.arange(sum(num_planes), dtype=np.int64)
     return SideRows(
-        (first + count * np.arange(num_planes, dtype=np.int64)).astype(np.int32).reshape(-1, 1),
-        regions,
-        offsets,
-        np.full(num_planes, stride, dtype=np.int64),
+        firsts.astype(np.int32).reshape(-1, 1),
+        np.concatenate([regions for regions, _, _ in classes]),
+        np.concatenate([offsets for _, offsets, _ in classes]),
+        np.repeat(np.array([stride for _, _, stride in classes], dtype=np.int64), num_planes),
         count,
-    )
-
-
-def _joined_sides(sides: list[SideRows]) -> SideRows:
-    return SideRows(
-        np.concatenate([s.first for s in sides]),
-        np.concatenate([s.regions for s in sides]),
-        np.concatenate([s.offsets for s in sides]),
-        np.concatenate([s.strides for s in sides]),
-        sides[0].num_kernel_blocks,
     )
 
 
@@ -155,29 +150,20 @@ def _prepared_group(
     kernel block is not one contiguous run on both sides."""
     full_tokens = 1 if g.kind is GroupKind.SSM else g.local.kernel_block_size
     full_block = one_segment(0, 0, num_tokens=full_tokens)
-    local_count = g.local.num_blocks * g.local.ratio
-    remote_count = g.remote.num_blocks * g.remote.ratio
-    local_sides: list[SideRows] = []
-    remote_sides: list[SideRows] = []
+    local_classes: list[ClassRows] = []
+    remote_classes: list[ClassRows] = []
     row_bytes: list[Int64Array] = []
     for cls in g.classes.get(remote_rank, ()):
         local_run, remote_run, run_bytes = class_runs(full_block, cls)  # relative to the plane
         if len(run_bytes) != 1:
             return None
-        local_offset, remote_offset, length_bytes = local_run[0], remote_run[0], run_bytes[0]
-        num_planes = len(cls.local_regions)
-        local_sides.append(_side(
-            local_next, local_count, cls.local_regions, cls.local_offsets + local_offset,
-            cls.local.kernel_block_bytes,
-        ))  # fmt: skip
-        remote_sides.append(_side(
-            remote_next, remote_count, cls.remote_regions, cls.remote_offsets + remote_offset,
-            cls.remote.kernel_block_bytes,
-        ))  # fmt: skip
-        row_bytes.append(np.full(num_planes, length_bytes, dtype=np.int64))
-        local_next += local_count * num_planes
-        remote_next += remote_count * num_planes
-    local, remote = _joined_sides(local_sides), _joined_sides(remote_sides)
+        local_offsets = cls.local_offsets + local_run[0]
+        remote_offsets = cls.remote_offsets + remote_run[0]
+        local_classes.append((cls.local_regions, local_offsets, cls.local.kernel_block_bytes))
+        remote_classes.append((cls.remote_regions, remote_offsets, cls.remote.kernel_block_bytes))
+        row_bytes.append(np.full(len(cls.local_regions), run_bytes[0], dtype=np.int64))
+    local = _side(local_next, g.local.num_blocks * g.local.ratio, local_classes)
+    remote = _side(remote_next, g.remote.num_blocks * g.remote.ratio, remote_classes)
     lengths = np.concatenate(row_bytes)
     joining = (local.strides == lengths) & (remote.strides == lengths)
     return PreparedGroup(
