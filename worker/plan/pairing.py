@@ -43,7 +43,7 @@ import numpy.typing as npt
 from connector.errors import UnsupportedConfiguration
 from connector.geometry import heads_per_rank
 from connector.layout import GroupGeometry, GroupKind, MemoryLayout, PlaneGeometry, RankLayout
-from worker.topology import ReadSource, read_sources, tp_ratio
+from worker.topology import read_sources, tp_ratio
 
 Int64Array = npt.NDArray[np.int64]  # the planner's offsets, lengths and block ids
 
@@ -137,12 +137,14 @@ class _ClassKey:
     num_heads: int
 
 
-def _plane_class(
-    key: _ClassKey,
-    members: list[tuple[PlaneGeometry, PlaneGeometry, ReadSource]],
-    ssm: bool,
-    atom_major: bool,
-) -> PlaneClass:
+# One plane of a class: (local region, local offset, remote region, remote offset), the
+# offsets moved to the first head of the slice read.
+_Member = tuple[int, int, int, int]
+
+
+def _plane_class(key: _ClassKey, members: list[_Member], ssm: bool, atom_major: bool) -> PlaneClass:
+    columns = np.array(members, dtype=np.int64).T.copy()  # four contiguous columns
+    local_regions, local_offsets, remote_regions, remote_offsets = columns
     return PlaneClass(
         mode=_mode(key.local, key.remote, key.head_bytes, key.num_heads, ssm),
         local=key.local,
@@ -150,16 +152,10 @@ def _plane_class(
         head_bytes=key.head_bytes,
         num_heads=key.num_heads,
         atom_major=atom_major,
-        local_regions=np.array([lp.region for lp, _, _ in members], dtype=np.int64),
-        local_offsets=np.array(
-            [lp.offset_bytes + s.local_heads.start * lp.head_stride_bytes for lp, _, s in members],
-            dtype=np.int64,
-        ),
-        remote_regions=np.array([rp.region for _, rp, _ in members], dtype=np.int64),
-        remote_offsets=np.array(
-            [rp.offset_bytes + s.remote_heads.start * rp.head_stride_bytes for _, rp, s in members],
-            dtype=np.int64,
-        ),
+        local_regions=local_regions,
+        local_offsets=local_offsets,
+        remote_regions=remote_regions,
+        remote_offsets=remote_offsets,
     )
 
 
@@ -172,7 +168,7 @@ def _plane_classes(
     head slices with equal strides share a class. Packed layers count as one fused plane.
     """
     lg, rg = local.groups[group], remote.groups[group]
-    buckets: dict[_ClassKey, list[tuple[PlaneGeometry, PlaneGeometry, ReadSource]]] = {}
+    buckets: dict[_ClassKey, list[_Member]] = {}
     for lp, rp in fuse_packed_planes(lg.planes, rg.planes):
         sources = read_sources(
             local.tp_rank, local.tp_size, remote.tp_size, lp.model_heads, replicated=lp.replicated
@@ -185,7 +181,9 @@ def _plane_classes(
                 lp.head_bytes,
                 len(source.local_heads),
             )
-            buckets.setdefault(key, []).append((lp, rp, source))
+            local_offset = lp.offset_bytes + source.local_heads.start * lp.head_stride_bytes
+            remote_offset = rp.offset_bytes + source.remote_heads.start * rp.head_stride_bytes
+            buckets.setdefault(key, []).append((lp.region, local_offset, rp.region, remote_offset))
     ssm = lg.kind is GroupKind.SSM
     atom_major = local.memory_layout is MemoryLayout.BLOCK_OUTERMOST
     classes: dict[int, list[PlaneClass]] = {}
