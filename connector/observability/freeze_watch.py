@@ -18,6 +18,7 @@ off). The log line, the verdicts and why the watch exists: docs/metrics.md, "Fro
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import logging
 import os
@@ -177,10 +178,8 @@ def _arm_faulthandler(timeout_s: float) -> None:
     stderr = sys.__stderr__
     if stderr is None:
         return
-    try:
+    with contextlib.suppress(OSError, ValueError):  # io.UnsupportedOperation is both
         faulthandler.dump_traceback_later(timeout_s, repeat=False, file=stderr, exit=False)
-    except (OSError, ValueError):  # io.UnsupportedOperation is both
-        return
 
 
 class FreezeWatch:

@@ -31,48 +31,47 @@ _DESCRIPTORS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 4096
 
 
 class MetricSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One metric: its Prometheus name, type, unit, help text, label and buckets."""
+    """One metric: its Prometheus name, unit, help text, label and buckets; with buckets it
+    is a histogram, without a counter."""
 
     name: str
-    kind: str  # COUNTER or HISTOGRAM
     unit: str  # "seconds", "bytes", "descriptors", "requests", ...
     help: str
     label: str | None = None  # the one label name, for counters split by kind
     label_values: tuple[str, ...] = ()  # every value the label may take
     buckets: tuple[float, ...] = ()  # histogram upper bounds (+Inf implied)
 
+    @property
+    def kind(self) -> str:
+        return HISTOGRAM if self.buckets else COUNTER
+
 
 TRANSFER_SECONDS = MetricSpec(
     "nixl_pd_transfer_seconds",
-    HISTOGRAM,
     "seconds",
     "Decode: time from posting a request's READs to the last one done, per request and rank.",
     buckets=_SECONDS,
 )
 TRANSFER_BYTES = MetricSpec(
     "nixl_pd_transfer_bytes",
-    HISTOGRAM,
     "bytes",
     "Decode: bytes READ per request and rank.",
     buckets=_BYTES,
 )
 TRANSFER_DESCRIPTORS = MetricSpec(
     "nixl_pd_transfer_descriptors",
-    HISTOGRAM,
     "descriptors",
     "Decode: NIXL descriptors (merged byte ranges) READ per request and rank.",
     buckets=_DESCRIPTORS,
 )
 HANDSHAKE_SECONDS = MetricSpec(
     "nixl_pd_handshake_seconds",
-    HISTOGRAM,
     "seconds",
     "Decode: time from a remote engine's first request to its handshake loaded, per rank.",
     buckets=_LONG_SECONDS,
 )
 POST_SECONDS = MetricSpec(
     "nixl_pd_post_seconds",
-    HISTOGRAM,
     "seconds",
     "Decode: time in NIXL to prepare and post a request's READs (make_read, post), per "
     "request and rank; on the rank's transfer thread, so a long post() no longer stalls steps.",
@@ -80,7 +79,6 @@ POST_SECONDS = MetricSpec(
 )
 PREFILL_FREE_SECONDS = MetricSpec(
     "nixl_pd_prefill_free_seconds",
-    HISTOGRAM,
     "seconds",
     "Prefill: time from a request's prefill finish (lease taken) to its blocks freed.",
     buckets=_LONG_SECONDS,
@@ -88,26 +86,29 @@ PREFILL_FREE_SECONDS = MetricSpec(
 
 # One label per kind, and "other" where a label no kind has would land (MetricsRecorder.inc).
 LOAD_FAILURE_KINDS = (*(kind.value for kind in FailureKind), "other")
-HANDSHAKE_FAILURE_KINDS = (
-    "timeout",
-    "refused",
-    "incompatible",
-    "restarted",
-    "superseded",
-    "network",
-    "other",
+
+# (text in the reason, kind) for handshakes: the first match wins. The texts are ours
+# (worker/peers.py, connector/net/side_channel_client.py), so the mapping is tested against them.
+_HANDSHAKE_PATTERNS = (
+    ("did not answer", "timeout"),
+    ("refused the request", "refused"),
+    ("compatib", "incompatible"),
+    ("protocol version", "incompatible"),
+    ("restarted", "restarted"),
+    ("superseded", "superseded"),
+    ("took over", "superseded"),
+    ("zmq error", "network"),
 )
+HANDSHAKE_FAILURE_KINDS = (*dict.fromkeys(kind for _, kind in _HANDSHAKE_PATTERNS), "other")
 NOTIFICATION_KINDS = ("counted", "duplicate", "stray", "garbage")
 
 LOADS_FINISHED = MetricSpec(
     "nixl_pd_loads_finished_total",
-    COUNTER,
     "requests",
     "Decode: requests whose KV this rank loaded.",
 )
 LOADS_FAILED = MetricSpec(
     "nixl_pd_loads_failed_total",
-    COUNTER,
     "requests",
     "Decode: requests this rank could not load, by kind of reason; a load the scheduler "
     "failed before any rank ran it (refused params, a failed overlapped wait) counts once.",
@@ -116,7 +117,6 @@ LOADS_FAILED = MetricSpec(
 )
 NOTIFICATIONS = MetricSpec(
     "nixl_pd_notifications_total",
-    COUNTER,
     "notifications",
     "Prefill: free notifications received: counted, duplicate, stray (no lease) or garbage.",
     label="kind",
@@ -124,7 +124,6 @@ NOTIFICATIONS = MetricSpec(
 )
 LEASES_STARTED = MetricSpec(
     "nixl_pd_leases_started_total",
-    COUNTER,
     "requests",
     "Leases taken: prefill holding a prompt's KV for decode, or (bidirectional mode) decode "
     "holding a finished request's KV for the next turn's prefill. Minus the completed, "
@@ -132,39 +131,33 @@ LEASES_STARTED = MetricSpec(
 )
 PULLED_TOKENS = MetricSpec(
     "nixl_pd_pulled_tokens_total",
-    COUNTER,
     "tokens",
     "Prefill (bidirectional mode): prompt tokens loaded from a decode engine's held KV of an "
     "earlier turn instead of computed.",
 )
 CHUNK_READS = MetricSpec(
     "nixl_pd_chunk_reads_total",
-    COUNTER,
     "chunks",
     "Decode (chunked_pull): READ windows sent to the ranks while prefill was still computing "
     "the prompt, one per announced chunk; the final window is not counted.",
 )
 LEASES_COMPLETED = MetricSpec(
     "nixl_pd_leases_completed_total",
-    COUNTER,
     "requests",
     "Prefill: leases ended because every decode reader notified.",
 )
 LEASES_EXPIRED = MetricSpec(
     "nixl_pd_leases_expired_total",
-    COUNTER,
     "requests",
     "Prefill: leases that expired before every decode reader notified.",
 )
 LEASES_RELEASED = MetricSpec(
     "nixl_pd_leases_released_total",
-    COUNTER,
     "requests",
     "Prefill: leases released over the side channel by a decode engine that will not read.",
 )
 LEASES_READER_RESTARTED = MetricSpec(
     "nixl_pd_leases_reader_restarted_total",
-    COUNTER,
     "requests",
     "Leases ended because the only reader that claimed them restarted: a message from a new "
     "boot of that reader engine said its earlier boot, which would never read or free them, "
@@ -172,7 +165,6 @@ LEASES_READER_RESTARTED = MetricSpec(
 )
 HANDSHAKE_FAILURES = MetricSpec(
     "nixl_pd_handshake_failures_total",
-    COUNTER,
     "handshakes",
     "Decode: failed handshakes with remote engines (background re-probes of a failed one "
     "included), by kind of reason.",
@@ -181,21 +173,18 @@ HANDSHAKE_FAILURES = MetricSpec(
 )
 QUARANTINED_LOADS = MetricSpec(
     "nixl_pd_quarantined_loads_total",
-    COUNTER,
     "requests",
     "Decode: loads whose READ outlived the transfer timeout. NIXL cannot cancel a READ, so "
     "such a load is reported (failed) only once the backend says its READs ended.",
 )
 QUARANTINED_BLOCKS = MetricSpec(
     "nixl_pd_quarantined_blocks_total",
-    COUNTER,
     "blocks",
     "Decode: blocks of quarantined loads, held from the engine while a READ may still write "
     "them. Minus nixl_pd_unquarantined_blocks_total: the blocks held in quarantine now.",
 )
 UNQUARANTINED_BLOCKS = MetricSpec(
     "nixl_pd_unquarantined_blocks_total",
-    COUNTER,
     "blocks",
     "Decode: blocks of quarantined loads given back once every READ of the load ended.",
 )
@@ -221,19 +210,6 @@ METRICS: tuple[MetricSpec, ...] = (
     QUARANTINED_LOADS,
     QUARANTINED_BLOCKS,
     UNQUARANTINED_BLOCKS,
-)
-
-# (text in the reason, kind) for handshakes: the first match wins. The texts are ours
-# (worker/peers.py, connector/net/side_channel_client.py), so the mapping is tested against them.
-_HANDSHAKE_PATTERNS = (
-    ("did not answer", "timeout"),
-    ("refused the request", "refused"),
-    ("compatib", "incompatible"),
-    ("protocol version", "incompatible"),
-    ("restarted", "restarted"),
-    ("superseded", "superseded"),
-    ("took over", "superseded"),
-    ("zmq error", "network"),
 )
 
 

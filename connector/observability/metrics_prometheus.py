@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import logging
-import math
 import socket
 import socketserver
 import threading
@@ -50,16 +50,9 @@ def _counter(spec: MetricSpec, snapshot: MetricsSnapshot) -> CounterMetricFamily
 
 def _histogram(spec: MetricSpec, snapshot: MetricsSnapshot) -> HistogramMetricFamily:
     state = snapshot.histograms[spec.name]
-    cumulative, buckets = 0, []
-    for upper, count in zip((*spec.buckets, math.inf), state.bucket_counts, strict=True):
-        cumulative += count
-        buckets.append((_le(upper), cumulative))
+    bounds = [*(repr(float(upper)) for upper in spec.buckets), "+Inf"]  # "0.005", "1024.0"
+    buckets = list(zip(bounds, itertools.accumulate(state.bucket_counts), strict=True))
     return HistogramMetricFamily(spec.name, spec.help, buckets=buckets, sum_value=state.sum)
-
-
-def _le(upper: float) -> str:
-    """Prometheus' spelling of a bucket bound: "+Inf", "1024.0", "0.005"."""
-    return "+Inf" if math.isinf(upper) else repr(float(upper))
 
 
 class SnapshotCollector(Collector):
@@ -115,15 +108,15 @@ class MetricsServer:
                 "--metrics-port (0 picks one)"
             ) from None
         self._server = server
+        self.host = host
+        self.port = int(server.server_address[1])
         self._thread = threading.Thread(
             target=server.serve_forever,
             args=(SHUTDOWN_POLL_S,),
-            name=f"nixl-pd-metrics-{server.port}",
+            name=f"nixl-pd-metrics-{self.port}",
             daemon=True,
         )
         self._thread.start()
-        self.host = host
-        self.port = server.port
 
     @property
     def url(self) -> str:
@@ -174,10 +167,6 @@ class _HTTPServer(ThreadingHTTPServer):
         self.num_connections = 0
         self.num_refused = 0
         super().__init__((host, port), _MetricsHandler)
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
 
     def server_bind(self) -> None:
         # TCPServer's bind only: HTTPServer's also looks up the host's FQDN (DNS) for nothing.

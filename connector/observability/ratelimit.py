@@ -15,17 +15,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 DEFAULT_INTERVAL_S = 10.0
 MAX_REASONS = 256  # bound on remembered reasons; the least recently logged one is forgotten
 
 
+@dataclass(slots=True)
 class _ReasonState:
-    __slots__ = ("last_logged_s", "num_suppressed")
-
-    def __init__(self, last_logged_s: float) -> None:
-        self.last_logged_s = last_logged_s
-        self.num_suppressed = 0
+    last_logged_s: float
+    num_suppressed: int = 0
 
 
 class RateLimitedLog:

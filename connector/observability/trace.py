@@ -132,7 +132,7 @@ def load_ended(
         remote_ranks=timeline.remote_ranks,
         notified_ranks=tuple(sorted(timeline.notified_ranks)),
     )
-    _emit(trace)
+    trace_logger.debug("%s", msgspec.json.encode(trace).decode())
     return trace
 
 
@@ -143,9 +143,5 @@ def send_ended(
     if not trace_logger.isEnabledFor(logging.DEBUG):
         return
     names = tuple(sorted(senders))
-    _emit(SendTrace(lease_key, len(names), names, _ms(first_seen_s, now_s) or 0.0))
-
-
-def _emit(trace: LoadTrace | SendTrace) -> None:
-    if trace_logger.isEnabledFor(logging.DEBUG):
-        trace_logger.debug("%s", msgspec.json.encode(trace).decode())
+    trace = SendTrace(lease_key, len(names), names, _ms(first_seen_s, now_s) or 0.0)
+    trace_logger.debug("%s", msgspec.json.encode(trace).decode())

@@ -198,13 +198,14 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
         "deployment needs is missing or incompatible.",
     )
     doctor.add_argument(
-        "--side-channel", action="append", default=[], metavar="HOST:PORT",
+        "--side-channel", action="append", default=[], dest="side_channels", metavar="HOST:PORT",
         help="an engine's side channel to handshake with (repeat; two or more are compared)",
     )  # fmt: skip
     _number(doctor, "--timeout", 3.0, "SECONDS", "per side-channel exchange (3)")
     doctor.add_argument(
-        "--no-transfer", action="store_true", help="skip the loopback READ (faster)"
-    )
+        "--no-transfer", action="store_false", dest="transfer",
+        help="skip the loopback READ (faster)",
+    )  # fmt: skip
     doctor.add_argument(
         "--listen", default=None, metavar="HOST:PORT",
         help="two-host mode, first side: serve a READ target here (HOST: this host's address "
@@ -222,15 +223,9 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
 def _doctor(args: argparse.Namespace) -> int:
     from connector.tools import doctor
 
-    return doctor.main(
-        args.side_channel,
-        timeout_s=args.timeout,
-        transfer=not args.no_transfer,
-        strict=args.strict,
-        as_json=args.json,
-        listen=args.listen,
-        peer=args.peer,
-    )
+    options = _options(doctor.DoctorOptions, args, timeout_s="timeout")
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the children like Ctrl-C
+    return doctor.main(options, as_json=args.json)
 
 
 def _raise_interrupt(signum: int, frame: object) -> NoReturn:
@@ -246,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"demo": _demo, "serve": _serve, "route": _route, "doctor": _doctor}
     try:
         return commands[args.command](args)
-    except source_tree.ExampleEngineMissing as exc:
+    except ConnectorError as exc:  # a bad flag's value, or no example engine (source_tree)
         print(f"nixl-pd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -266,9 +261,6 @@ def _demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM cleans up like Ctrl-C
     try:
         result = demo.run_demo(options, progress=None if args.json else demo.print_progress)
-    except ConnectorError as exc:
-        print(f"nixl-pd demo: error: {exc}", file=sys.stderr)
-        return 2
     except (TimeoutError, ConnectionError, OSError) as exc:
         print(f"nixl-pd demo: failed: {exc}", file=sys.stderr)
         return 1
@@ -304,11 +296,7 @@ def _serve(args: argparse.Namespace) -> int:
         decoder_kv_blocks_ttl_s="decoder_kv_ttl",
         kv_recompute_threshold="recompute_threshold",
     )
-    try:
-        serve.validate_options(options)  # before the signal handlers: a bad flag changes nothing
-    except ConnectorError as exc:
-        print(f"nixl-pd serve: error: {exc}", file=sys.stderr)
-        return 2
+    serve.validate_options(options)  # before the signal handlers: a bad flag changes nothing
     stop = threading.Event()
     serve.stop_on_signals(stop)
     try:
@@ -318,9 +306,6 @@ def _serve(args: argparse.Namespace) -> int:
             env=dict(os.environ),
             on_ready=lambda started: print(serve.ready_line(options, started), flush=True),
         )
-    except ConnectorError as exc:
-        print(f"nixl-pd serve: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # a second Ctrl-C while stopping
         return 130
     print(f"nixl-pd serve: {args.role} engine stopped", flush=True)
@@ -334,9 +319,6 @@ def _route(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         result = route.run_route(options)
-    except ConnectorError as exc:
-        print(f"nixl-pd route: error: {exc}", file=sys.stderr)
-        return 2
     except (TimeoutError, ConnectionError) as exc:
         print(f"nixl-pd route: failed: {exc}", file=sys.stderr)
         return 1

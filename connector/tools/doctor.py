@@ -16,14 +16,12 @@ import errno
 import importlib.metadata
 import logging
 import os
-import signal
 import socket
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import msgspec
 
@@ -50,17 +48,17 @@ from connector.tools.doctor_remote import run_listener, run_peer
 
 MAX_RANKS_PROBED = 64  # an engine's TP ranks asked for their handshake, at most
 PORT_PROBE_TIMEOUT_S = 1.0
+TRANSFER_TIMEOUT_S = 120.0  # for the whole READ test (loopback or two hosts), start-up included
+READ_BYTES = 32 * 2**20  # per READ
+NUM_READS = 4  # timed, after one warm-up
 NAME_COLUMN_CHARS = 16  # longer check names push their line's summary right
 _ENV_PREFIXES = ("UCX_", "VLLM_NIXL_", "NIXL_")
 
 
 class DoctorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    side_channels: tuple[str, ...] = ()  # "HOST:PORT" of engines to check
+    side_channels: Sequence[str] = ()  # "HOST:PORT" of engines to check
     timeout_s: float = 3.0  # per side-channel exchange
     transfer: bool = True  # run the loopback READ
-    transfer_timeout_s: float = 120.0  # for the whole loopback READ, start-up included
-    num_bytes: int = 32 * 2**20  # per READ
-    num_reads: int = 4
     strict: bool = False  # warnings fail too
     listen: str | None = None  # two-host mode: serve a READ target on HOST:PORT
     peer: str | None = None  # two-host mode: READ the target of a listener at HOST:PORT
@@ -79,7 +77,7 @@ class DoctorReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> DoctorReport:
     """Gather every fact ``options`` asks for and judge them. Raises UnsupportedConfiguration
     for a malformed ``--side-channel`` address (before doing anything slow)."""
-    if not (options.timeout_s > 0 and options.transfer_timeout_s > 0):
+    if not options.timeout_s > 0:
         raise UnsupportedConfiguration(
             f"--timeout {options.timeout_s} is not accepted; give a number of seconds > 0"
         )
@@ -95,10 +93,7 @@ def run_doctor(options: DoctorOptions, env: Mapping[str, str] | None = None) -> 
         checks += remote_checks
     elif options.transfer and "UCX" in nixl.backends:
         loopback = run_loopback(
-            env,
-            num_bytes=options.num_bytes,
-            num_reads=options.num_reads,
-            timeout_s=options.transfer_timeout_s,
+            env, num_bytes=READ_BYTES, num_reads=NUM_READS, timeout_s=TRANSFER_TIMEOUT_S
         )
         checks += check_loopback(loopback) + check_progress(loopback.idle_cpu_fraction)
     elif options.transfer:
@@ -123,12 +118,9 @@ def _two_hosts_address(options: DoctorOptions) -> tuple[str, int] | None:
             "--listen and --peer are the two ends of one test: give one of them here and the "
             "other on the other host"
         )
-    address = options.listen or options.peer
-    return (
-        None
-        if address is None
-        else parse_address(address, "--listen" if options.listen else "--peer")
-    )
+    if options.listen:
+        return parse_address(options.listen, "--listen")
+    return None if options.peer is None else parse_address(options.peer, "--peer")
 
 
 def _two_hosts_read(
@@ -140,13 +132,9 @@ def _two_hosts_read(
         return None, checks
     host, port = address
     if options.listen is not None:
-        read = run_listener(
-            host, port, env, num_bytes=options.num_bytes, timeout_s=options.transfer_timeout_s
-        )
+        read = run_listener(host, port, env, num_bytes=READ_BYTES, timeout_s=TRANSFER_TIMEOUT_S)
     else:
-        read = run_peer(
-            host, port, env, num_reads=options.num_reads, timeout_s=options.transfer_timeout_s
-        )
+        read = run_peer(host, port, env, num_reads=NUM_READS, timeout_s=TRANSFER_TIMEOUT_S)
     return read, checks + check_remote_read(read, _rdma_devices())
 
 
@@ -178,11 +166,6 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 def probe_nixl() -> NixlProbe:
     """Import NIXL, list its plugins, and create a UCX backend on an agent with no thread."""
-    with _stdout_to_stderr():  # the probe agent is gone before stdout is restored
-        return _probe_nixl()
-
-
-def _probe_nixl() -> NixlProbe:
     try:
         import nixl
         from nixl._api import nixl_agent, nixl_agent_config
@@ -258,10 +241,8 @@ def gather_env(env: Mapping[str, str], secret: str | None) -> EnvFacts:
     engine = None
     if taken:
         with contextlib.suppress(ConnectorError):
-            handshake = fetch_handshake(
-                host, port, 0, secret=secret, timeout_s=PORT_PROBE_TIMEOUT_S
-            )
-            engine = handshake.engine_id
+            reply = fetch_handshake(host, port, 0, secret=secret, timeout_s=PORT_PROBE_TIMEOUT_S)
+            engine = reply.engine_id
     return EnvFacts(shown, _interfaces_up(), _rdma_devices(), None, taken, engine)
 
 
@@ -306,37 +287,12 @@ def render(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
-def _raise_interrupt(signum: int, frame: object) -> NoReturn:
-    raise KeyboardInterrupt
-
-
-def main(
-    side_channels: Sequence[str],
-    *,
-    timeout_s: float,
-    transfer: bool,
-    strict: bool,
-    as_json: bool,
-    listen: str | None = None,
-    peer: str | None = None,
-) -> int:
-    """The `nixl-pd doctor` command: 0 when a deployment has what it needs, 1 if not, 2 on a
-    bad argument."""
-    options = DoctorOptions(
-        side_channels=tuple(side_channels),
-        timeout_s=timeout_s,
-        transfer=transfer,
-        strict=strict,
-        listen=listen,
-        peer=peer,
-    )
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM stops the children like Ctrl-C
+def main(options: DoctorOptions, *, as_json: bool) -> int:
+    """The `nixl-pd doctor` command: 0 when a deployment has what it needs, 1 if not; a bad
+    argument raises UnsupportedConfiguration (connector.tools.cli prints it, exit code 2)."""
     try:
         with _stdout_to_stderr():  # whatever a library prints must not corrupt the report
             report = run_doctor(options)
-    except ConnectorError as exc:
-        print(f"nixl-pd doctor: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("nixl-pd doctor: interrupted", file=sys.stderr)
         return 130

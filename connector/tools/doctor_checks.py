@@ -82,14 +82,8 @@ class SideChannelProbe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def check_nixl(probe: NixlProbe) -> list[Check]:
     if not probe.loaded:
-        return [
-            Check(
-                "nixl",
-                "fail",
-                f"NIXL does not load: {probe.error}",
-                "pip install 'nixl>=1.5' into this Python environment (see pyproject.toml)",
-            )
-        ]
+        fix = "pip install 'nixl>=1.5' into this Python environment (see pyproject.toml)"
+        return [Check("nixl", "fail", f"NIXL does not load: {probe.error}", fix)]
     plugins = ", ".join(probe.plugins) or "none"
     checks = [
         Check("nixl", "ok", f"nixl {probe.version} ({probe.module}) loads; plugins: {plugins}")
@@ -126,24 +120,15 @@ def check_loopback(loopback: Loopback) -> list[Check]:
         "" if loopback.net_devices_from_env else " (unset in your environment; doctor default)"
     )
     if not loopback.ok:
-        return [
-            Check(
-                "transfer",
-                "fail",
-                f"loopback READ failed ({devices}): {loopback.error}",
-                "run with NIXL_LOG_LEVEL=DEBUG UCX_LOG_LEVEL=info to see why UCX "
-                "cannot connect two processes on this host",
-            )
-        ]
+        summary = f"loopback READ failed ({devices}): {loopback.error}"
+        fix = (
+            "run with NIXL_LOG_LEVEL=DEBUG UCX_LOG_LEVEL=info to see why UCX "
+            "cannot connect two processes on this host"
+        )
+        return [Check("transfer", "fail", summary, fix)]
     if not loopback.bytes_matched:
-        return [
-            Check(
-                "transfer",
-                "fail",
-                "loopback READ completed but the bytes differ",
-                "report this: NIXL or UCX delivered wrong data",
-            )
-        ]
+        summary = "loopback READ completed but the bytes differ"
+        return [Check("transfer", "fail", summary, "report this: NIXL or UCX delivered wrong data")]
     moved = _WHAT_MOVED[loopback.transport_class]
     lanes = ", ".join(loopback.read_lanes) or "?"
     messages = ", ".join(loopback.message_lanes) or "?"
@@ -152,9 +137,9 @@ def check_loopback(loopback: Loopback) -> list[Check]:
         f"{loopback.num_bytes / 2**20:.0f} MiB, two processes; notifications over {messages}; "
         f"{devices})"
     )
-    fix = _transport_fix(loopback.transport_class, loopback.ucx_tls)
-    status: Status = "ok" if fix is None else "warn"
-    return [Check("transfer", status, summary, fix)]
+    transport_fix = _transport_fix(loopback.transport_class, loopback.ucx_tls)
+    status: Status = "ok" if transport_fix is None else "warn"
+    return [Check("transfer", status, summary, transport_fix)]
 
 
 def _transport_fix(kind: TransportClass, ucx_tls: str | None) -> str | None:
@@ -179,15 +164,11 @@ def check_progress(idle_cpu_fraction: float | None) -> list[Check]:
         return []
     used = f"an idle nixl-pd agent used {idle_cpu_fraction:.0%} of a core"
     if idle_cpu_fraction > SPINNING_CPU_FRACTION:
-        return [
-            Check(
-                "progress",
-                "warn",
-                f"{used}: its progress thread spins",
-                "give the progress thread a delay: RealNixlAgent(progress_delay_us=1000); "
-                "agents made with nixl_agent() defaults poll with no delay",
-            )
-        ]
+        fix = (
+            "give the progress thread a delay: RealNixlAgent(progress_delay_us=1000); "
+            "agents made with nixl_agent() defaults poll with no delay"
+        )
+        return [Check("progress", "warn", f"{used}: its progress thread spins", fix)]
     return [Check("progress", "ok", f"{used} (progress thread polls with a delay, no spinning)")]
 
 

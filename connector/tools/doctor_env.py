@@ -42,29 +42,25 @@ def _net_devices_checks(facts: EnvFacts) -> list[Check]:
     if value is None:
         if len(facts.interfaces_up) + len(facts.rdma_devices) <= 1:
             return []
-        return [
-            Check(
-                "UCX_NET_DEVICES",
-                "warn",
-                f"unset on a machine with {interfaces}: UCX "
-                "opens lanes on every one and may pick a slow or unreachable one",
-                "export UCX_NET_DEVICES=<the device linking prefill and decode> "
-                "(e.g. mlx5_0:1; lo for one host) in both engines' environment",
-            )
-        ]
+        summary = (
+            f"unset on a machine with {interfaces}: UCX "
+            "opens lanes on every one and may pick a slow or unreachable one"
+        )
+        fix = (
+            "export UCX_NET_DEVICES=<the device linking prefill and decode> "
+            "(e.g. mlx5_0:1; lo for one host) in both engines' environment"
+        )
+        return [Check("UCX_NET_DEVICES", "warn", summary, fix)]
     known = set(facts.interfaces_up) | set(facts.rdma_devices)
     missing = [dev for dev in _devices(value) if dev not in known and dev != "all"]
     if missing:
-        return [
-            Check(
-                "UCX_NET_DEVICES",
-                "warn",
-                f"UCX_NET_DEVICES={value} names "
-                f"{', '.join(missing)}, not an up interface or RDMA device here "
-                f"({interfaces})",
-                "name devices that exist on this host (ip link; ibv_devices)",
-            )
-        ]
+        summary = (
+            f"UCX_NET_DEVICES={value} names "
+            f"{', '.join(missing)}, not an up interface or RDMA device here "
+            f"({interfaces})"
+        )
+        fix = "name devices that exist on this host (ip link; ibv_devices)"
+        return [Check("UCX_NET_DEVICES", "warn", summary, fix)]
     return [Check("UCX_NET_DEVICES", "ok", f"UCX_NET_DEVICES={value}")]
 
 
@@ -97,16 +93,15 @@ def _side_channel_env_checks(facts: EnvFacts) -> list[Check]:
     host = facts.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     port = facts.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
     if host in ("0.0.0.0", "::", "*") and "NIXL_PD_SIDE_CHANNEL_SECRET" not in facts.env:
-        checks.append(
-            Check(
-                "side channel",
-                "warn",
-                f"binds {host} (every interface) with no "
-                "shared secret: anyone who reaches the port can read KV memory",
-                "bind the interface decode engines use, and set "
-                "NIXL_PD_SIDE_CHANNEL_SECRET on every engine",
-            )
+        summary = (
+            f"binds {host} (every interface) with no "
+            "shared secret: anyone who reaches the port can read KV memory"
         )
+        fix = (
+            "bind the interface decode engines use, and set "
+            "NIXL_PD_SIDE_CHANNEL_SECRET on every engine"
+        )
+        checks.append(Check("side channel", "warn", summary, fix))
     fix = "give each engine on this host its own VLLM_NIXL_SIDE_CHANNEL_PORT"
     if facts.port_engine is not None:
         summary = f"{host}:{port} is served by engine {facts.port_engine}, running here"

@@ -68,15 +68,12 @@ def check_tls_across_hosts(ucx_tls: str | None) -> list[Check]:
     network = [i for i in items if i in ("all", "tcp") or transport_class(i) == "rdma"]
     if network:
         return []
-    return [
-        Check(
-            "UCX_TLS",
-            "fail",
-            f"UCX_TLS={ucx_tls} has no network transport: CMA and shared memory cannot "
-            "cross hosts, so engines on two hosts cannot connect",
-            "add a network transport on both hosts: UCX_TLS=tcp, or rc,ud (RDMA), or unset it",
-        )
-    ]
+    summary = (
+        f"UCX_TLS={ucx_tls} has no network transport: CMA and shared memory cannot "
+        "cross hosts, so engines on two hosts cannot connect"
+    )
+    fix = "add a network transport on both hosts: UCX_TLS=tcp, or rc,ud (RDMA), or unset it"
+    return [Check("UCX_TLS", "fail", summary, fix)]
 
 
 def check_remote_read(read: RemoteRead, rdma_devices: tuple[str, ...] = ()) -> list[Check]:

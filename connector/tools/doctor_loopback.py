@@ -26,9 +26,8 @@ from connector.tools.doctor_checks import Loopback
 from connector.tools.doctor_ucx import message_lanes, parse_proto_tables, read_lanes, slowest_class
 
 DEFAULT_NET_DEVICES = "lo"
-# How long a peer gets to exit cleanly before it is killed. The reader writes out its UCX log
-# (the lanes its READs took) before its RESULT line, so a kill loses no lane; 5 s was still
-# too short for the target on a host busy with other work (seen in CI).
+# How long a peer gets to exit cleanly before it is killed (a busy host slows it). The reader
+# writes out its UCX log (the lanes its READs took) before its RESULT line: a kill loses none.
 STOP_TIMEOUT_S = 10.0
 KILLED_EXIT_TIMEOUT_S = 60.0  # a killed peer only has to be reaped
 IDLE_WINDOW_S = 0.5  # how long the target is watched doing nothing, for the spinning check
@@ -37,11 +36,22 @@ IDLE_WINDOW_S = 0.5  # how long the target is watched doing nothing, for the spi
 class PeerProcess:
     """One doctor_peer child: send it a line, wait for a tagged line, always stop it."""
 
-    def __init__(self, args: list[str], env: Mapping[str, str], stderr: IO[bytes]) -> None:
-        self.role = args[0]
+    def __init__(
+        self,
+        role: str,
+        env: Mapping[str, str],
+        stderr: IO[bytes],
+        *,
+        num_bytes: int,
+        timeout_s: float,  # the parent's wait: the child quits on its own STOP_TIMEOUT_S later
+        num_reads: int = 0,  # the reader's
+    ) -> None:
+        self.role = role
         self._stderr = stderr
+        args = [role, "--num-bytes", str(num_bytes), "--reads", str(num_reads)]
+        lifetime = ["--lifetime-s", str(timeout_s + STOP_TIMEOUT_S)]
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "connector.tools.doctor_peer", *args],
+            [sys.executable, "-m", "connector.tools.doctor_peer", *args, *lifetime],
             env=dict(env),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -177,16 +187,15 @@ def _transfer(
     timeout_s: float,
 ) -> tuple[ReaderResult, float | None]:
     deadline_s = time.monotonic() + timeout_s
-    lifetime = ["--lifetime-s", str(timeout_s + STOP_TIMEOUT_S)]
-    size = ["--num-bytes", str(num_bytes)]
     with tempfile.TemporaryFile() as target_err, tempfile.TemporaryFile() as reader_err:
-        target = PeerProcess(["target", *size, *lifetime], env, target_err)
+        target = PeerProcess("target", env, target_err, num_bytes=num_bytes, timeout_s=timeout_s)
         try:
             reader = PeerProcess(
-                ["reader", *size, "--reads", str(num_reads), *lifetime], reader_env, reader_err
-            )
+                "reader", reader_env, reader_err,
+                num_bytes=num_bytes, num_reads=num_reads, timeout_s=timeout_s,
+            )  # fmt: skip
             try:
-                address, metadata_hex = _two(target.wait_line("READY", deadline_s))
+                address, metadata_hex = target_ready(target.wait_line("READY", deadline_s))
                 reader.send(f"{address} {metadata_hex}")
                 result = ReaderResult.parse(reader.wait_line("RESULT", deadline_s))
             finally:
@@ -199,7 +208,8 @@ def _transfer(
             target.stop()
 
 
-def _two(words: list[str]) -> tuple[str, str]:
+def target_ready(words: list[str]) -> tuple[str, str]:
+    """The target's READY line: its buffer's address and its agent metadata (hex)."""
     if len(words) != 2:
         raise TransferFailed(f"target: malformed READY line {words[:2]!r}")
     return words[0], words[1]

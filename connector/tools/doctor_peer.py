@@ -36,10 +36,6 @@ def pattern(num_bytes: int) -> np.ndarray:
     return (np.arange(num_bytes, dtype=np.uint64) * 2654435761 >> 24).astype(np.uint8)
 
 
-def _say(*words: object) -> None:
-    print(*words, flush=True)
-
-
 def _wait_stdin(timeout_s: float) -> str:
     """One stdin line ("" on EOF or timeout)."""
     ready, _, _ = select.select([sys.stdin], [], [], max(0.0, timeout_s))
@@ -58,10 +54,10 @@ def run_target(num_bytes: int, lifetime_s: float) -> None:
     buffer = pattern(num_bytes)
     agent = RealNixlAgent(f"doctor-target-{uuid.uuid4().hex[:8]}")
     registration = agent.register_regions([(buffer.ctypes.data, num_bytes)])
-    _say("READY", buffer.ctypes.data, agent.get_agent_metadata().hex())
+    print("READY", buffer.ctypes.data, agent.get_agent_metadata().hex(), flush=True)
     deadline_s = time.monotonic() + lifetime_s
     while (words := _wait_stdin(deadline_s - time.monotonic()).split())[:1] == ["idle"]:
-        _say("IDLE_CPU", f"{_idle_cpu_fraction(float(words[1])):.4f}")
+        print("IDLE_CPU", f"{_idle_cpu_fraction(float(words[1])):.4f}", flush=True)
     agent.deregister(registration)
     agent.close()
 
@@ -105,7 +101,7 @@ def run_reader(num_bytes: int, num_reads: int, lifetime_s: float) -> None:
     # UCX writes the lanes it chose into its log through C stdio buffers, written out at a
     # clean exit: flushed now, they survive a doctor that has to kill this process (busy host).
     ctypes.CDLL(None).fflush(None)
-    _say("RESULT", num_bytes, f"{elapsed_s:.6f}", num_reads, len(local), int(matched))
+    print("RESULT", num_bytes, f"{elapsed_s:.6f}", num_reads, len(local), int(matched), flush=True)
     agent.remove_remote_agent(remote_agent)
     agent.deregister(registration)
     agent.close()
@@ -125,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_reader(args.num_bytes, args.reads, args.lifetime_s)
     except Exception as exc:  # the parent reports it; one line, no traceback
-        _say("ERROR", f"{type(exc).__name__}: {exc}".replace("\n", " "))
+        print("ERROR", f"{type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
         return 1
     return 0
 

@@ -32,7 +32,7 @@ from connector.tools.doctor_hosts import (
     RemoteRead,
     Report,
 )
-from connector.tools.doctor_loopback import STOP_TIMEOUT_S, PeerProcess, ReaderResult
+from connector.tools.doctor_loopback import STOP_TIMEOUT_S, PeerProcess, ReaderResult, target_ready
 from connector.tools.doctor_ucx import parse_proto_tables, read_lanes, read_scopes, slowest_class
 
 MAX_MESSAGE_BYTES = 2**20  # agent metadata is a few KiB
@@ -43,10 +43,6 @@ def _child_env(env: Mapping[str, str]) -> dict[str, str]:
     """The engines' environment for a doctor_peer child. Unlike the loopback READ, no
     UCX_NET_DEVICES default: "lo" cannot reach another host."""
     return {"NIXL_LOG_LEVEL": "WARN", **env, "PYTHONUNBUFFERED": "1"}
-
-
-def _lifetime(timeout_s: float) -> list[str]:
-    return ["--lifetime-s", str(timeout_s + STOP_TIMEOUT_S)]
 
 
 def _socket(kind: int) -> zmq.Socket:
@@ -73,14 +69,13 @@ def run_listener(
     """Serve one peer's READ of ``num_bytes``; its Report, or a failed RemoteRead on error."""
     listener = f"{host}:{port}"
     deadline_s = time.monotonic() + timeout_s
-    size = ["--num-bytes", str(num_bytes)]
     with tempfile.TemporaryFile() as target_err:
-        target = PeerProcess(["target", *size, *_lifetime(timeout_s)], _child_env(env), target_err)
+        target = PeerProcess(
+            "target", _child_env(env), target_err, num_bytes=num_bytes, timeout_s=timeout_s
+        )
         try:
-            words = target.wait_line("READY", deadline_s)
-            if len(words) != 2:
-                raise TransferFailed(f"target: malformed READY line {words[:2]!r}")
-            offer = Offer(int(words[0]), num_bytes, bytes.fromhex(words[1]))
+            address, metadata_hex = target_ready(target.wait_line("READY", deadline_s))
+            offer = Offer(int(address), num_bytes, bytes.fromhex(metadata_hex))
             return _serve_one_peer(host, port, offer, deadline_s)
         except TransferFailed as exc:
             return RemoteRead(ok=False, listener=listener, error=str(exc))
@@ -157,13 +152,15 @@ def _ask(sock: zmq.Socket, message: Message, deadline_s: float) -> Message:
 def _read(
     offer: Offer, env: Mapping[str, str], num_reads: int, deadline_s: float, failed: RemoteRead
 ) -> RemoteRead:
-    args = ["reader", "--num-bytes", str(offer.num_bytes), "--reads", str(num_reads)]
     timeout_s = deadline_s - time.monotonic()
     with tempfile.TemporaryDirectory(prefix="nixl-pd-doctor-") as tmp:
         ucx_log = Path(tmp) / "ucx-reader.log"
         reader_env = {**env, "UCX_PROTO_INFO": "y", "UCX_LOG_FILE": str(ucx_log)}
         with tempfile.TemporaryFile() as reader_err:
-            reader = PeerProcess([*args, *_lifetime(timeout_s)], reader_env, reader_err)
+            reader = PeerProcess(
+                "reader", reader_env, reader_err,
+                num_bytes=offer.num_bytes, num_reads=num_reads, timeout_s=timeout_s,
+            )  # fmt: skip
             try:
                 reader.send(f"{offer.address} {offer.agent_metadata.hex()}")
                 result = ReaderResult.parse(reader.wait_line("RESULT", deadline_s))

@@ -189,8 +189,5 @@ def all_read_lanes(tables: Iterable[ProtoTable]) -> tuple[str, ...]:
 def read_scopes(tables: Iterable[ProtoTable]) -> tuple[str, ...]:
     """How UCX placed the peers of remote memory reads: "intra-node" (same machine as far as
     UCX can tell, so shared memory is possible) and/or "inter-node"."""
-    found: list[str] = []
-    for table in tables:
-        if table.scope not in ("", "self") and "remote memory read" in table.operation:
-            found.extend([table.scope] if table.scope not in found else [])
-    return tuple(found)
+    scopes = (table.scope for table in tables if "remote memory read" in table.operation)
+    return tuple(dict.fromkeys(scope for scope in scopes if scope not in ("", "self")))

@@ -50,26 +50,15 @@ class ByteRuns(msgspec.Struct, frozen=True):
 
     def take(self, rows: npt.NDArray[np.intp] | npt.NDArray[np.int64]) -> ByteRuns:
         """The runs at ``rows`` (an index array), in that order."""
-        return ByteRuns(
-            self.local_regions[rows],
-            self.local_offsets[rows],
-            self.remote_regions[rows],
-            self.remote_offsets[rows],
-            self.lengths[rows],
-        )
+        return ByteRuns(*[column[rows] for column in msgspec.structs.astuple(self)])
 
 
 def concatenate(parts: list[ByteRuns]) -> ByteRuns:
     """The runs of ``parts`` one after the other (no merging)."""
     if len(parts) == 1:
         return parts[0]
-    return ByteRuns(
-        np.concatenate([p.local_regions for p in parts]),
-        np.concatenate([p.local_offsets for p in parts]),
-        np.concatenate([p.remote_regions for p in parts]),
-        np.concatenate([p.remote_offsets for p in parts]),
-        np.concatenate([p.lengths for p in parts]),
-    )
+    columns = zip(*map(msgspec.structs.astuple, parts), strict=True)  # the parts' columns
+    return ByteRuns(*map(np.concatenate, columns))
 
 
 RelativeRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local offset, remote offset, length)
@@ -133,15 +122,19 @@ def _segment_starts(segments: Segments, cls: PlaneClass) -> tuple[Int64Array, In
 def _token_starts(segments: Segments, cls: PlaneClass) -> tuple[Int64Array, Int64Array]:
     """Relative byte offset of every token of every segment, per side, in token order."""
     local, remote = _segment_starts(segments, cls)
-    counts = segments.num_tokens
-    owner = np.repeat(np.arange(len(counts)), counts)
-    step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(counts) - counts, counts
-    )
+    owner, step = _expand(segments.num_tokens)
     return (
         local[owner] + step * cls.local.token_bytes,
         remote[owner] + step * cls.remote.token_bytes,
     )
+
+
+def _expand(counts: Int64Array) -> tuple[Int64Array, Int64Array]:
+    """Entry i repeated ``counts[i]`` times: each copy's owner i and its place among the
+    copies. [2, 1] -> owners [0, 0, 1], places [0, 1, 0]."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    firsts = np.cumsum(counts) - counts  # where each entry's copies start
+    return owner, np.arange(len(owner), dtype=np.int64) - firsts[owner]
 
 
 def _per_head(
@@ -218,11 +211,7 @@ def _atom_major(runs: RelativeRuns, cls: PlaneClass) -> _Placed:
     num_planes = len(cls.local_offsets)
     gap = _packed_gap(cls)
     whole = lengths == gap if gap is not None else np.zeros(len(lengths), dtype=bool)
-    per_run = np.where(whole, 1, num_planes)
-    owner = np.repeat(np.arange(len(lengths)), per_run)
-    plane = np.arange(int(per_run.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(per_run) - per_run, per_run
-    )
+    owner, plane = _expand(np.where(whole, 1, num_planes))
     placed = ByteRuns(
         cls.local_regions[plane],
         local[owner] + cls.local_offsets[plane],
@@ -279,26 +268,15 @@ def merge(parts: list[_Placed]) -> ByteRuns:
     """
     placed = _concatenate(parts)
     runs, seams = placed.runs, placed.seams
-    lr, lo, rr, ro = (
-        runs.local_regions,
-        runs.local_offsets,
-        runs.remote_regions,
-        runs.remote_offsets,
-    )
+    lr, lo = runs.local_regions, runs.local_offsets
     before = seams - 1
     if not bool(
         np.all((lr[seams] > lr[before]) | ((lr[seams] == lr[before]) & (lo[seams] >= lo[before])))
     ):
         runs = runs.take(np.lexsort((lo, lr)))
-        lr, lo, rr, ro = (
-            runs.local_regions,
-            runs.local_offsets,
-            runs.remote_regions,
-            runs.remote_offsets,
-        )
         seams = np.arange(1, len(lo), dtype=np.int64)
         before = seams - 1
-    ln = runs.lengths
+    lr, lo, rr, ro, ln = msgspec.structs.astuple(runs)
     joins = (
         (lr[seams] == lr[before])
         & (rr[seams] == rr[before])

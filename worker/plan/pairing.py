@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -43,7 +43,7 @@ import numpy.typing as npt
 from connector.errors import UnsupportedConfiguration
 from connector.geometry import heads_per_rank
 from connector.layout import GroupGeometry, GroupKind, MemoryLayout, PlaneGeometry, RankLayout
-from worker.topology import ReadSource, read_sources, tp_ratio
+from worker.topology import read_sources, tp_ratio
 
 Int64Array = npt.NDArray[np.int64]  # the planner's offsets, lengths and block ids
 
@@ -103,9 +103,7 @@ class GroupPairing:
     local: SideBlocks
     remote: SideBlocks
     classes: dict[int, tuple[PlaneClass, ...]]  # remote rank -> its plane classes
-    whole_blocks: bool = (
-        False  # opaque block format: copy whole kernel blocks (equal on both sides)
-    )
+    whole_blocks: bool = False  # opaque block format: copy whole kernel blocks (equal both sides)
 
 
 def _mode(local: Strides, remote: Strides, head_bytes: int, num_heads: int, ssm: bool) -> CopyMode:
@@ -139,12 +137,14 @@ class _ClassKey:
     num_heads: int
 
 
-def _plane_class(
-    key: _ClassKey,
-    members: list[tuple[PlaneGeometry, PlaneGeometry, ReadSource]],
-    ssm: bool,
-    atom_major: bool,
-) -> PlaneClass:
+# One plane of a class: (local region, local offset, remote region, remote offset), the
+# offsets moved to the first head of the slice read.
+_Member = tuple[int, int, int, int]
+
+
+def _plane_class(key: _ClassKey, members: list[_Member], ssm: bool, atom_major: bool) -> PlaneClass:
+    columns = np.array(members, dtype=np.int64).T.copy()  # four contiguous columns
+    local_regions, local_offsets, remote_regions, remote_offsets = columns
     return PlaneClass(
         mode=_mode(key.local, key.remote, key.head_bytes, key.num_heads, ssm),
         local=key.local,
@@ -152,24 +152,15 @@ def _plane_class(
         head_bytes=key.head_bytes,
         num_heads=key.num_heads,
         atom_major=atom_major,
-        local_regions=np.array([lp.region for lp, _, _ in members], dtype=np.int64),
-        local_offsets=np.array(
-            [lp.offset_bytes + s.local_heads.start * lp.head_stride_bytes for lp, _, s in members],
-            dtype=np.int64,
-        ),
-        remote_regions=np.array([rp.region for _, rp, _ in members], dtype=np.int64),
-        remote_offsets=np.array(
-            [rp.offset_bytes + s.remote_heads.start * rp.head_stride_bytes for _, rp, s in members],
-            dtype=np.int64,
-        ),
+        local_regions=local_regions,
+        local_offsets=local_offsets,
+        remote_regions=remote_regions,
+        remote_offsets=remote_offsets,
     )
 
 
 def _plane_classes(
-    group: int,
-    local: RankLayout,
-    remote: RankLayout,
-    sources: Callable[[PlaneGeometry], list[ReadSource]],
+    group: int, local: RankLayout, remote: RankLayout
 ) -> dict[int, tuple[PlaneClass, ...]]:
     """Bucket the group's planes by (remote rank, strides, head slice size), keeping plane order.
 
@@ -177,9 +168,12 @@ def _plane_classes(
     head slices with equal strides share a class. Packed layers count as one fused plane.
     """
     lg, rg = local.groups[group], remote.groups[group]
-    buckets: dict[_ClassKey, list[tuple[PlaneGeometry, PlaneGeometry, ReadSource]]] = {}
+    buckets: dict[_ClassKey, list[_Member]] = {}
     for lp, rp in fuse_packed_planes(lg.planes, rg.planes):
-        for source in sources(lp):
+        sources = read_sources(
+            local.tp_rank, local.tp_size, remote.tp_size, lp.model_heads, replicated=lp.replicated
+        )
+        for source in sources:
             key = _ClassKey(
                 source.remote_rank,
                 _strides(lp),
@@ -187,7 +181,9 @@ def _plane_classes(
                 lp.head_bytes,
                 len(source.local_heads),
             )
-            buckets.setdefault(key, []).append((lp, rp, source))
+            local_offset = lp.offset_bytes + source.local_heads.start * lp.head_stride_bytes
+            remote_offset = rp.offset_bytes + source.remote_heads.start * rp.head_stride_bytes
+            buckets.setdefault(key, []).append((lp.region, local_offset, rp.region, remote_offset))
     ssm = lg.kind is GroupKind.SSM
     atom_major = local.memory_layout is MemoryLayout.BLOCK_OUTERMOST
     classes: dict[int, list[PlaneClass]] = {}
@@ -199,16 +195,6 @@ def _plane_classes(
 def pair_groups(local: RankLayout, remote: RankLayout) -> tuple[GroupPairing, ...]:
     """Every group's plane classes per remote rank, for a pairing that passed ``validate_pair``
     (below; worker/plan/recipe.py ``peer_plan`` calls both)."""
-
-    def sources(plane: PlaneGeometry) -> list[ReadSource]:
-        return read_sources(
-            local.tp_rank,
-            local.tp_size,
-            remote.tp_size,
-            plane.model_heads,
-            replicated=plane.replicated,
-        )
-
     return tuple(
         GroupPairing(
             index=index,
@@ -216,20 +202,16 @@ def pair_groups(local: RankLayout, remote: RankLayout) -> tuple[GroupPairing, ..
             window=lg.window,
             local=SideBlocks(lg.block_size, lg.kernel_block_size, lg.num_blocks),
             remote=SideBlocks(rg.block_size, rg.kernel_block_size, rg.num_blocks),
-            classes=_plane_classes(index, local, remote, sources),
+            classes=_plane_classes(index, local, remote),
             whole_blocks=not lg.block_format.token_addressable,
         )
         for index, (lg, rg) in enumerate(zip(local.groups, remote.groups, strict=True))
     )
 
 
-def _reject(message: str) -> UnsupportedConfiguration:
-    return UnsupportedConfiguration(message)
-
-
 def _check_same(group: int, what: str, local: object, remote: object) -> None:
     if local != remote:
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"cache group {group}: decode has {what} {local!r} but prefill has {remote!r}; "
             "both engines must serve the same model with the same cache configuration"
         )
@@ -237,14 +219,16 @@ def _check_same(group: int, what: str, local: object, remote: object) -> None:
 
 def _check_group_blocks(side: str, index: int, group: GroupGeometry) -> None:
     if group.block_size <= 0 or group.kernel_block_size <= 0 or group.num_blocks <= 0:
-        raise _reject(f"{side} cache group {index}: block sizes and num_blocks must be positive")
+        raise UnsupportedConfiguration(
+            f"{side} cache group {index}: block sizes and num_blocks must be positive"
+        )
     if group.block_size % group.kernel_block_size != 0:
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"{side} cache group {index}: kernel block size {group.kernel_block_size} does not "
             f"divide the logical block size {group.block_size}"
         )
     if group.kind is GroupKind.SSM and group.ratio != 1:
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"{side} cache group {index}: SSM state blocks cannot be split into kernel blocks"
         )
 
@@ -254,12 +238,8 @@ def _check_plane_fits(
 ) -> None:
     slots = 1 if group.kind is GroupKind.SSM else group.kernel_block_size
     strides = (plane.kernel_block_stride_bytes, plane.token_stride_bytes, plane.head_stride_bytes)
-    if (
-        not 0 <= plane.region < len(layout.region_bytes)
-        or min(strides) < 0
-        or plane.offset_bytes < 0
-    ):
-        raise _reject(
+    if not 0 <= plane.region < len(layout.region_bytes) or min(*strides, plane.offset_bytes) < 0:
+        raise UnsupportedConfiguration(
             f"{side} layout: layer {plane.layer} plane {plane.plane} has a bad region or stride"
         )
     end_bytes = (
@@ -270,7 +250,7 @@ def _check_plane_fits(
         + plane.head_bytes
     )
     if end_bytes > layout.region_bytes[plane.region]:
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"{side} layout: layer {plane.layer} plane {plane.plane} ends at byte {end_bytes}, past "
             f"its region of {layout.region_bytes[plane.region]} bytes; the layout is inconsistent"
         )
@@ -281,7 +261,7 @@ def _check_heads(side: str, layout: RankLayout, plane: PlaneGeometry) -> None:
         plane.model_heads if plane.replicated else heads_per_rank(plane.model_heads, layout.tp_size)
     )
     if plane.num_heads != expected:
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"{side} layout: layer {plane.layer} holds {plane.num_heads} heads per rank, but "
             f"{plane.model_heads} heads over TP {layout.tp_size} give {expected}"
         )
@@ -296,7 +276,7 @@ def _check_block_format(
     """Opaque blocks (a kernel-private order inside each block) only move whole, between equals."""
     local_format, remote_format = lg.block_format, rg.block_format
     if local_format != remote_format:
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"cache group {index}: decode's attention kernel stores blocks as "
             f"{local_format.name!r} but prefill's as {remote_format.name!r}; run both engines "
             "with the same attention backend (and, on CPUs, the same instruction set)"
@@ -305,7 +285,7 @@ def _check_block_format(
         return
     if lg.kind is GroupKind.SSM:
         if local.tp_size != remote.tp_size and not local_format.head_chunks:
-            raise _reject(
+            raise UnsupportedConfiguration(
                 f"cache group {index} holds recurrent (SSM/Mamba) state in format "
                 f"{local_format.name!r}, which each rank keeps for its own shard and which "
                 f"cannot be re-sharded: decode TP {local.tp_size} cannot read from prefill TP "
@@ -318,7 +298,7 @@ def _check_block_format(
         ("memory layout", local.memory_layout.value, remote.memory_layout.value),
     ):
         if ours != theirs:
-            raise _reject(
+            raise UnsupportedConfiguration(
                 f"cache group {index}: blocks in format {local_format.name!r} are opaque (the "
                 f"kernel orders bytes inside a block its own way) and move whole only between "
                 f"equal engines, but decode's {what} is {ours!r} and prefill's {theirs!r}; "
@@ -326,7 +306,7 @@ def _check_block_format(
             )
     slices_heads = local.tp_size != remote.tp_size
     if slices_heads and not (local_format.head_chunks and local.memory_layout in _HEAD_MAJOR):
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"cache group {index}: blocks in format {local_format.name!r} are opaque and cannot "
             f"be split by head, so decode TP {local.tp_size} cannot read from prefill TP "
             f"{remote.tp_size}; use the same tensor-parallel size on both sides"
@@ -347,9 +327,11 @@ def validate_pair(local: RankLayout, remote: RankLayout) -> None:
     """Raise UnsupportedConfiguration if the two layouts cannot be paired exactly."""
     tp_ratio(local.tp_size, remote.tp_size)
     if not 0 <= local.tp_rank < local.tp_size:
-        raise _reject(f"decode rank {local.tp_rank} is not a rank of TP size {local.tp_size}")
+        raise UnsupportedConfiguration(
+            f"decode rank {local.tp_rank} is not a rank of TP size {local.tp_size}"
+        )
     if len(local.groups) != len(remote.groups):
-        raise _reject(
+        raise UnsupportedConfiguration(
             f"decode has {len(local.groups)} cache groups but prefill has {len(remote.groups)}; "
             "both engines must serve the same model"
         )
@@ -357,7 +339,7 @@ def validate_pair(local: RankLayout, remote: RankLayout) -> None:
         _check_same(index, "kind", lg.kind.value, rg.kind.value)
         _check_same(index, "sliding window", lg.window, rg.window)
         if lg.kind is GroupKind.SLIDING_WINDOW and (lg.window is None or lg.window <= 0):
-            raise _reject(
+            raise UnsupportedConfiguration(
                 f"cache group {index} is sliding-window with window {lg.window!r}; it must be positive"
             )
         _check_group_blocks("decode", index, lg)
@@ -370,29 +352,16 @@ def validate_pair(local: RankLayout, remote: RankLayout) -> None:
                 _check_plane_fits(side, layout, group, plane)
 
 
-def _shape(plane: PlaneGeometry) -> tuple[int | bool, ...]:
-    """Everything but the offset that fused planes must share."""
-    return (
-        plane.region,
-        plane.kernel_block_stride_bytes,
-        plane.token_stride_bytes,
-        plane.head_stride_bytes,
-        plane.head_bytes,
-        plane.num_heads,
-        plane.model_heads,
-        plane.replicated,
-    )
-
-
 def _interleaved(planes: Sequence[PlaneGeometry]) -> bool:
-    """True if the planes (of one layer) interleave per cell: plane i at offset + i * head_bytes."""
+    """True if the planes (of one layer) interleave per cell: plane i is plane 0 moved to
+    offset + i * head_bytes, with the same region, strides and heads."""
     if len(planes) < 2:
         return False
     first = planes[0]
+    base, step = first.offset_bytes, first.head_bytes
     return all(
-        _shape(plane) == _shape(first)
-        and plane.offset_bytes == first.offset_bytes + index * first.head_bytes
-        for index, plane in enumerate(planes)
+        plane == msgspec.structs.replace(first, plane=plane.plane, offset_bytes=base + i * step)
+        for i, plane in enumerate(planes)
     )
 
 

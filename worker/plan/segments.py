@@ -126,15 +126,11 @@ def _group_segments(
         if not local_ids:
             return None
         local_block = used_ids(g, "decode", local_ids, len(local_ids) - 1, len(local_ids), g.local)
+        num_remote = len(remote_block_ids)
         remote_block = used_ids(
-            g,
-            "prefill",
-            remote_block_ids,
-            len(remote_block_ids) - 1,
-            len(remote_block_ids),
-            g.remote,
+            g, "prefill", remote_block_ids, num_remote - 1, num_remote, g.remote
         )
-        return state_segment(int(local_block[0]), int(remote_block[0]))
+        return one_segment(int(local_block[0]), int(remote_block[0]), num_tokens=1)
     start = num_cached
     if g.kind is GroupKind.SLIDING_WINDOW and g.window is not None:
         start = max(num_cached, window_read_start(num_tokens, g.window))
@@ -144,11 +140,8 @@ def _group_segments(
     if g.whole_blocks:
         start, end = _whole_kernel_blocks(start, num_tokens, g.local.kernel_block_size)
     local_first = num_cached // g.local.block_size
-    local_lo, local_hi = start // g.local.block_size, (num_tokens - 1) // g.local.block_size + 1
-    remote_lo, remote_hi = (
-        start // g.remote.block_size,
-        (num_tokens - 1) // g.remote.block_size + 1,
-    )
+    local_lo, local_hi = start // g.local.block_size, ceil_div(num_tokens, g.local.block_size)
+    remote_lo, remote_hi = start // g.remote.block_size, ceil_div(num_tokens, g.remote.block_size)
     local_used = used_ids(
         g, "decode", local_ids, local_lo - local_first, local_hi - local_first, g.local
     )
@@ -220,9 +213,7 @@ def _cuts(start: int, end: int, local_kernel: int, remote_kernel: int) -> Int64A
             np.arange((start // small + 1) * small, end, small, dtype=np.int64),
             np.arange((start // large + 1) * large, end, large, dtype=np.int64),
         )
-    return np.concatenate(
-        (np.array([start], dtype=np.int64), inner, np.array([end], dtype=np.int64))
-    )
+    return np.concatenate(([start], inner, [end])).astype(np.int64, copy=False)
 
 
 def _kernel_blocks(
@@ -254,11 +245,10 @@ def token_segments(
     return Segments(local_blocks, local_slots, remote_blocks, remote_slots, np.diff(cuts))
 
 
-def state_segment(local_block: int, remote_block: int) -> Segments:
-    """An SSM state block: one slot-less segment."""
-    one = np.ones(1, dtype=np.int64)
+def one_segment(local_block: int, remote_block: int, *, num_tokens: int) -> Segments:
+    """A single segment from slot 0 of each block (an SSM state block: one token)."""
     zero = np.zeros(1, dtype=np.int64)
-    return Segments(one * local_block, zero, one * remote_block, zero, one)
+    return Segments(zero + local_block, zero, zero + remote_block, zero, zero + num_tokens)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -285,13 +275,8 @@ def check_request(
                 f"{side} block ids have {len(ids)} groups, the layout has {len(groups)}"
             )
     for g in groups:
-        _check_counts(
-            g,
-            len(local_block_ids[g.index]),
-            len(remote_block_ids[g.index]),
-            num_tokens,
-            num_cached_tokens,
-        )
+        num_local, num_remote = len(local_block_ids[g.index]), len(remote_block_ids[g.index])
+        _check_counts(g, num_local, num_remote, num_tokens, num_cached_tokens)
 
 
 def _check_counts(

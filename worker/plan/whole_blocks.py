@@ -35,11 +35,11 @@ import numpy.typing as npt
 from connector.layout import GroupKind
 from worker.plan.exact_runs import ByteRuns, class_runs
 from worker.plan.pairing import Int64Array
-from worker.plan.segments import Segments
+from worker.plan.segments import one_segment
 
 if TYPE_CHECKING:  # annotations only: no import at run time
-    from worker.plan.pairing import GroupPairing, PlaneClass
-    from worker.plan.segments import Mask, RequestSegments
+    from worker.plan.pairing import GroupPairing
+    from worker.plan.segments import Mask, RequestSegments, Segments
 
 # The cost rule of choose_prepared, in nanoseconds, measured on the 2-core machine with real
 # NIXL (benchmarks/plan_bench.py, "prepared" rows): building and posting one index (numpy
@@ -56,8 +56,6 @@ TAIL_NS = 80_000  # the index path's second READ (initialize_xfer, post) for par
 
 
 IndexArray = npt.NDArray[np.int32]  # NIXL's make_prepped_xfer takes int32 indices
-
-
 MAX_LIST_ENTRIES = 2**31 - 1  # so every index of a prepared list fits in an int32
 
 
@@ -107,19 +105,6 @@ class PreparedRows:
         return len(self.local_rows)
 
 
-def _full_block_run(g: GroupPairing, cls: PlaneClass) -> tuple[int, int, int] | None:
-    """(local offset, remote offset, length_bytes) of one whole kernel block of a plane, if it
-    is one contiguous run on both sides; None otherwise."""
-    one = np.ones(1, dtype=np.int64)
-    zero = np.zeros(1, dtype=np.int64)
-    tokens = 1 if g.kind is GroupKind.SSM else g.local.kernel_block_size
-    full = Segments(zero, zero, zero, zero, one * tokens)
-    local, remote, lengths = class_runs(full, cls)
-    if len(lengths) != 1:
-        return None
-    return int(local[0]), int(remote[0]), int(lengths[0])
-
-
 def _preparable(g: GroupPairing, rank: int) -> bool:
     same_blocks = g.local.kernel_block_size == g.remote.kernel_block_size
     classes = g.classes.get(rank, ())
@@ -139,27 +124,22 @@ def _strided(
     return rows
 
 
-def _side(
-    first: int, count: int, regions: Int64Array, offsets: Int64Array, stride: int
-) -> SideRows:
-    """Rows of one plane class on one side, numbered on from index ``first``."""
-    num_planes = len(regions)
+# One plane class on one side: its planes' regions, the offsets of their whole kernel blocks,
+# and the class's kernel block bytes (the rows' stride).
+ClassRows = tuple[Int64Array, Int64Array, int]
+
+
+def _side(first: int, count: int, classes: list[ClassRows]) -> SideRows:
+    """One side's rows of a group, one per plane, numbered on from index ``first``
+    (``count`` entries per row)."""
+    num_planes = [len(regions) for regions, _, _ in classes]
+    firsts = first + count * np.arange(sum(num_planes), dtype=np.int64)
     return SideRows(
-        (first + count * np.arange(num_planes, dtype=np.int64)).astype(np.int32).reshape(-1, 1),
-        regions,
-        offsets,
-        np.full(num_planes, stride, dtype=np.int64),
+        firsts.astype(np.int32).reshape(-1, 1),
+        np.concatenate([regions for regions, _, _ in classes]),
+        np.concatenate([offsets for _, offsets, _ in classes]),
+        np.repeat(np.array([stride for _, _, stride in classes], dtype=np.int64), num_planes),
         count,
-    )
-
-
-def _joined_sides(sides: list[SideRows]) -> SideRows:
-    return SideRows(
-        np.concatenate([s.first for s in sides]),
-        np.concatenate([s.regions for s in sides]),
-        np.concatenate([s.offsets for s in sides]),
-        np.concatenate([s.strides for s in sides]),
-        sides[0].num_kernel_blocks,
     )
 
 
@@ -168,34 +148,27 @@ def _prepared_group(
 ) -> PreparedGroup | None:
     """The group's rows, numbered on from (local_next, remote_next); None if a plane's whole
     kernel block is not one contiguous run on both sides."""
-    local_count = g.local.num_blocks * g.local.ratio
-    remote_count = g.remote.num_blocks * g.remote.ratio
-    local_sides: list[SideRows] = []
-    remote_sides: list[SideRows] = []
+    full_tokens = 1 if g.kind is GroupKind.SSM else g.local.kernel_block_size
+    full_block = one_segment(0, 0, num_tokens=full_tokens)
+    local_classes: list[ClassRows] = []
+    remote_classes: list[ClassRows] = []
     row_bytes: list[Int64Array] = []
     for cls in g.classes.get(remote_rank, ()):
-        run = _full_block_run(g, cls)
-        if run is None:
+        local_run, remote_run, run_bytes = class_runs(full_block, cls)  # relative to the plane
+        if len(run_bytes) != 1:
             return None
-        local_offset, remote_offset, length_bytes = run
-        num_planes = len(cls.local_regions)
-        local_sides.append(_side(
-            local_next, local_count, cls.local_regions, cls.local_offsets + local_offset,
-            cls.local.kernel_block_bytes,
-        ))  # fmt: skip
-        remote_sides.append(_side(
-            remote_next, remote_count, cls.remote_regions, cls.remote_offsets + remote_offset,
-            cls.remote.kernel_block_bytes,
-        ))  # fmt: skip
-        row_bytes.append(np.full(num_planes, length_bytes, dtype=np.int64))
-        local_next += local_count * num_planes
-        remote_next += remote_count * num_planes
-    local, remote = _joined_sides(local_sides), _joined_sides(remote_sides)
+        local_offsets = cls.local_offsets + local_run[0]
+        remote_offsets = cls.remote_offsets + remote_run[0]
+        local_classes.append((cls.local_regions, local_offsets, cls.local.kernel_block_bytes))
+        remote_classes.append((cls.remote_regions, remote_offsets, cls.remote.kernel_block_bytes))
+        row_bytes.append(np.full(len(cls.local_regions), run_bytes[0], dtype=np.int64))
+    local = _side(local_next, g.local.num_blocks * g.local.ratio, local_classes)
+    remote = _side(remote_next, g.remote.num_blocks * g.remote.ratio, remote_classes)
     lengths = np.concatenate(row_bytes)
     joining = (local.strides == lengths) & (remote.strides == lengths)
     return PreparedGroup(
         g.index,
-        1 if g.kind is GroupKind.SSM else g.local.kernel_block_size,
+        full_tokens,
         local,
         remote,
         lengths,
@@ -351,8 +324,6 @@ def _joined(parts: list[IndexArray]) -> IndexArray:
 
 
 BlockRuns = tuple[Int64Array, Int64Array, Int64Array]  # (local first, remote first, blocks)
-
-
 RowGeometry = tuple[Int64Array, Int64Array, Int64Array]  # per row: region, offset, stride
 
 
@@ -361,16 +332,12 @@ def run_breaks(local: Int64Array, remote: Int64Array) -> npt.NDArray[np.bool_]:
     return (local[1:] - local[:-1] != 1) | (remote[1:] - remote[:-1] != 1)
 
 
-def block_runs(
-    local: Int64Array, remote: Int64Array, breaks: npt.NDArray[np.bool_] | None = None
-) -> BlockRuns:
+def block_runs(local: Int64Array, remote: Int64Array, breaks: npt.NDArray[np.bool_]) -> BlockRuns:
     """Runs of kernel blocks consecutive on both sides: local [7, 8, 9, 3], remote
     [1, 2, 5, 6] -> local firsts [7, 9, 3], remote firsts [1, 5, 6], lengths [2, 1, 1].
-    ``breaks``: run_breaks(local, remote), if at hand."""
+    ``breaks``: run_breaks(local, remote)."""
     if len(local) <= 1:
         return local, remote, np.ones(len(local), dtype=np.int64)
-    if breaks is None:
-        breaks = run_breaks(local, remote)
     firsts = np.concatenate((_ZERO, np.flatnonzero(breaks) + 1))
     counts = np.diff(np.concatenate((firsts, [len(local)])))
     return local[firsts], remote[firsts], counts
