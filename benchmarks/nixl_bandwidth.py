@@ -1,12 +1,15 @@
-"""Measure RealNixlAgent across two processes: agent creation, READ bandwidth, idle CPU.
+"""Measure RealNixlAgent across two processes: agent creation, READ bandwidth and latency, idle CPU.
 
     UCX_NET_DEVICES=lo .venv/bin/python benchmarks/nixl_bandwidth.py \
-        [--size-mib 64] [--progress-delays-us 1000,0,none]
+        [--size-mib 64] [--progress-delays-us 1000,0,none] [--latency-reads 200]
 
 For each progress setting (a delay in us for NIXL's progress thread, or "none" for no thread
 with the served side polling get_new_notifs every 1 ms), a child process serves --size-mib
 of memory and this process READs all of it, in scattered blocks of each size, reporting the
-best of --repeats runs. "0" is what nixl_agent() does by default.
+best of --repeats runs. "0" is what nixl_agent() does by default. Latency: --latency-reads
+READs of one 4 KiB block each, one at a time, from posting to DONE (this side polls without
+pause; the serving side has only its progress thread), their median and 90th percentile.
+Run it with UCX_TLS=tcp too: there the serving side's progress thread serves the READ.
 """
 
 from __future__ import annotations
@@ -62,6 +65,24 @@ def read_seconds(
     return elapsed_s
 
 
+LATENCY_BLOCK_BYTES = 4 << 10
+
+
+def read_latencies_us(
+    agent: RealNixlAgent, remote: str, local_address: int, remote_address: int, count: int
+) -> dict[str, float]:
+    """Median and 90th percentile of ``count`` one-block READs, each alone, in microseconds."""
+    local_rows = np.array([[local_address, LATENCY_BLOCK_BYTES, 0]], dtype=np.int64)
+    remote_rows = np.array([[remote_address, LATENCY_BLOCK_BYTES, 0]], dtype=np.int64)
+    samples = sorted(
+        read_seconds(agent, remote, local_rows, remote_rows) * 1e6 for _ in range(count)
+    )
+    return {
+        "read_4KiB_us_p50": round(samples[len(samples) // 2], 1),
+        "read_4KiB_us_p90": round(samples[len(samples) * 9 // 10], 1),
+    }
+
+
 def stop_peer(child: subprocess.Popen[str]) -> None:
     """End a `serve` child: close its stdin (it exits), kill it if it has not after 10 s."""
     if child.stdin is not None:
@@ -73,7 +94,9 @@ def stop_peer(child: subprocess.Popen[str]) -> None:
         child.wait()
 
 
-def measure(num_bytes: int, progress_delay_us: int | None, repeats: int) -> dict[str, object]:
+def measure(
+    num_bytes: int, progress_delay_us: int | None, repeats: int, latency_reads: int
+) -> dict[str, object]:
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--size-mib", str(num_bytes >> 20),
          "--progress-delays-us", "none" if progress_delay_us is None else str(progress_delay_us)],
@@ -118,6 +141,10 @@ def measure(num_bytes: int, progress_delay_us: int | None, repeats: int) -> dict
             expected = np.arange(num_bytes // 8, dtype=np.int64).reshape(num_blocks, -1)[order]
             assert np.array_equal(local.reshape(num_blocks, -1), expected), "bytes did not land"
             results[f"gbps_{block_bytes >> 10}KiB"] = round(num_bytes / best_s / 1e9, 2)
+        if latency_reads:
+            results |= read_latencies_us(
+                agent, remote, local.ctypes.data, int(address), latency_reads
+            )
         before = os.times()
         time.sleep(1.0)
         after = os.times()
@@ -135,6 +162,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=64)
     parser.add_argument("--progress-delays-us", default="1000,0,none")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--latency-reads", type=int, default=0, help="one-block READs to time")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     delays = [_parse_delay(text) for text in args.progress_delays_us.split(",")]
@@ -143,7 +171,10 @@ def main() -> None:
         return
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     for delay in delays:
-        print(json.dumps(measure(args.size_mib << 20, delay, args.repeats)), flush=True)
+        print(
+            json.dumps(measure(args.size_mib << 20, delay, args.repeats, args.latency_reads)),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
