@@ -305,14 +305,12 @@ class SideChannelServer:
         delimiter = [b""] if frames and frames[0] == b"" else []
         started_s = self._log_clock()
         reply, nonce = self._reply(frames[len(delimiter) :])
-        if isinstance(reply, _Park):
-            if len(self._parked) < MAX_PARKED:
-                deadline = self._log_clock() + reply.hold_ms / 1000
-                route = (identity, *delimiter)
-                parked = _Parked(reply.transfer_key, route, nonce, deadline, reply.after_generation)
-                self._parked.append(parked)
-                return self._log_clock() - started_s
-            reply = PENDING
+        if isinstance(reply, _Park) and len(self._parked) < MAX_PARKED:
+            deadline = self._log_clock() + reply.hold_ms / 1000
+            route = (identity, *delimiter)
+            parked = _Parked(reply.transfer_key, route, nonce, deadline, reply.after_generation)
+            self._parked.append(parked)
+            return self._log_clock() - started_s
         frame = self._encode(reply, nonce)
         answering_s = self._log_clock() - started_s
         self._send(socket, [identity, *delimiter, frame])
@@ -334,11 +332,12 @@ class SideChannelServer:
         Never raises. Tests may call it on a server that was never started (it touches no
         socket); an AwaitLease with nothing to announce is answered "pending" at once here.
         """
-        reply, nonce = self._reply(frames)
-        return self._encode(PENDING if isinstance(reply, _Park) else reply, nonce)
+        return self._encode(*self._reply(frames))
 
-    def _encode(self, reply: Reply, nonce: bytes) -> bytes:
-        if isinstance(reply, ErrorReply):
+    def _encode(self, reply: Reply | _Park, nonce: bytes) -> bytes:
+        if isinstance(reply, _Park):  # not parked (too many are, or answer()): pending now
+            reply = PENDING
+        elif isinstance(reply, ErrorReply):
             self.num_refused += 1
         return encode_reply(reply, secret=self._secret, request_nonce=nonce)
 
