@@ -465,13 +465,8 @@ class Consumer:
         # The ranks' free notifications need a NIXL handshake; when that is what failed (peer
         # unreachable or incompatible), only the side channel can still free prefill's blocks
         # before the lease ends. Releasing an already-freed request is a no-op there.
-        self._heartbeats.submit_release(
-            source.host,
-            source.port,
-            [lease_key(source.remote_request_id, source.lease_id)],
-            engine_id=source.engine_id,
-            boot_id=source.boot_id,
-        )
+        key = lease_key(source.remote_request_id, source.lease_id)
+        self._heartbeats.submit_release(source.side_channel, [key])
 
     def _fail_now(self, request_id: str, load: RequestLoad, reason: LoadFailure) -> None:
         logger.warning("request %s failed: %s", request_id, reason)

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from connector.errors import ConnectorError, InvalidTransferParams, PeerRestarted
 from connector.metadata import RemoteSource, SideChannelBoot
@@ -44,18 +44,8 @@ MAX_BACKOFF_S = 10.0  # well under the default 30 s lease: a flaky prefill still
 MAX_BOOT_IDS = 4096  # remembered destinations; the oldest is forgotten (and asked again)
 
 
-class SendFn(Protocol):
-    """Send one message to the side channel at host:port of prefill engine ``engine_id``."""
-
-    def __call__(
-        self,
-        host: str,
-        port: int,
-        lease_keys: Sequence[str],
-        *,
-        engine_id: str,
-        boot_id: str = "",
-    ) -> object: ...
+# Send one message naming ``lease_keys`` to a prefill boot's side channel.
+SendFn = Callable[[SideChannelBoot, Sequence[str]], object]
 
 
 @dataclasses.dataclass
@@ -216,31 +206,12 @@ class HeartbeatSender:
             self._handle(_Message(self._send, boot, lease_keys))
         return len(due)
 
-    def submit(
-        self,
-        host: str,
-        port: int,
-        lease_keys: Sequence[str],
-        *,
-        engine_id: str,
-        boot_id: str = "",
-    ) -> bool:
-        """Queue one heartbeat to boot ``boot_id`` of prefill ``engine_id``; False if full or
-        stopped."""
-        destination = SideChannelBoot(engine_id, host, port, boot_id)
+    def submit(self, destination: SideChannelBoot, lease_keys: Sequence[str]) -> bool:
+        """Queue one heartbeat; False if full or stopped."""
         return self._enqueue(self._send, destination, lease_keys)
 
-    def submit_release(
-        self,
-        host: str,
-        port: int,
-        lease_keys: Sequence[str],
-        *,
-        engine_id: str,
-        boot_id: str = "",
-    ) -> bool:
+    def submit_release(self, destination: SideChannelBoot, lease_keys: Sequence[str]) -> bool:
         """Queue one release (decode will never read these); False if full or stopped."""
-        destination = SideChannelBoot(engine_id, host, port, boot_id)
         return self._enqueue(self._send_release, destination, lease_keys)
 
     def _enqueue(
@@ -275,17 +246,10 @@ class HeartbeatSender:
         naming the destination's boot id: the params' one, else asked for once and forgotten
         on PeerRestarted."""
 
-        def send(
-            host: str,
-            port: int,
-            lease_keys: Sequence[str],
-            *,
-            engine_id: str,
-            boot_id: str = "",
-        ) -> int:
-            destination = SideChannelBoot(engine_id, host, port, boot_id)
+        def send(destination: SideChannelBoot, lease_keys: Sequence[str]) -> int:
+            host, port = destination.host, destination.port
             secret, timeout_s = self._secret, self._message_timeout_s
-            known = boot_id or self._boot_ids.get(destination)
+            known = destination.boot_id or self._boot_ids.get(destination)
             if known is None:
                 known = fetch_boot_id(
                     host, port, engine_id=None, secret=secret, timeout_s=timeout_s
@@ -296,7 +260,7 @@ class HeartbeatSender:
                     host,
                     port,
                     lease_keys,
-                    engine_id=engine_id,
+                    engine_id=destination.engine_id,
                     boot_id=known,
                     secret=secret,
                     timeout_s=timeout_s,
@@ -331,13 +295,7 @@ class HeartbeatSender:
             self._num_skipped += 1
             return
         try:
-            message.send(
-                destination.host,
-                destination.port,
-                message.lease_keys,
-                engine_id=destination.engine_id,
-                boot_id=destination.boot_id,
-            )
+            message.send(destination, message.lease_keys)
         except PeerRestarted as exc:
             # The engine answers, as a new boot: no backoff, the next message asks its boot id.
             self._num_stale += 1

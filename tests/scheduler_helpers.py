@@ -19,6 +19,7 @@ from connector.metadata import (
     LoadFailure,
     LoadSpec,
     RemoteSource,
+    SideChannelBoot,
     WorkerReport,
 )
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
@@ -68,27 +69,13 @@ class RecordingHeartbeats(HeartbeatSender):
         self.sent: list[tuple[str, str, int, tuple[str, ...]]] = []
         self.released: list[tuple[str, str, int, tuple[str, ...]]] = []
 
-    def _record_heartbeat(
-        self,
-        host: str,
-        port: int,
-        lease_keys: Sequence[str],
-        *,
-        engine_id: str,
-        boot_id: str = "",
-    ) -> object:
+    def _record_heartbeat(self, destination: SideChannelBoot, lease_keys: Sequence[str]) -> object:
+        engine_id, host, port, _ = destination
         self.sent.append((engine_id, host, port, tuple(lease_keys)))
         return len(lease_keys)
 
-    def submit_release(
-        self,
-        host: str,
-        port: int,
-        lease_keys: Sequence[str],
-        *,
-        engine_id: str,
-        boot_id: str = "",
-    ) -> bool:
+    def submit_release(self, destination: SideChannelBoot, lease_keys: Sequence[str]) -> bool:
+        engine_id, host, port, _ = destination
         self.released.append((engine_id, host, port, tuple(lease_keys)))
         return True
 

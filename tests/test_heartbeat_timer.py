@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from connector.config import ConnectorConfig
-from connector.metadata import FailureKind
+from connector.metadata import FailureKind, SideChannelBoot
 from connector.net.side_channel_client import send_heartbeat
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from scheduler.heartbeats import HeartbeatSender
@@ -44,9 +44,8 @@ class Delivered:
         self._count = 0
         self._changed = threading.Condition()  # guards _count
 
-    def __call__(
-        self, host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
-    ) -> object:
+    def __call__(self, destination: SideChannelBoot, ids: Sequence[str]) -> object:
+        engine_id, host, port, boot_id = destination
         held = send_heartbeat(
             host,
             port,

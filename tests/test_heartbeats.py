@@ -97,9 +97,8 @@ def test_decode_heartbeats_reach_the_prefill_side_channel(
     while the engine steps (a step a lease: heartbeats never wait for one)."""
     delivered = threading.Event()
 
-    def send(
-        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
-    ) -> object:
+    def send(destination: SideChannelBoot, ids: Sequence[str]) -> object:
+        engine_id, host, port, _ = destination
         held = send_heartbeat(host, port, ids, engine_id=engine_id, secret=None, timeout_s=2.0)
         delivered.set()
         return held
@@ -150,15 +149,13 @@ def test_a_message_for_an_engine_that_restarted_away_leaves_the_lease_alone(
 def test_heartbeat_failures_are_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     attempted = threading.Event()
 
-    def send(
-        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
-    ) -> object:
+    def send(destination: SideChannelBoot, ids: Sequence[str]) -> object:
         attempted.set()
         raise HandshakeError("side channel 127.0.0.9:1 did not answer")
 
     sender = HeartbeatSender(secret=None, timeout_s=1.0, send=send)
     with caplog.at_level(logging.WARNING):
-        assert sender.submit("127.0.0.9", 1, ["p1"], engine_id="e")
+        assert sender.submit(SideChannelBoot("e", "127.0.0.9", 1), ["p1"])
         assert attempted.wait(5.0)
         sender.stop()
     assert (
@@ -171,19 +168,17 @@ def test_a_full_heartbeat_queue_drops_instead_of_blocking() -> None:
     sending = threading.Event()  # the sender thread is busy with the first heartbeat
     release = threading.Event()
 
-    def send(
-        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
-    ) -> object:
+    def send(destination: SideChannelBoot, ids: Sequence[str]) -> object:
         sending.set()
         return release.wait(5.0)
 
     sender = HeartbeatSender(secret=None, timeout_s=1.0, max_queued=1, send=send)
     try:
-        assert sender.submit("h", 1, ["first"], engine_id="e")
+        assert sender.submit(SideChannelBoot("e", "h", 1), ["first"])
         assert sending.wait(5.0)
-        assert sender.submit("h", 1, ["queued"], engine_id="e")
+        assert sender.submit(SideChannelBoot("e", "h", 1), ["queued"])
         started_s = time.monotonic()
-        assert not sender.submit("h", 1, ["dropped"], engine_id="e")
+        assert not sender.submit(SideChannelBoot("e", "h", 1), ["dropped"])
         assert time.monotonic() - started_s < 0.5
     finally:
         release.set()
@@ -253,9 +248,8 @@ class FakeSideChannels:
         self.dead: set[str] = set()
         self._marker_seen = threading.Event()
 
-    def __call__(
-        self, host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
-    ) -> object:
+    def __call__(self, destination: SideChannelBoot, ids: Sequence[str]) -> object:
+        engine_id, host, port, _ = destination
         if engine_id == self.MARKER.engine_id:
             self._marker_seen.set()
             return 0
@@ -267,17 +261,14 @@ class FakeSideChannels:
     def drain(self, sender: HeartbeatSender) -> None:
         """Wait until the sender handled everything submitted so far (the queue is FIFO)."""
         self._marker_seen.clear()
-        marker = self.MARKER
-        assert sender.submit(marker.host, marker.port, ["m"], engine_id=marker.engine_id)
+        assert sender.submit(self.MARKER, ["m"])
         assert self._marker_seen.wait(5.0)
 
 
 def submit(sender: HeartbeatSender, destination: SideChannelBoot, num_messages: int) -> None:
     for index in range(num_messages):
         ids = [f"r{index}"]
-        assert sender.submit(
-            destination.host, destination.port, ids, engine_id=destination.engine_id
-        )
+        assert sender.submit(destination, ids)
 
 
 def test_a_failing_engine_is_skipped_until_its_window_ends_and_a_success_resets_it(
@@ -340,8 +331,10 @@ def test_a_dead_side_channel_delays_a_live_one_by_one_short_timeout_at_most(
         with caplog.at_level(logging.WARNING, logger="scheduler.heartbeats"):
             started_s = time.monotonic()
             for index in range(3):
-                sender.submit_release("127.0.0.1", dead_port, [f"r{index}"], engine_id="dead")
-            sender.submit("127.0.0.1", live.port, ["p1"], engine_id="prefill-live")
+                sender.submit_release(
+                    SideChannelBoot("dead", "127.0.0.1", dead_port), [f"r{index}"]
+                )
+            sender.submit(SideChannelBoot("prefill-live", "127.0.0.1", live.port), ["p1"])
             assert delivered.wait(15.0)
             elapsed_s = time.monotonic() - started_s
     finally:
@@ -388,16 +381,17 @@ def test_the_sender_learns_a_boot_id_and_a_restarted_engine_refuses_the_old_one(
     before, after = Recorded(), Recorded()
     server = start_prefill_side_channel(before)
     port = server.port
+    prefill = SideChannelBoot("prefill-0", "127.0.0.1", port)
     sender = HeartbeatSender(secret=SECRET, timeout_s=2.0)
     try:
-        assert sender.submit("127.0.0.1", port, ["p1"], engine_id="prefill-0")
+        assert sender.submit(prefill, ["p1"])
         assert before.arrived.wait(5.0)
         server.stop()
         server = restart_on_port(lambda port: start_prefill_side_channel(after, port), port)
         # p1 was leased by the previous boot: refused, and not backed off; p2 (asked after
         # the sender relearned the boot id) goes through at once.
-        assert sender.submit("127.0.0.1", port, ["p1"], engine_id="prefill-0")
-        assert sender.submit("127.0.0.1", port, ["p2"], engine_id="prefill-0")
+        assert sender.submit(prefill, ["p1"])
+        assert sender.submit(prefill, ["p2"])
         assert after.arrived.wait(5.0)
         assert (before.heartbeats, after.heartbeats) == ([("p1",)], [("p2",)])
         assert (server.num_refused, sender.num_stale, sender.num_skipped) == (1, 1, 0)

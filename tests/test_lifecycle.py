@@ -20,7 +20,7 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.geometry import build_rank_layout
 from connector.layout import GroupKind, GroupSpec, KVCacheSpec, LayerSpec, MemoryLayout
-from connector.metadata import BlockIds
+from connector.metadata import BlockIds, SideChannelBoot
 from connector.net.side_channel_client import send_heartbeat
 from connector.observability.metrics import (
     QUARANTINED_BLOCKS,
@@ -441,9 +441,8 @@ def test_lease_expires_when_no_decode_reads(engines: Callable[..., Engine], cloc
 def test_heartbeats_renew_the_lease(engines: Callable[..., Engine], clock: Clock) -> None:
     acked = threading.Event()
 
-    def send(
-        host: str, port: int, ids: Sequence[str], *, engine_id: str, boot_id: str = ""
-    ) -> None:
+    def send(destination: SideChannelBoot, ids: Sequence[str]) -> None:
+        engine_id, host, port, _ = destination
         send_heartbeat(host, port, ids, engine_id=engine_id, secret=None, timeout_s=2.0)
         acked.set()
 

@@ -20,6 +20,7 @@ import pytest
 
 from connector.config import ConnectorConfig
 from connector.lease_binding import block_digest, token_digest
+from connector.metadata import SideChannelBoot
 from connector.net.side_channel_client import check_leases
 from connector.observability.metrics import LEASES_READER_RESTARTED, default_recorder
 from connector.protocol import (
@@ -158,9 +159,9 @@ def test_heartbeats_and_releases_name_their_reader_over_the_network() -> None:
     server.start()
     sender = HeartbeatSender(secret=None, timeout_s=2.0, reader=NEW)
     try:
-        address = ("127.0.0.1", server.port)
-        sender.submit(*address, ["h@L"], engine_id="p", boot_id=server.boot_id)
-        sender.submit_release(*address, ["r@L"], engine_id="p", boot_id=server.boot_id)
+        prefill = SideChannelBoot("p", "127.0.0.1", server.port, server.boot_id)
+        sender.submit(prefill, ["h@L"])
+        sender.submit_release(prefill, ["r@L"])
         assert seen.arrived.wait(10.0)
     finally:
         sender.stop()
