@@ -11,8 +11,9 @@ the wait goes on for the next one, until the final one.
 Bounds: at most ``max_waits`` waits at once (another fails at once), each ends by
 ``timeout_s`` after it started, plus at most one ``call_timeout_s`` when a side channel stops
 answering mid-call (a prefill that is dead, unreachable or never got the request fails the
-load with PREFILL_TIMEOUT then), and a cancelled wait's thread ends within one hold. Cancels go to prefill from one sender thread through a bounded queue; one that does
-not fit is dropped with a warning (prefill's lease then ends by expiry, as an unread one does).
+load with PREFILL_TIMEOUT then), and a cancelled wait's thread ends within one hold. Cancels
+go to prefill from one sender thread through a bounded queue; one that does not fit is
+dropped with a warning (prefill's lease then ends by expiry, as an unread one does).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class LeaseWaiter:
                 "this one was not started (send fewer overlapped requests at once, or send "
                 "this one sequentially)"
             )
-            self._settle(Settled(request_id, awaited, failure=_timeout(why)), None)
+            failure = LoadFailure(FailureKind.PREFILL_TIMEOUT, why)
+            self._settle(Settled(request_id, awaited, failure=failure), None)
             return
         thread = threading.Thread(
             target=self._run,
@@ -213,7 +215,7 @@ class LeaseWaiter:
             f"for transfer_key {awaited.transfer_key!r} within {self._timeout_s} s (last: "
             f"{last_error}); is it up, and did the router send it the request with that key?"
         )
-        return Settled(request_id, awaited, failure=_timeout(why))
+        return Settled(request_id, awaited, failure=LoadFailure(FailureKind.PREFILL_TIMEOUT, why))
 
     def _send_cancels(self) -> None:
         while True:
@@ -235,7 +237,3 @@ class LeaseWaiter:
                     awaited.transfer_key,
                     exc,
                 )
-
-
-def _timeout(why: str) -> LoadFailure:
-    return LoadFailure(FailureKind.PREFILL_TIMEOUT, why)
