@@ -20,7 +20,7 @@ import statistics
 import time
 
 from connector.lease_binding import HeldBlocks, HeldTokens, block_digest, token_digest
-from connector.net.side_channel_client import check_leases, fetch_boot_id
+from connector.net.side_channel_client import check_leases_status, fetch_boot_id
 from connector.protocol import LeaseRef
 from scheduler.leases import LeaseTable
 from scheduler.side_channel import SideChannelServer
@@ -63,10 +63,10 @@ def measure(calls: int, secret: str | None, bound: bool = False) -> list[float]:
         samples = []
         for call in range(calls):
             start = time.perf_counter()
-            (held,) = check_leases(
+            (held,) = check_leases_status(
                 HOST, server.port, [refs[call if bound else 0]], engine_id=ENGINE,
                 boot_id=boot_id, secret=secret, timeout_s=2.0,
-            )  # fmt: skip
+            ).held  # fmt: skip
             samples.append((time.perf_counter() - start) * 1e6)
             if not held:
                 raise SystemExit("the lease should be held")

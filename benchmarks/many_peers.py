@@ -37,7 +37,7 @@ import numpy as np
 from connector.config import ConnectorConfig
 from connector.geometry import build_rank_layout
 from connector.metadata import ConnectorMetadata, LoadSpec, RemoteSource, WorkerReport
-from connector.net.side_channel_client import check_leases, fetch_boot_id, fetch_handshake
+from connector.net.side_channel_client import check_leases_status, fetch_boot_id, fetch_handshake
 from connector.params import parse_kv_transfer_params
 from connector.protocol import PROTOCOL_VERSION, LeaseRef, WorkerHandshake
 from scheduler.connector import SchedulerConnector
@@ -191,10 +191,10 @@ def side_channel_section(refs_per_message: list[int], seconds: float) -> list[di
             refs = [(s.remote_request_id, s.lease_id) for s in sources[:num_refs]]
             count, start = 0, time.perf_counter()
             while time.perf_counter() - start < seconds:
-                held = check_leases(
+                held = check_leases_status(
                     HOST, prefill.server.port, refs, engine_id=prefill.engine_id,
                     boot_id=boot_id, secret=None, timeout_s=2.0,
-                )  # fmt: skip
+                ).held  # fmt: skip
                 assert all(held)
                 count += 1
             elapsed = time.perf_counter() - start

@@ -87,10 +87,9 @@ def _page_stride(group: GroupSpec, index: int, layer: LayerSpec, page_bytes: int
     return stride
 
 
-def _plane_bytes_per_kernel_block(group: GroupSpec, layer: LayerSpec, tp_size: int) -> int:
-    num_heads, _ = _layer_heads(layer, group.kind, tp_size)
+def _plane_bytes_per_kernel_block(group: GroupSpec, num_heads: int, head_bytes: int) -> int:
     slots = 1 if group.kind is GroupKind.SSM else group.kernel_block_size
-    return slots * num_heads * layer.head_dim * layer.dtype_bytes
+    return slots * num_heads * head_bytes
 
 
 def _strides(
@@ -120,7 +119,7 @@ def _per_layer_group(
     for layer_index, layer in enumerate(group.layers):
         num_heads, replicated = _layer_heads(layer, group.kind, tp_size)
         head_bytes = layer.head_dim * layer.dtype_bytes
-        block_bytes = _plane_bytes_per_kernel_block(group, layer, tp_size)
+        block_bytes = _plane_bytes_per_kernel_block(group, num_heads, head_bytes)
         # Packed: K and V of one (token, head) are neighbours, e.g. NHD_PACKED with 2 heads:
         # [t0h0 K|V][t0h1 K|V][t1h0 K|V]...; V's plane starts head_bytes into the block.
         packed = memory_layout.packed
@@ -187,7 +186,7 @@ def _block_outermost_group(
     for layer_index, layer in enumerate(group.layers):
         num_heads, replicated = _layer_heads(layer, group.kind, tp_size)
         head_bytes = layer.head_dim * layer.dtype_bytes
-        plane_bytes = _plane_bytes_per_kernel_block(group, layer, tp_size)
+        plane_bytes = _plane_bytes_per_kernel_block(group, num_heads, head_bytes)
         cell_bytes = head_bytes * layer.num_planes if packed else head_bytes
         token_stride, head_stride = _strides(group, num_heads, cell_bytes, inner)
         for plane in range(layer.num_planes):

@@ -34,7 +34,7 @@ from connector.metadata import (
     RemoteSource,
     WorkerReport,
 )
-from connector.net.side_channel_client import check_leases, send_release
+from connector.net.side_channel_client import check_leases_status, send_release
 from connector.params import parse_kv_transfer_params
 from connector.protocol import LeaseRef, LeaseStatus, encode_free_notif, lease_key
 from scheduler.connector import Role, SchedulerConnector
@@ -164,14 +164,14 @@ def lease_of(connector: SchedulerConnector, request_id: str) -> dict[str, Any]:
 
 
 def ask(params: dict[str, Any], refs: list[tuple[str, str]], **overrides: Any) -> tuple[bool, ...]:
-    """check_leases at the side channel the params name, as the params' engine and boot, as a
-    reader of those params (its tokens and blocks)."""
+    """Which refs a lease check at the side channel the params name holds, asked as the
+    params' engine and boot, as a reader of those params (its tokens and blocks)."""
     where: dict[str, Any] = {
         "engine_id": params["remote_engine_id"], "boot_id": params["remote_boot_id"],
         "secret": None, "timeout_s": 2.0,
     } | overrides  # fmt: skip
     bound = [bound_ref(request_id, lease_id, params) for request_id, lease_id in refs]
-    return check_leases(params["remote_host"], params["remote_port"], bound, **where)
+    return check_leases_status(params["remote_host"], params["remote_port"], bound, **where).held
 
 
 def test_a_lease_check_answers_per_ref(served_prefill: tuple[SchedulerConnector, Any]) -> None:

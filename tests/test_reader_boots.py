@@ -21,7 +21,7 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.lease_binding import block_digest, token_digest
 from connector.metadata import SideChannelBoot
-from connector.net.side_channel_client import check_leases
+from connector.net.side_channel_client import check_leases_status
 from connector.observability.metrics import LEASES_READER_RESTARTED, default_recorder
 from connector.protocol import (
     Heartbeat,
@@ -285,7 +285,7 @@ def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
         _claim_as_ranks(boot1, RequestInfo("da", 32, params["a"], token_ids=_prompt(0)), decode_tp)
         # Another reader engine claims "c" too; "b" is claimed by nobody.
         c = params["c"]
-        held = check_leases(
+        held = check_leases_status(
             c["remote_host"],
             c["remote_port"],
             [
@@ -302,7 +302,7 @@ def test_a_decode_restarted_under_its_engine_id_frees_what_its_old_boot_claimed(
             secret=None,
             timeout_s=5.0,
             reader=OTHER,
-        )
+        ).held
         assert held == (True,)
         for _ in range(20):
             prefill.step()

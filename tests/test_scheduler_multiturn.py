@@ -15,7 +15,7 @@ import pytest
 
 from connector.lease_binding import block_digest, token_digest
 from connector.metadata import StageSpec, WorkerReport
-from connector.net.side_channel_client import check_leases, check_leases_status
+from connector.net.side_channel_client import check_leases_status
 from connector.protocol import LeaseRef, LeaseStatus, lease_key
 from scheduler.connector import RequestInfo, Role, SchedulerConnector
 from tests.scheduler_helpers import (
@@ -101,7 +101,7 @@ def _held(params: dict[str, Any]) -> bool:
         token_digest(prompt_ids(num_tokens), num_tokens),
         block_digest(params["remote_block_ids"], num_tokens),
     )
-    return check_leases(
+    return check_leases_status(
         params["remote_host"],
         params["remote_port"],
         [ref],
@@ -109,7 +109,7 @@ def _held(params: dict[str, Any]) -> bool:
         boot_id=params["remote_boot_id"],
         secret=None,
         timeout_s=2.0,
-    )[0]
+    ).held[0]
 
 
 def test_decode_holds_the_finished_request_and_returns_vllm_keys(

@@ -188,30 +188,6 @@ def send_release(
     return _expect(Ack, reply, host, port, "a Release").num_known
 
 
-def check_leases(
-    host: str,
-    port: int,
-    leases: Sequence[tuple[str, str] | LeaseRef],
-    *,
-    engine_id: str,
-    boot_id: str,
-    secret: str | None,
-    timeout_s: float,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    reader: ReaderId | None = None,
-) -> tuple[bool, ...]:
-    """For each (remote request id, lease id): does prefill ``engine_id``, boot ``boot_id``,
-    hold that very lease now?
-
-    One exchange, no Hello: the boot id comes from the params, so a prefill that restarted
-    since it leased raises PeerRestarted (its leases died with it).
-    """
-    return check_leases_status(
-        host, port, leases, engine_id=engine_id, boot_id=boot_id, secret=secret,
-        timeout_s=timeout_s, max_message_bytes=max_message_bytes, reader=reader,
-    ).held  # fmt: skip
-
-
 def check_leases_status(
     host: str,
     port: int,
@@ -224,10 +200,15 @@ def check_leases_status(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     reader: ReaderId | None = None,
 ) -> LeaseStatus:
-    """``check_leases``' whole answer: with verify_kv claims in the refs, also the digest
-    verdict per ref (``LeaseStatus.digests``), and why a held lease is not held for this
-    reader (``LeaseStatus.refused``: a ref's ``tokens`` or ``blocks`` are not what it leased).
-    ``reader`` names the asking engine and boot (scheduler/readers.py)."""
+    """For each (remote request id, lease id): does prefill ``engine_id``, boot ``boot_id``,
+    hold that very lease now (``LeaseStatus.held``)? With verify_kv claims in the refs, also
+    the digest verdict per ref (``digests``), and why a held lease is not held for this reader
+    (``refused``: a ref's ``tokens`` or ``blocks`` are not what it leased). ``reader`` names
+    the asking engine and boot (scheduler/readers.py).
+
+    One exchange, no Hello: the boot id comes from the params, so a prefill that restarted
+    since it leased raises PeerRestarted (its leases died with it).
+    """
     refs = tuple(ref if isinstance(ref, LeaseRef) else LeaseRef(*ref) for ref in leases)
     request = LeaseCheck(engine_id, refs, reader)
     reply = _call(host, port, request, secret, timeout_s, max_message_bytes, boot_id=boot_id)

@@ -262,14 +262,7 @@ class SchedulerSide:
         aborted = request.status not in _COMPLETE
         request_id, num_prompt_tokens = request.request_id, request.num_prompt_tokens
         num_computed_tokens = request.num_computed_tokens
-        if params is None or (
-            not self._holds_finished
-            and (  # raw_flag(params, "do_remote_prefill"), inlined for the usual dict
-                params.get("do_remote_prefill") is True
-                if type(params) is dict
-                else raw_flag(params, "do_remote_prefill")
-            )
-        ):
+        if params is None or (not self._holds_finished and raw_flag(params, "do_remote_prefill")):
             # A decode keeps no lease: no blocks, and no ids to bind one to.
             info = RequestInfo(request_id, num_prompt_tokens, params, aborted, num_computed_tokens)
             return self.connector.request_finished(info, ())
