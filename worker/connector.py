@@ -261,9 +261,7 @@ class WorkerConnector:
     def check_stalls(self) -> bool:
         """Log a stall report now if one is due (worker/stall_watch.py); the watchdog thread
         does the same every second. True if this call logged one."""
-        if self._watchdog is None:
-            return False
-        return self._watchdog.check()
+        return self._watchdog is not None and self._watchdog.check()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the transfer thread has run a whole pass after this call, so what was
