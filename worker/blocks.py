@@ -16,6 +16,7 @@ anything else raises TransferPlanError saying what was wrong and the value seen.
 from __future__ import annotations
 
 import numbers
+from collections import Counter
 from collections.abc import Collection, Sequence
 
 from connector.errors import TransferPlanError, UnsupportedConfiguration
@@ -157,8 +158,7 @@ def _ratio(name: str, ratio: object) -> int:
     if not 1 <= value <= MAX_RATIO:
         raise TransferPlanError(
             f"{name} must be in 1..{MAX_RATIO} kernel blocks per logical block, got "
-            f"{short_repr(value)}; "
-            "pass block_size // kernel_block_size of one engine's cache group"
+            f"{short_repr(value)}; pass block_size // kernel_block_size of one engine's cache group"
         )
     return value
 
@@ -210,23 +210,14 @@ def _groups(name: str, block_ids: Sequence[Sequence[int]], ssm: frozenset[int]) 
                 "of block ids; pass one list per cache group (wrap a single group: [[...]])"
             )
         checked = [_block_id(name, index, block_id) for block_id in group]
-        twice = None if index in ssm else _first_repeat(checked)
-        if twice is not None:
+        repeated = [] if index in ssm else [b for b, n in Counter(checked).items() if n > 1]
+        if repeated:
             raise TransferPlanError(
-                f"{name} group {index}: block id {twice} appears twice; a request holds each "
+                f"{name} group {index}: block id {repeated[0]} appears twice; a request holds each "
                 "block once per attention group, so its block list is corrupt"
             )
         groups.append(checked)
     return groups
-
-
-def _first_repeat(block_ids: list[int]) -> int | None:
-    seen: set[int] = set()
-    for block_id in block_ids:
-        if block_id in seen:
-            return block_id
-        seen.add(block_id)
-    return None
 
 
 def _block_id(name: str, index: int, block_id: object) -> int:

@@ -52,7 +52,7 @@ from worker.lease_proof import (
     side_channel_batch_check,
     side_channel_checks,
 )
-from worker.loads import LoadTable, Outcome
+from worker.loads import LoadTable
 from worker.nixl_api import NixlAgent
 from worker.notifications import NotificationCounter, NotificationStats
 from worker.peers import PeerTable
@@ -261,9 +261,7 @@ class WorkerConnector:
     def check_stalls(self) -> bool:
         """Log a stall report now if one is due (worker/stall_watch.py); the watchdog thread
         does the same every second. True if this call logged one."""
-        if self._watchdog is None:
-            return False
-        return self._watchdog.check()
+        return self._watchdog is not None and self._watchdog.check()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the transfer thread has run a whole pass after this call, so what was
@@ -348,7 +346,11 @@ class WorkerConnector:
         if not outcomes and not sent and not stats_changed:
             return  # nothing to publish: most passes
         with self._outcomes_lock:
-            self._record(outcomes)
+            for request_id, reason in outcomes:
+                if reason is None:
+                    self._finished_recving.append(request_id)
+                else:
+                    self._failed_recving[request_id] = reason
             self._finished_sending.extend(sent)
             if stats_changed:
                 self._stats = dataclasses.replace(self._notifications.stats)
@@ -392,14 +394,6 @@ class WorkerConnector:
             spec.num_cached_tokens,
             spec.num_tokens,
         )
-
-    def _record(self, outcomes: list[Outcome]) -> None:
-        """Call with ``_outcomes_lock`` held."""
-        for request_id, reason in outcomes:
-            if reason is None:
-                self._finished_recving.append(request_id)
-            else:
-                self._failed_recving[request_id] = reason
 
 
 class TransferThread(Generic[Item]):

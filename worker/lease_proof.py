@@ -331,8 +331,8 @@ class SilentSideChannels:
 def asked_again(
     config: ConnectorConfig,
     ask: Callable[[], _Answer],
-    remote: RemoteSource | None = None,
-    silence: SilentSideChannels | None = None,
+    remote: RemoteSource,
+    silence: SilentSideChannels,
     *,
     patient: bool = True,
 ) -> _Answer:
@@ -341,10 +341,9 @@ def asked_again(
     a busy host) still proves its lease. PeerRestarted is final at once: another boot
     answered, and the lease died with the one that issued it. Not ``patient`` (the check
     before any READ), a side channel silent through one timeout is not asked again: a dead
-    prefill fails the load after one timeout. With ``silence``, a side channel that stayed
-    silent through every retry fails the next checks at once for a while."""
-    if silence is not None and remote is not None:
-        silence.check(remote)
+    prefill fails the load after one timeout. A side channel that stayed silent through every
+    retry fails the next checks at once for a while (``silence``)."""
+    silence.check(remote)
     for attempt in range(config.handshake_retries + 1):
         try:
             return ask()
@@ -353,8 +352,7 @@ def asked_again(
         except HandshakeError as error:
             silent_once = not patient and isinstance(error, SideChannelTimeout)
             if silent_once or attempt == config.handshake_retries:
-                if silence is not None and remote is not None:
-                    silence.silent(remote, error)
+                silence.silent(remote, error)
                 raise
             logger.info("lease check failed (attempt %d), asking again: %s", attempt + 1, error)
     raise AssertionError("unreachable: the last attempt returns or raises")
@@ -439,9 +437,8 @@ def answers(status: LeaseStatus) -> list[Answer]:
     all_false = (False,) * len(status.held)
     refused = status.refused or (None,) * len(status.held)
     staged = status.staged or all_false
-    pending = (
-        (status.pending or all_false) if status.staged else all_false
-    )  # only staged leases pend
+    # Only staged leases pend.
+    pending = (status.pending or all_false) if status.staged else all_false
     return [
         _answer(held, why, wait, was_staged)
         for held, why, wait, was_staged in zip(status.held, refused, pending, staged, strict=True)

@@ -228,35 +228,33 @@ class Load:
 HANDSHAKE_NOTE_S = 1.0
 
 
-def notify(agent: NixlAgent, load: Load, remote_rank: int) -> bool:
-    """Tell ``remote_rank`` it may free the lease's blocks (best effort, logged); False if
-    the agent could not send to it (its process died or closed its agent, say)."""
+def notify_rest(agent: NixlAgent, load: Load) -> bool:
+    """Tell every covered remote rank not yet notified that it may free the lease's blocks
+    (best effort, logged); False if the agent could not send to one of them (its process died
+    or closed its agent, say)."""
     link = load.peer.link
-    agent_name = None if link is None else link.agent_names.get(remote_rank)
-    if agent_name is None:
-        logger.warning(
-            "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
-        )
+    if link is None:
         return True
     key = lease_key(load.source.remote_request_id, load.source.lease_id)
-    try:
-        agent.send_notif(agent_name, encode_free_notif(key, load.peer.duty[remote_rank]))
-    except ConnectorError as error:
-        logger.warning(
-            "request %s: notifying remote rank %d failed: %s", load.request_id, remote_rank, error
-        )
-        return False
-    load.notified.add(remote_rank)
-    return True
-
-
-def notify_rest(agent: NixlAgent, load: Load) -> bool:
-    """Tell every covered remote rank not yet notified that its blocks may be freed; False if
-    sending to one of them failed."""
-    if load.peer.link is None:
-        return True
-    sent = [notify(agent, load, rank) for rank in sorted(set(load.peer.duty) - load.notified)]
-    return all(sent)
+    sent_all = True
+    for remote_rank in sorted(set(load.peer.duty) - load.notified):
+        agent_name = link.agent_names.get(remote_rank)
+        if agent_name is None:
+            logger.warning(
+                "request %s: no agent for remote rank %d to notify", load.request_id, remote_rank
+            )
+            continue
+        try:
+            agent.send_notif(agent_name, encode_free_notif(key, load.peer.duty[remote_rank]))
+        except ConnectorError as error:
+            logger.warning(
+                "request %s: notifying remote rank %d failed: %s",
+                load.request_id, remote_rank, error,
+            )  # fmt: skip
+            sent_all = False
+        else:
+            load.notified.add(remote_rank)
+    return sent_all
 
 
 def handshake_failure(remote: RemoteSource, peer: Peer) -> LoadFailure:

@@ -1,12 +1,10 @@
 """Decode side: the loads in flight on one rank, each from its LoadSpec to its one outcome.
 
-A ``Load`` (worker/load_lifecycle.py: its states, its moves and what it owes at its end) waits
-for its peer's handshake, plans (worker/plan/recipe.py ``plan_request``) and posts the READs of
-each remote rank it reads (worker/reads.py: one, or two: by index and by byte ranges). Once
-every READ landed it asks prefill whether the lease still holds (worker/lease_proof.py): only
-a held lease makes it a success. Then, success or not, every covered remote rank gets its free
-notification. It ends once, and only when no posted READ is live: decode blocks are never
-handed back under a READ.
+A ``Load``'s states, its moves and what it owes at its end are worker/load_lifecycle.py's;
+this table drives them: it plans a load (worker/plan/recipe.py ``plan_request``), posts the
+READs of each remote rank it reads (worker/reads.py: one, or two: by index and by byte
+ranges), asks prefill for the lease proof once they landed (worker/lease_proof.py), then,
+success or not, sends every covered remote rank its free notification.
 
 A READ past the transfer timeout leaves its load QUARANTINED (why: worker/load_lifecycle.py),
 counted in nixl_pd_quarantined_* metrics and, past QUARANTINE_WARN_TIMEOUTS transfer timeouts,

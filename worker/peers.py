@@ -15,10 +15,6 @@ it. Its states and moves (``PEER_LIFECYCLE``):
         └──────────────────────────────► FAILED
     PROBING (a background re-check of a failed key) ──► READY | FAILED
 
-A READY peer always carries its PeerLink (plan, handshakes, agents, prepared lists): the one
-call that moves it to READY sets it. The peer carries the count of its loads and live READs;
-the table (``PeerTable``) decides when it moves.
-
 A failed handshake is remembered per key (a negative cache) while the failure is fresh:
 requests for that key then fail at once with the reason instead of waiting for a handshake of
 their own, and one background probe (a single attempt) per ``PROBE_INTERVAL_S`` looks for a
@@ -118,8 +114,9 @@ class PeerLink:
 class Peer:
     """One generation of a remote engine as this rank knows it.
 
-    ``state`` moves only through PEER_LIFECYCLE (the methods below); ``link`` is set by the
-    same call that makes it READY. It carries the count of loads and posted READs holding it.
+    ``state`` moves only through PEER_LIFECYCLE (the methods below, called by PeerTable);
+    ``link`` is set by the same call that makes it READY. It carries the count of loads and
+    posted READs holding it.
     """
 
     engine_id: str

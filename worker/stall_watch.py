@@ -150,14 +150,13 @@ class StallWatch:
             return StallReport(stalls, stuck_s)
 
 
-def connector_thread_stacks(prefixes: Sequence[str] = CONNECTOR_THREAD_PREFIXES) -> str:
-    """The current Python stack of every live thread whose name starts with one of
-    ``prefixes`` (the main thread included by default), innermost call last."""
+def connector_thread_stacks() -> str:
+    """The current Python stack of every CONNECTOR_THREAD_PREFIXES thread, innermost call last."""
     frames = sys._current_frames()
     sections = []
     for thread in sorted(threading.enumerate(), key=lambda t: t.name):
         frame = frames.get(thread.ident) if thread.ident is not None else None
-        if frame is None or not thread.name.startswith(tuple(prefixes)):
+        if frame is None or not thread.name.startswith(CONNECTOR_THREAD_PREFIXES):
             continue
         stack = "".join(traceback.format_stack(frame))
         sections.append(f"--- thread {thread.name}:\n{stack.rstrip()}")

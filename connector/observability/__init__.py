@@ -1,3 +1,3 @@
-"""Observability: metric definitions and recorder, Prometheus exposition, per-request traces
-and the rate-limited log. Imports only the contracts; every other layer may import it.
+"""Observability: metric definitions and recorder, Prometheus exposition, per-request traces,
+the rate-limited log and the freeze watch. Imports only the contracts; other layers may import it.
 """

@@ -102,9 +102,9 @@ def load_ended(
     ids: tuple[str, str, str, str],  # (request id, remote request id, remote engine id, agent)
     reason: LoadFailure | None,
     now_s: float,
-) -> LoadTrace | None:
-    """Record a finished load's metrics and write its trace line; returns the trace, or None
-    when the trace logger is off (then none is built: this runs once per load)."""
+) -> None:
+    """Record a finished load's metrics and write its trace line, built only when the trace
+    logger is on: this runs once per load."""
     if reason is None:
         recorder.inc(LOADS_FINISHED)
     else:
@@ -116,7 +116,7 @@ def load_ended(
     if reason is None and timeline.posted_s is not None and timeline.done_s is not None:
         recorder.observe(TRANSFER_SECONDS, timeline.done_s - timeline.posted_s)
     if not trace_logger.isEnabledFor(logging.DEBUG):
-        return None
+        return
     start_s = timeline.scheduled_s
     trace = LoadTrace(
         *ids,
@@ -133,7 +133,6 @@ def load_ended(
         notified_ranks=tuple(sorted(timeline.notified_ranks)),
     )
     trace_logger.debug("%s", msgspec.json.encode(trace).decode())
-    return trace
 
 
 def send_ended(
