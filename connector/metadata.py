@@ -19,7 +19,7 @@ from typing import NamedTuple
 import msgspec
 
 from connector.lease_binding import KVSalt
-from connector.protocol import BlockDigest, ReaderId, TokenDigest
+from connector.protocol import BlockDigest, ReaderId, TokenDigest, lease_key
 
 BlockIds = tuple[tuple[int, ...], ...]  # logical block ids, one tuple per cache group
 # The largest block id anywhere on the path: vLLM's block tables are int32 tensors and the
@@ -123,6 +123,11 @@ class RemoteSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=F
     def side_channel(self) -> SideChannelBoot:
         """The side channel the params name, as the boot that leased."""
         return SideChannelBoot(self.engine_id, self.host, self.port, self.boot_id)
+
+    @property
+    def lease_key(self) -> str:
+        """The lease as prefill's side channel and free notifications name it."""
+        return lease_key(self.remote_request_id, self.lease_id)
 
 
 class LoadSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

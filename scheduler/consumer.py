@@ -51,7 +51,7 @@ from connector.observability.metrics import (
     MetricsRecorder,
     default_recorder,
 )
-from connector.protocol import ReaderId, lease_key
+from connector.protocol import ReaderId
 from scheduler.heartbeats import HeartbeatRegistry, HeartbeatSender
 from scheduler.requests import (
     REQUEST_LOAD_LIFECYCLE,
@@ -178,7 +178,7 @@ class Consumer:
             )  # fmt: skip
             self._loads.start(request_id, load, MATCHED)
             self._keepalive.hold(request_id, source)
-            self.siblings.reading(request_id, lease_key(source.remote_request_id, source.lease_id))
+            self.siblings.reading(request_id, source.lease_key)
         elif load.state is MATCHED or load.state is CLAIMED:
             # Scheduled again before allocation (the local prefix hit may have changed), or
             # a claim whose params were just read.
@@ -352,9 +352,7 @@ class Consumer:
             # unread: prefill still holds the KV, unless another request's load reads it.
             if load is not None:
                 self._loads.move(request_id, ENDED)
-            elif source is not None and self.siblings.used_by_another(
-                request_id, lease_key(source.remote_request_id, source.lease_id)
-            ):
+            elif source is not None and self.siblings.used_by_another(request_id, source.lease_key):
                 source = None
             if source is not None:
                 self._release_over_side_channel(source)
@@ -465,7 +463,7 @@ class Consumer:
         # The ranks' free notifications need a NIXL handshake; when that is what failed (peer
         # unreachable or incompatible), only the side channel can still free prefill's blocks
         # before the lease ends. Releasing an already-freed request is a no-op there.
-        key = lease_key(source.remote_request_id, source.lease_id)
+        key = source.lease_key
         self._heartbeats.submit_release(source.side_channel, [key])
 
     def _fail_now(self, request_id: str, load: RequestLoad, reason: LoadFailure) -> None:

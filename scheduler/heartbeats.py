@@ -33,7 +33,7 @@ from connector.errors import ConnectorError, InvalidTransferParams, PeerRestarte
 from connector.metadata import RemoteSource, SideChannelBoot
 from connector.net.side_channel_client import fetch_boot_id, send_heartbeat, send_release
 from connector.params import parse_kv_transfer_params
-from connector.protocol import ReaderId, lease_key
+from connector.protocol import ReaderId
 
 logger = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class HeartbeatRegistry:
             if source is None:
                 continue
             boot = source.side_channel
-            key = lease_key(source.remote_request_id, source.lease_id)
+            key = source.lease_key
             by_boot.setdefault(boot, []).append(key)
         self._parsed = parsed  # only the claims still held: bounded by the registry
         order = sorted(

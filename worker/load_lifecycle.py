@@ -49,7 +49,7 @@ from connector.lifecycle import TransitionTable
 from connector.metadata import ABORTED_LOAD, FailureKind, LoadFailure, LoadSpec, RemoteSource
 from connector.observability.metrics import MetricsRecorder
 from connector.observability.trace import LoadTimeline, load_ended
-from connector.protocol import DIGEST_PENDING, encode_free_notif, lease_key
+from connector.protocol import DIGEST_PENDING, encode_free_notif
 from worker.nixl_api import NixlAgent
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ def notify_rest(agent: NixlAgent, load: Load) -> bool:
     link = load.peer.link
     if link is None:
         return True
-    key = lease_key(load.source.remote_request_id, load.source.lease_id)
+    key = load.source.lease_key
     sent_all = True
     for remote_rank in sorted(set(load.peer.duty) - load.notified):
         agent_name = link.agent_names.get(remote_rank)
